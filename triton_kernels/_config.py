@@ -1,0 +1,87 @@
+"""Launch settings shared by the kernels: interpreter detection, tile sizes, dot precision.
+
+Nothing here imports triton, so the package stays importable where triton is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Head dims the attention kernels are compiled for: tl.dot needs every dim >= 16 and
+# tl.arange needs powers of two; 256 would not fit the K/V tiles in shared memory.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# CUDA caps grid axis 1 (our batch*heads axis) at 2**16 - 1 programs.
+MAX_GRID_Y = 65535
+
+# Tiles used under TRITON_INTERPRET=1: the smallest tl.dot accepts, so tests on
+# tiny shapes still walk several blocks, the ragged tail and the causal diagonal.
+INTERPRETER_BLOCK = 16
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET asks triton to run kernels on the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Block sizes and launch options of one kernel launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_tiles(head_dim: int, stage: str) -> Tiles:
+    """Tiles for the attention kernels; ``stage`` is "fwd" or "bwd"."""
+    if interpreting():
+        return Tiles(INTERPRETER_BLOCK, INTERPRETER_BLOCK, num_warps=1, num_stages=1)
+    warps = 8 if head_dim > 64 else 4
+    if stage == "fwd":
+        # 128 query rows per program (8 warps x 16 rows at d=128) against 64-key tiles:
+        # q tile + 3 stages of K/V tiles stay under ~130 KB of shared memory at d=128 bf16,
+        # within both A100 (164 KB) and H100/H200 (228 KB). Not autotuned.
+        return Tiles(128, 64, num_warps=warps, num_stages=3)
+    # Backward keeps two fp32 accumulators (dK, dV or dQ) of block x head_dim in registers,
+    # so 64x64 tiles with 2 stages: conservative, fits sm80 and sm90. Not autotuned.
+    return Tiles(64, 64, num_warps=warps, num_stages=2)
+
+
+def elementwise_tiles(n_cols: int) -> Tiles:
+    """Tiles for the row-major elementwise kernels (bias-GeLU) over an (M, n_cols) view."""
+    cols = min(_next_power_of_2(n_cols), 1024 if not interpreting() else 64)
+    if interpreting():
+        return Tiles(max(1, 1024 // cols), cols, num_warps=1, num_stages=1)
+    # ~4K elements per program: enough bytes in flight per SM for a memory-bound kernel.
+    return Tiles(max(1, 4096 // cols), cols, num_warps=4, num_stages=1)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp32 inputs follow torch's TF32 switch, 16-bit inputs are exact."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """The triton interpreter returns garbage for bf16 tl.dot (seen on 3.9): compute in fp32."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def check_interpreted(kernel: object) -> None:
+    """Fail clearly if TRITON_INTERPRET=1 was set only after the kernels were defined."""
+    if interpreting() and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton_kernels compiled its kernels for the GPU; "
+            "set it before the first `import triton_kernels.attention` / `.bias_gelu`."
+        )
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
