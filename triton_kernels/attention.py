@@ -1,7 +1,7 @@
 """Fused flash attention (forward + backward) with the F.scaled_dot_product_attention layout.
 
-The kernels live in attention_fwd.py and attention_bwd.py; this module is the autograd
-wrapper and the public entry point.
+The kernels live in attention_fwd.py and attention_bwd.py and are imported on first use, so
+this module (the autograd wrapper and public entry point) imports without triton.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .attention_bwd import attention_backward
-from .attention_fwd import attention_forward
 from .support import attention_supported
 
 
@@ -21,6 +19,8 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
+        from .attention_fwd import attention_forward
+
         out, lse = attention_forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
@@ -31,6 +31,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        from .attention_bwd import attention_backward
+
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
