@@ -1,0 +1,96 @@
+"""Typed, validated configuration for PTD-P training.
+
+Every field is checked at construction, so a bad value fails in the launching process, before
+any worker starts or any collective can hang. Messages state the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+PipelineSchedule = Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"]
+KernelMode = Literal["auto", "triton", "torch"]
+RecomputeMode = Literal["full", "selective"]
+
+PIPELINE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble")
+KERNEL_MODES: tuple[str, ...] = ("auto", "triton", "torch")
+RECOMPUTE_MODES: tuple[str, ...] = ("full", "selective")
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an int >= 1 (bools excluded), else raise a ValueError that says so."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = f"; did you mean {name}={int(value)}?" if isinstance(value, float) and value.is_integer() else ""
+        raise ValueError(f"{name}={value!r} must be a positive integer, got {type(value).__name__}{hint}")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1; use 1 to switch this kind of parallelism off")
+    return value
+
+
+def _check_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name}={value!r} is not one of {options}; choose one of those")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How one model is split across devices: the degrees and the techniques of PTD-P."""
+
+    tensor_parallel_size: int = 1
+    """t: ranks that split every layer's weights (Megatron tensor parallelism). Keep within a node."""
+    pipeline_parallel_size: int = 1
+    """p: pipeline stages; the model's layers are divided among them."""
+    data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    """d: model replicas; "auto" takes world_size / (t * p)."""
+    virtual_pipeline_size: int = 1
+    """v: model chunks per pipeline rank for the interleaved schedule (bubble (p-1)/(v*m))."""
+    micro_batch_size: Union[int, None] = None
+    """b: samples per pipeline microbatch; None means the whole per-rank batch is one microbatch."""
+    sequence_parallel: bool = False
+    """Shard norms, dropout and residuals along the sequence inside each TP group (needs t > 1)."""
+    zero_stage: int = 0
+    """0: replicated; 1: optimizer state sharded over d; 2: and gradients; 3: and parameters."""
+    activation_checkpointing: Union[RecomputeMode, None] = None
+    """None, "full" (recompute each transformer block) or "selective" (only the attention core)."""
+    pipeline_schedule: PipelineSchedule = "interleaved_1f1b"
+    """Pipeline schedule used when p > 1."""
+    kernels: KernelMode = "auto"
+    """"auto": Triton kernels where they can run; "triton": force them; "torch": never."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.data_parallel_size != "auto":
+            check_positive_int("data_parallel_size", self.data_parallel_size)
+        check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
+        if self.micro_batch_size is not None:
+            check_positive_int("micro_batch_size", self.micro_batch_size)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
+        if self.activation_checkpointing is not None:
+            _check_choice("activation_checkpointing", self.activation_checkpointing, (None, *RECOMPUTE_MODES))
+        _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        _check_choice("kernels", self.kernels, KERNEL_MODES)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations inside the "
+                "tensor-parallel group); set tensor_parallel_size=2 or more, or sequence_parallel=False"
+            )
+        if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline_parallel_size > 1 "
+                "(it interleaves chunks across pipeline ranks); set pipeline_parallel_size or use 1"
+            )
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_pipeline_size={self.virtual_pipeline_size} only applies to "
+                f"pipeline_schedule='interleaved_1f1b', got {self.pipeline_schedule!r}; "
+                "use virtual_pipeline_size=1 or the interleaved schedule"
+            )

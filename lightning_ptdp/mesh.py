@@ -1,0 +1,81 @@
+"""Parallel degrees -> one named ``DeviceMesh`` with axes (pp, dp, tp).
+
+Rank order is Megatron's: tp varies fastest, then dp, then pp. With devices filled node by node,
+the ranks of one TP group are neighbours on a node (NVLink), the pipeline axis spans nodes.
+The mesh is returned to the caller and never stored in a module global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_ptdp.config import ParallelConfig, check_positive_int
+
+MESH_DIM_NAMES: tuple[str, str, str] = ("pp", "dp", "tp")
+
+
+def _factor_suggestions(world_size: int, limit: int = 6) -> str:
+    """A few (t, p, d) triples whose product is ``world_size``, smallest t*p first."""
+    triples = [
+        (t, p, world_size // (t * p))
+        for t in range(1, world_size + 1)
+        for p in range(1, world_size + 1)
+        if world_size % (t * p) == 0
+    ]
+    triples.sort(key=lambda tpd: (tpd[0] * tpd[1], tpd[0]))
+    return ", ".join(f"(t={t}, p={p}, d={d})" for t, p, d in triples[:limit])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Resolved degrees; ``pp * dp * tp == world_size`` holds by construction."""
+
+    pp: int
+    """Pipeline-parallel degree p."""
+    dp: int
+    """Data-parallel degree d."""
+    tp: int
+    """Tensor-parallel degree t."""
+    world_size: int
+    """Number of processes (devices x nodes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp", "world_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise ValueError(
+                f"tensor_parallel_size({self.tp}) * pipeline_parallel_size({self.pp}) * "
+                f"data_parallel_size({self.dp}) = {self.pp * self.dp * self.tp}, but the world size is "
+                f"{self.world_size}; t*p*d must equal the world size. Sizes that fit {self.world_size} "
+                f"processes: {_factor_suggestions(self.world_size)}; or set data_parallel_size='auto'"
+            )
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, world_size: int) -> "ParallelDims":
+        """Fill in ``data_parallel_size="auto"`` from the world size and validate the product."""
+        check_positive_int("world_size", world_size)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        dp = config.data_parallel_size
+        if dp == "auto":
+            if world_size % (tp * pp) != 0:
+                raise ValueError(
+                    f"tensor_parallel_size({tp}) * pipeline_parallel_size({pp}) = {tp * pp} does not divide "
+                    f"the world size {world_size}, so data_parallel_size='auto' has no integer value. "
+                    f"Sizes that fit {world_size} processes: {_factor_suggestions(world_size)}"
+                )
+            dp = world_size // (tp * pp)
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The (pp, dp, tp) coordinates of a global rank, without building a mesh."""
+        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the 3D mesh (a collective over the world: every rank must call it)."""
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)

@@ -1,0 +1,5 @@
+"""Data-parallel axis: replication (ZeRO-0) and, later, ZeRO-1/2/3 sharding."""
+
+from lightning_ptdp.sharding.data_parallel import apply_data_parallel
+
+__all__ = ["apply_data_parallel"]

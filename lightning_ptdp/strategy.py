@@ -1,0 +1,256 @@
+"""PTDPStrategy: Lightning hooks only; the parallel work is delegated to mesh.py and parallelize.py."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.parallelize import check_implemented, parallelize
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Collective timeout: long enough for a slow first NCCL connect, short enough that a dead rank
+turns into an error on the others within minutes instead of torch's 30."""
+
+
+class PTDPStrategy(ParallelStrategy):
+    """Pipeline x tensor x data parallelism (Narayanan et al. 2021) behind the standard Trainer.
+
+    ``Trainer(strategy="ptdp")`` with no arguments is plain data parallelism over all devices.
+    The degrees multiply to the world size (devices x num_nodes); ``data_parallel_size="auto"``
+    takes what t and p leave. The LightningModule stays ordinary: no parallel code inside.
+    """
+
+    strategy_name = "ptdp"
+
+    def __init__(
+        self,
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        virtual_pipeline_size: int = 1,
+        micro_batch_size: Optional[int] = None,
+        sequence_parallel: bool = False,
+        zero_stage: int = 0,
+        activation_checkpointing: Optional[Literal["full", "selective"]] = None,
+        pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
+        kernels: Literal["auto", "triton", "torch"] = "auto",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.parallel_config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            virtual_pipeline_size=virtual_pipeline_size,
+            micro_batch_size=micro_batch_size,
+            sequence_parallel=sequence_parallel,
+            zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing,
+            pipeline_schedule=pipeline_schedule,
+            kernels=kernels,
+        )
+        check_implemented(self.parallel_config)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._forward_redirection = _DDPForwardRedirection()
+        self._dims: Optional[ParallelDims] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved degrees; known once the world size is (Trainer construction)."""
+        if self._dims is None:
+            self._dims = ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The (pp, dp, tp) mesh; it exists after ``setup_environment``."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "PTDPStrategy.device_mesh is built in setup_environment(); access it from configure_model() "
+                "or later hooks, not before Trainer.fit/validate/test/predict started"
+            )
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning injects its DistributedSampler only for strategies that say they are distributed."""
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Replicas are the dp ranks: all tp and pp ranks of one replica read the same samples."""
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    # ------------------------------------------------------------------ launch and setup
+    @override
+    def _configure_launcher(self) -> None:
+        """Called at Trainer construction: validate the layout before any process is started."""
+        assert self.cluster_environment is not None
+        self._dims = None
+        _ = self.parallel_dims
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        """Called on every rank before the model is set up: process group, then the 3D mesh."""
+        super().setup_environment()
+        self._setup_distributed()
+        self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
+        self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        coords = self._dims.coordinates(self.global_rank)
+        log.info("rank %d: mesh coordinates %s of %s", self.global_rank, coords, self._dims.mesh_shape)
+        assert self.lightning_module is not None
+        # Same attribute ModelParallelStrategy sets, so configure_model() code ports unchanged.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Called on every rank after setup_environment: shard the model, then build optimizers."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.model = parallelize(
+                self.model, config=self.parallel_config, dims=self.parallel_dims, mesh=self.device_mesh
+            )
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def reduce(
+        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
+    ) -> Union[torch.Tensor, Any]:
+        """Reduce a logged value over the dp group (tp/pp ranks of one replica hold the same value)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            group = self._device_mesh["dp"].get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        """Unwrap the DDP wrapper so the LightningModule is usable again after fit."""
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="PTD-P: pipeline x tensor x data parallelism (lightning-ptdp)"
+        )

@@ -1,0 +1,117 @@
+"""Run ``Trainer.fit`` on a zoo model and record what the equivalence tests compare.
+
+Module-level functions, so the same code runs in the single-process reference (in the test
+process) and on every rank of a ``DistributedPool``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from recipes.data import MarkovDataModule
+from tests.models import build_model
+
+VOCAB, SEQ = 64, 32
+
+
+class LossRecorder(L.Callback):
+    """Per-step training loss, reduced over data-parallel replicas (the global-batch mean), and
+    the gradients of the first step as the optimizer sees them (after any dp reduction)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self.first_grads:
+            self.first_grads = {
+                name: p.grad.detach().cpu().clone() for name, p in pl_module.named_parameters() if p.grad is not None
+            }
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+
+def use_distributed_order(datamodule: MarkovDataModule, seed: int) -> None:
+    """Make a single-process run read samples in the order Lightning's DistributedSampler gives
+    the union of all replicas: a training loader is always shuffled with ``randperm(seed + epoch)``
+    when distributed, and that permutation does not depend on the number of replicas."""
+
+    def train_dataloader() -> DataLoader:
+        sampler = DistributedSampler(datamodule.train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)
+        return DataLoader(datamodule.train_set, batch_size=datamodule.batch_size, sampler=sampler, drop_last=True)
+
+    datamodule.train_dataloader = train_dataloader
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def fit_and_record(
+    family: str,
+    *,
+    strategy_kwargs: dict | None = None,
+    devices: int = 1,
+    global_batch: int = 8,
+    steps: int = 20,
+    seed: int = 0,
+    model_overrides: dict | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
+    state_dicts (CPU copies).
+
+    ``strategy_kwargs=None`` is the single-process reference (Lightning's default strategy).
+    """
+    from lightning_ptdp import ParallelConfig, PTDPStrategy
+
+    L.seed_everything(seed, verbose=False)
+    model = build_model(family, **(model_overrides or {}))
+    initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    replicas = 1
+    strategy: Any = "auto"
+    if strategy_kwargs is not None:
+        config = ParallelConfig(**strategy_kwargs)
+        replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
+        strategy = PTDPStrategy(**strategy_kwargs)
+    datamodule = MarkovDataModule(
+        vocab_size=VOCAB, seq_length=SEQ, batch_size=global_batch // replicas, shuffle=False,
+        train_tokens=(steps + 1) * global_batch * (SEQ + 1), val_tokens=4 * (SEQ + 1),
+    )
+    if strategy_kwargs is None:
+        use_distributed_order(datamodule, seed)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, callbacks=[recorder])
+    trainer.fit(model, datamodule)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:
+    """||actual - expected|| / ||scale||: error measured against a meaningful size, not per element."""
+    return float((actual.double() - expected.double()).norm() / scale.double().norm().clamp_min(1e-30))
+
+
+def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_rel: float, update_rel: float, skip: tuple = ()) -> None:
+    """Per-step losses element-wise; first-step gradients relative to the gradient's norm; final
+    weights relative to how far training moved them (||w - w_ref|| / ||w_ref - w_init||)."""
+    assert len(result["losses"]) == len(ref["losses"]) > 0
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
+    assert result["first_grads"].keys() == ref["first_grads"].keys()
+    for name, expected in ref["first_grads"].items():
+        if not name.endswith(skip):
+            err = relative_error(result["first_grads"][name], expected, expected)
+            assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e} > {grad_rel:.0e}"
+    for name, expected in ref["state"].items():
+        if not name.endswith(skip):
+            err = relative_error(result["state"][name], expected, expected - ref["initial"][name])
+            assert err <= update_rel, f"weight {name}: error {err:.2e} of its update > {update_rel:.0e}"

@@ -1,0 +1,178 @@
+"""A zoo of ordinary models the library must handle without knowing them.
+
+None of these know about parallelism; attribute names differ on purpose (the library must find
+structure, not names):
+  - nanoGPT style: one fused ``c_attn`` Linear split into q, k, v in forward, the head count read
+    from ``self.n_head`` inside ``view``, GeLU MLP ``c_fc``/``c_proj``, LM head tied to ``wte``.
+  - Llama style: separate ``wq``/``wk``/``wv``/``wo`` with grouped-query attention, RMSNorm,
+    rotary embeddings, SwiGLU MLP ``w1``/``w2``/``w3``, untied ``output`` head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig, apply_rotary, rotary_tables
+
+
+@dataclass(kw_only=True)
+class ZooConfig:
+    vocab_size: int = 64
+    seq_length: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    hidden_size: int = 32
+
+
+class NanoAttention(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.num_heads
+        self.n_embd = cfg.hidden_size
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size)
+        self.attn = NanoAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size)
+        self.c_fc = nn.Linear(cfg.hidden_size, 4 * cfg.hidden_size)
+        self.c_proj = nn.Linear(4 * cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.h = nn.ModuleList(NanoBlock(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
+        repeat = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        ffn = 64 * math.ceil(8 * cfg.hidden_size / 3 / 64)
+        self.attention_norm = RMSNorm(cfg.hidden_size)
+        self.attention = LlamaAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size)
+        self.w1 = nn.Linear(cfg.hidden_size, ffn, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.seq_length, cfg.hidden_size // cfg.num_heads)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.output(self.norm(x))
+
+
+class CausalLM(L.LightningModule):
+    """An ordinary LightningModule around any token -> logits network, with plain AdamW."""
+
+    def __init__(self, net: nn.Module, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def build_model(family: str, **overrides) -> L.LightningModule:
+    """A fresh LightningModule of the named family (module-level, so spawned ranks can call it)."""
+    if family == "gpt":
+        cfg = GPTConfig(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32, **overrides)
+        return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
+    cfg = ZooConfig(**overrides)
+    if family == "nanogpt":
+        return CausalLM(NanoGPT(cfg))
+    if family == "llama":
+        return CausalLM(Llama(cfg))
+    raise ValueError(f"unknown model family {family!r}: use 'gpt', 'nanogpt' or 'llama'")
