@@ -1,0 +1,367 @@
+"""Slot the Triton kernels into an ordinary model, without the model changing a line.
+
+* Attention: ``F.scaled_dot_product_attention`` calls made by the model's own forward go to
+  ``triton_kernels.flash_attention`` when it can run them (no mask, no dropout, supported head
+  dim and dtype, CUDA or the interpreter) and to torch otherwise.
+* Bias + GeLU: a Linear whose output feeds only a GeLU (``nn.GELU`` or ``F.gelu``), found by
+  torch.fx tracing each module's own forward, computes ``x @ W^T`` without its bias and the GeLU
+  becomes ``bias_gelu(x, linear.bias)``, as Megatron fuses them. The bias stays a parameter of
+  the same Linear: parameters, optimizer groups and state_dict keys do not change.
+
+Mechanism: a ``TorchFunctionMode`` (``_KernelRouter``) owned by the model, not global, entered
+by forward hooks on the modules whose forward makes those calls. Hooks, not a wrapper around
+the root's forward, so the routing survives a pipeline split that moves submodules, and an
+activation-checkpoint recompute (which calls the checkpointed module again) takes the same path.
+Matching is by identity of the bias parameter passed to ``F.linear``, re-read every forward, so a
+later tensor-parallel rewrite that swaps in sharded (DTensor) parameters keeps working; a module
+replaced by one that no longer calls ``F.linear(x, w, bias)`` simply runs unfused.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES: tuple[str, ...] = ("auto", "triton", "torch")
+_FIX = "use kernels='auto' (Triton only where it can run, torch elsewhere) or kernels='torch'"
+_ROUTER_ATTR = "_ptdp_kernel_router"
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What ``apply_kernels`` did to a model, for logging."""
+
+    mode: str
+    """The requested mode: "auto", "triton" or "torch"."""
+    backend: str
+    """"triton" when calls are being routed to the kernels, "torch" when nothing was installed."""
+    attention: tuple[str, ...] = ()
+    """Modules whose forward calls F.scaled_dot_product_attention, now routed to flash_attention."""
+    bias_gelu: tuple[str, ...] = ()
+    """Fused pairs, as "linear -> gelu" module paths ("F.gelu" for functional calls)."""
+    skipped: tuple[tuple[str, str], ...] = ()
+    """(module, reason) for modules torch.fx could not trace: no bias-GeLU fusion inside them;
+    their attention calls are still routed at run time."""
+    reason: str | None = None
+    """Why nothing was installed, when backend is "torch"."""
+
+    def summary(self) -> str:
+        """One line for the log."""
+        if self.backend == "torch":
+            return f"kernels={self.mode!r}: torch ({self.reason})"
+        skipped = f", {len(self.skipped)} module(s) untraceable" if self.skipped else ""
+        return (
+            f"kernels={self.mode!r}: flash attention in {len(self.attention)} module(s), "
+            f"bias-GeLU fused in {len(self.bias_gelu)} pair(s){skipped}"
+        )
+
+
+def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device | None = None) -> KernelReport:
+    """Route ``module``'s attention and Linear->GeLU calls to the Triton kernels.
+
+    mode "auto": kernels where they can run (CUDA with triton installed, supported inputs),
+    torch elsewhere; on a CPU-only machine nothing is installed. "triton": always the kernels,
+    raising where they cannot run (no CUDA device and TRITON_INTERPRET unset now; unsupported
+    attention inputs at call time). "torch": nothing is installed.
+    ``device`` is where the model will run (default: its parameters' device, or CUDA when they
+    are on the meta device and a GPU is present). Calling again replaces the previous routing.
+    """
+    if mode not in KERNEL_MODES:
+        choices = ", ".join(repr(m) for m in KERNEL_MODES)
+        raise ValueError(f"kernels={mode!r} is not one of {choices}; choose one of those")
+    remove_kernels(module)
+    if mode == "torch":
+        return KernelReport(mode, "torch", reason="kernels='torch' keeps the model's own torch code")
+    from triton_kernels.support import device_reason
+
+    target = _target_device(module, device)
+    reason = device_reason(target, allow_interpreter=mode == "triton")
+    if reason is not None:
+        if mode == "triton":
+            raise RuntimeError(
+                f"kernels='triton' needs a CUDA device or TRITON_INTERPRET=1 with CPU tensors, "
+                f"but the model runs on {target} ({reason}); {_FIX}"
+            )
+        return KernelReport(mode, "torch", reason=reason)
+    plan = _Plan.discover(module)
+    router = _KernelRouter(mode, plan.fused_linears, plan.names)
+    for hooked in plan.hooked:
+        router.hook(hooked)
+    module.__dict__[_ROUTER_ATTR] = router  # the routing belongs to the model, not to a global
+    report = KernelReport(mode, "triton", tuple(plan.attention), tuple(plan.pairs), tuple(plan.skipped))
+    log.info(report.summary())
+    return report
+
+
+def remove_kernels(module: nn.Module) -> None:
+    """Undo ``apply_kernels`` on ``module`` (no-op if it was never applied)."""
+    router = module.__dict__.pop(_ROUTER_ATTR, None)
+    if router is not None:
+        router.unhook()
+
+
+def _target_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    param = next(module.parameters(), None)
+    if param is not None and param.device.type != "meta":
+        return param.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class _OwnForwardTracer(fx.Tracer):
+    """Traces only the root module's own forward: every child module stays one call_module node."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self._root = root
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return m is not self._root
+
+
+class _Plan:
+    """Which modules to hook and which Linears to fuse, found by tracing each module's own forward."""
+
+    def __init__(self) -> None:
+        self.attention: list[str] = []
+        self.pairs: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.hooked: list[nn.Module] = []
+        self.fused_linears: list[nn.Linear] = []
+        self.names: dict[nn.Module, str] = {}
+
+    @classmethod
+    def discover(cls, root: nn.Module) -> _Plan:
+        plan = cls()
+        for name, module in root.named_modules():
+            plan.names[module] = name or type(module).__name__
+            if isinstance(module, _CONTAINERS) or _is_metric(module):
+                continue
+            if not any(True for _ in module.children()) and type(module).__module__.startswith("torch.nn"):
+                continue  # a built-in leaf (Linear, LayerNorm, GELU...): nothing of ours inside
+            plan.add(name, module)
+        return plan
+
+    def add(self, name: str, module: nn.Module) -> None:
+        label = name or type(module).__name__
+        try:
+            graph = _OwnForwardTracer(module).trace(module)
+        except Exception as err:  # noqa: BLE001 - any tracing failure only means "look at run time"
+            first_sentence = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
+            self.skipped.append((label, f"torch.fx could not trace it: {type(err).__name__}: {first_sentence}"))
+            self.hooked.append(module)
+            return
+        calls_attention = any(
+            node.op == "call_function" and node.target is F.scaled_dot_product_attention for node in graph.nodes
+        )
+        pairs = _linear_gelu_pairs(module, graph)
+        for linear_path, gelu_label in pairs:
+            linear = module.get_submodule(linear_path)
+            self.fused_linears.append(linear)
+            prefix = f"{name}." if name else ""
+            gelu_path = gelu_label if gelu_label == "F.gelu" else prefix + gelu_label
+            self.pairs.append(f"{prefix}{linear_path} -> {gelu_path}")
+        if calls_attention:
+            self.attention.append(label)
+        if calls_attention or pairs:
+            self.hooked.append(module)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """torchmetrics metrics are modules too, but never call attention or a GeLU."""
+    metrics = sys.modules.get("torchmetrics")
+    return metrics is not None and isinstance(module, metrics.Metric)
+
+
+def _linear_gelu_pairs(module: nn.Module, graph: fx.Graph) -> list[tuple[str, str]]:
+    """(linear path, gelu label) for each biased Linear called once whose only user is a GeLU."""
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1 or len(node.users) != 1:
+            continue
+        linear = module.get_submodule(node.target)
+        if not isinstance(linear, nn.Linear) or linear.bias is None:
+            continue
+        (user,) = node.users
+        if not user.args or user.args[0] is not node or node in user.args[1:] or node in user.kwargs.values():
+            continue
+        if user.op == "call_function" and user.target is F.gelu:
+            pairs.append((node.target, "F.gelu"))
+        elif user.op == "call_module" and isinstance(module.get_submodule(user.target), nn.GELU):
+            pairs.append((node.target, user.target))
+    return pairs
+
+
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def _linear_args(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter names
+    return input, weight, bias
+
+
+def _gelu_args(input, approximate="none"):  # noqa: A002
+    return input, approximate
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Identifies a Linear output by its memory, so a DTensor and its .to_local() view match."""
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            t = t.to_local()
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.device)
+
+
+class _KernelRouter(TorchFunctionMode):
+    """Routes SDPA and fused Linear->GeLU calls while a hooked module's forward runs."""
+
+    def __init__(self, mode: str, fused_linears: list[nn.Linear], names: dict[nn.Module, str]) -> None:
+        super().__init__()
+        self.mode = mode
+        self._fused = weakref.WeakSet(fused_linears)
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(names)
+        self._handles: list[Any] = []
+        self._local = threading.local()  # per thread: backward recompute may run on another thread
+
+    # -- pickling / deepcopy: rebuild the weak containers and the thread-local state ----------
+    def __getstate__(self) -> dict:
+        return {"mode": self.mode, "fused": list(self._fused), "names": dict(self._names), "handles": self._handles}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["mode"], state["fused"], state["names"])
+        self._handles = state["handles"]
+
+    # -- hooks ------------------------------------------------------------------------------
+    def hook(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
+        self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+
+    def unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _state(self) -> threading.local:
+        state = self._local
+        if not hasattr(state, "stack"):
+            state.stack, state.biases, state.pending = [], {}, {}
+        return state
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        state = self._state()
+        if not state.stack:
+            self.__enter__()
+            state.biases = {id(lin.bias): (lin.bias, lin) for lin in self._fused if lin.bias is not None}
+        state.stack.append(module)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._state()
+        if not state.stack or state.stack[-1] is not module:
+            return  # our pre-hook did not run for this call (an earlier pre-hook raised)
+        state.stack.pop()
+        if state.stack:
+            return
+        self.__exit__(None, None, None)
+        leftovers = [self._names.get(linear, "?") for _, _, linear in state.pending.values()]
+        state.pending.clear()
+        if leftovers and sys.exc_info()[1] is None:
+            raise RuntimeError(
+                f"kernels: the output of {', '.join(leftovers)} was fused with its GeLU at trace time, but at "
+                "run time it was used by something else, so its bias was never added. The forward's dataflow "
+                f"differs from what torch.fx traced (data-dependent branches?); {_FIX}"
+            )
+
+    # -- routing ----------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
+        if func is F.linear:
+            return self._linear(func, args, kwargs)
+        if func is F.gelu:
+            return self._gelu(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _where(self) -> str:
+        stack = self._state().stack
+        return self._names.get(stack[-1], type(stack[-1]).__name__) if stack else "?"
+
+    def _attention(self, func, args, kwargs):
+        from triton_kernels import attention_supported, flash_attention
+
+        try:
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
+        except TypeError:  # an SDPA argument this version does not know: leave it to torch
+            return func(*args, **kwargs)
+        q, k, v = _autocast(q, k, v)
+        reason = attention_supported(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_interpreter=self.mode == "triton"
+        )
+        if reason is None:
+            return flash_attention(q, k, v, causal=is_causal, scale=scale)
+        if self.mode == "triton":
+            raise ValueError(
+                f"kernels='triton' cannot run scaled_dot_product_attention in {self._where()}: {reason}; {_FIX}"
+            )
+        return func(*args, **kwargs)
+
+    def _linear(self, func, args, kwargs):
+        x, weight, bias = _linear_args(*args, **kwargs)
+        entry = self._state().biases.get(id(bias)) if bias is not None else None
+        if entry is None or entry[0] is not bias:
+            return func(*args, **kwargs)
+        out = func(x, weight)
+        self._state().pending[_storage_key(out)] = (out, bias, entry[1])  # strong ref until its GeLU
+        return out
+
+    def _gelu(self, func, args, kwargs):
+        x, approximate = _gelu_args(*args, **kwargs)
+        pending = self._state().pending
+        entry = pending.pop(_storage_key(x), None) if pending else None
+        if entry is None:
+            return func(*args, **kwargs)
+        bias = entry[1]
+        if hasattr(bias, "to_local") and not hasattr(x, "to_local"):
+            bias = bias.to_local()  # tensor parallel: this rank's shard of the bias
+        if self._bias_gelu_reason(x, bias) is None:
+            from triton_kernels import bias_gelu
+
+            return bias_gelu(x, bias, approximate=approximate)
+        return func(x + bias, approximate=approximate)
+
+    def _bias_gelu_reason(self, x: torch.Tensor, bias: torch.Tensor) -> str | None:
+        from triton_kernels._config import SUPPORTED_DTYPES
+        from triton_kernels.support import device_reason
+
+        if hasattr(x, "to_local"):
+            return "distributed tensor"
+        if x.dtype not in SUPPORTED_DTYPES or bias.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {x.dtype}"
+        reason = device_reason(x.device, allow_interpreter=self.mode == "triton")
+        if reason is not None and self.mode == "triton":
+            raise RuntimeError(f"kernels='triton' cannot run bias-GeLU in {self._where()}: {reason}; {_FIX}")
+        return reason
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast as autocast would cast SDPA's inputs (the mode sees the call before autocast does)."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
