@@ -20,6 +20,7 @@ replaced by one that no longer calls ``F.linear(x, w, bias)`` simply runs unfuse
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -85,15 +86,19 @@ def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device
     remove_kernels(module)
     if mode == "torch":
         return KernelReport(mode, "torch", reason="kernels='torch' keeps the model's own torch code")
-    from triton_kernels.support import device_reason
+    from triton_kernels.support import device_reason, triton_importable
 
     target = _target_device(module, device)
     reason = device_reason(target, allow_interpreter=mode == "triton")
     if reason is not None:
+        if mode == "triton" and not triton_importable():
+            raise RuntimeError(f"kernels='triton' needs triton: {reason}; {_FIX}")
         if mode == "triton":
+            interpret = os.environ.get("TRITON_INTERPRET")
             raise RuntimeError(
-                f"kernels='triton' needs a CUDA device or TRITON_INTERPRET=1 with CPU tensors, "
-                f"but the model runs on {target} ({reason}); {_FIX}"
+                f"kernels='triton' needs a CUDA device or TRITON_INTERPRET=1 (the CPU interpreter), but the "
+                f"model runs on {target} and TRITON_INTERPRET is {'unset' if interpret is None else repr(interpret)}; "
+                f"{_FIX}"
             )
         return KernelReport(mode, "torch", reason=reason)
     plan = _Plan.discover(module)

@@ -55,11 +55,14 @@ def attention_tiles(head_dim: int, stage: str) -> Tiles:
 
 def elementwise_tiles(n_cols: int) -> Tiles:
     """Tiles for the row-major elementwise kernels (bias-GeLU) over an (M, n_cols) view."""
-    cols = min(_next_power_of_2(n_cols), 1024 if not interpreting() else 64)
     if interpreting():
-        return Tiles(max(1, 1024 // cols), cols, num_warps=1, num_stages=1)
-    # ~4K elements per program: enough bytes in flight per SM for a memory-bound kernel.
-    return Tiles(max(1, 4096 // cols), cols, num_warps=4, num_stages=1)
+        # Interpreter cost is per program: ~1K-element tiles keep odd test shapes multi-block.
+        cols = min(_next_power_of_2(n_cols), 64)
+        return Tiles(1024 // cols, cols, num_warps=1, num_stages=1)
+    # ~4K elements per program, up to 1024 contiguous columns: enough bytes in flight per SM
+    # for a memory-bound kernel. Not autotuned.
+    cols = min(_next_power_of_2(n_cols), 1024)
+    return Tiles(4096 // cols, cols, num_warps=4, num_stages=1)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

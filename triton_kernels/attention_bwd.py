@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._config import attention_tiles, check_interpreted, dot_precision, upcast_dots
-from .attention_fwd import LOG2E, _kv_bounds, _mm
+from .attention_fwd import LOG2E, _head_indices, _kv_bounds, _mm
 
 
 @triton.jit
@@ -23,8 +23,7 @@ def _attn_bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, st
                     num_heads, q_len, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch_head = tl.program_id(1)
-    batch = (batch_head // num_heads).to(tl.int64)
-    head = (batch_head % num_heads).to(tl.int64)
+    batch, head, _ = _head_indices(batch_head, num_heads, 1)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
     o = tl.load(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
@@ -163,9 +162,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
-    batch = (batch_head // num_heads).to(tl.int64)
-    head = (batch_head % num_heads).to(tl.int64)
-    kv_head = head // group_size
+    batch, head, kv_head = _head_indices(batch_head, num_heads, group_size)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len

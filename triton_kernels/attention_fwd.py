@@ -64,6 +64,15 @@ def _fwd_kv_sweep(acc, row_max, row_sum, q, k_ptr, v_ptr, stride_kn, stride_vn,
 
 
 @triton.jit
+def _head_indices(batch_head, num_heads, group_size):
+    """(batch, query head, key/value head) of a program on the batch*heads grid axis, as int64.
+    Grouped-query attention is pure index mapping: no K/V copies."""
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    return batch, head, head // group_size
+
+
+@triton.jit
 def _kv_bounds(start_m, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """(end of the unmasked key blocks, end of all key blocks) for the query rows at start_m."""
     full_end = kv_len // BLOCK_N * BLOCK_N
@@ -84,9 +93,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
-    batch = (batch_head // num_heads).to(tl.int64)
-    head = (batch_head % num_heads).to(tl.int64)
-    kv_head = head // group_size  # grouped-query attention: index mapping, no K/V copies
+    batch, head, kv_head = _head_indices(batch_head, num_heads, group_size)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

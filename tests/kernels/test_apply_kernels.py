@@ -223,7 +223,9 @@ def test_invalid_mode():
 def test_triton_mode_without_gpu_or_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(
-        RuntimeError, match=r"kernels='triton' needs a CUDA device or TRITON_INTERPRET=1 .* use kernels='auto'"
+        RuntimeError,
+        match=r"kernels='triton' needs a CUDA device or TRITON_INTERPRET=1 \(the CPU interpreter\), but the model "
+        r"runs on cpu and TRITON_INTERPRET is unset; use kernels='auto' .* or kernels='torch'",
     ):
         apply_kernels(_model(), "triton", device=torch.device("cpu"))
 
