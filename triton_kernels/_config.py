@@ -38,11 +38,15 @@ class Tiles:
     num_stages: int
 
 
-def attention_tiles(head_dim: int, stage: str) -> Tiles:
+def attention_tiles(head_dim: int, stage: str, dtype: torch.dtype = torch.bfloat16) -> Tiles:
     """Tiles for the attention kernels; ``stage`` is "fwd" or "bwd"."""
     if interpreting():
         return Tiles(INTERPRETER_BLOCK, INTERPRETER_BLOCK, num_warps=1, num_stages=1)
     warps = 8 if head_dim > 64 else 4
+    if dtype == torch.float32:
+        # 4-byte tiles: the 16-bit tiles below would need up to 256 KB of shared memory at
+        # d=128 (measured when compiling for sm_90), over the 227 KB an H100/H200 block may use.
+        return Tiles(64, 32, num_warps=warps, num_stages=2) if stage == "fwd" else Tiles(32, 32, warps, 2)
     if stage == "fwd":
         # 128 query rows per program (8 warps x 16 rows at d=128) against 64-key tiles:
         # q tile + 3 stages of K/V tiles stay under ~130 KB of shared memory at d=128 bf16,

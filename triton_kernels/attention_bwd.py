@@ -203,7 +203,7 @@ def attention_backward(
     if q_len == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    tiles = attention_tiles(head_dim, "bwd")
+    tiles = attention_tiles(head_dim, "bwd", q.dtype)
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _attn_bwd_delta[(triton.cdiv(q_len, tiles.block_m), batch * heads)](
         out, do, delta, *out.stride()[:3], *do.stride()[:3], heads, q_len,

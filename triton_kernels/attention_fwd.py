@@ -131,7 +131,7 @@ def attention_forward(
     lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     if q_len == 0:
         return out, lse
-    tiles = attention_tiles(head_dim, "fwd")
+    tiles = attention_tiles(head_dim, "fwd", q.dtype)
     grid = (triton.cdiv(q_len, tiles.block_m), batch * heads)
     _attn_fwd[grid](
         q, k, v, out, lse,
