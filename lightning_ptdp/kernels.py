@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-log = logging.getLogger(__name__)
+from lightning_ptdp.config import KERNEL_MODES
 
-KERNEL_MODES: tuple[str, ...] = ("auto", "triton", "torch")
+log = logging.getLogger(__name__)
 _FIX = "use kernels='auto' (Triton only where it can run, torch elsewhere) or kernels='torch'"
 _ROUTER_ATTR = "_ptdp_kernel_router"
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)

@@ -1,10 +1,10 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
 The order is fixed, each step its own function:
-  1. kernels          patch the model's own modules first; every later step then shards or
-                      wraps modules that already call the fused kernels.
-  2. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
+  1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
                       pipeline split moves modules between stages.
+  2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
+                      sees its own heads and bias shard (DESIGN.md had kernels first).
   3. pipeline split   cut the (sharded) model into p*v chunks.
   4. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
   5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp).
@@ -18,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.sharding import apply_data_parallel
 
@@ -49,4 +50,6 @@ def parallelize(
     """Apply steps 1-5 above and return the module Lightning should train on this rank."""
     check_implemented(config)
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
+    report = apply_kernels(module, config.kernels)
+    log.info("kernels: %s", report.summary())
     return apply_data_parallel(module, mesh["dp"])
