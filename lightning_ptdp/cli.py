@@ -1,0 +1,107 @@
+"""The ``ptdp`` command: Lightning's CLI with the PTD-P strategy, plus tool subcommands.
+
+    ptdp fit --trainer.strategy=ptdp --trainer.strategy.data_parallel_size=2 --trainer.devices=2
+    ptdp fit --config run.yaml                 # any LightningCLI config (`ptdp fit --print_config`)
+    ptdp validate --ckpt_path=last.ckpt        # also: test, predict
+    ptdp fit --model=my_pkg.MyModel --data=my_pkg.MyData --model.init_args.width=512
+
+Without ``--model`` / ``--data`` the reference GPT (``recipes.gpt.GPTLightningModule``) trains
+on the embedded Markov corpus (``recipes.data.MarkovDataModule``); any LightningModule and
+LightningDataModule can be named by class path instead. ``--trainer.strategy`` defaults to
+``ptdp`` (plain data parallelism over every device); its degrees are set with
+``--trainer.strategy.tensor_parallel_size=...`` and the other PTDPStrategy arguments.
+
+Subcommands that are not Lightning's (``ptdp plan``, ``ptdp doctor``) are dispatched before
+LightningCLI is built; each is a ``main(argv: list[str]) -> int`` in the module named in
+``TOOL_COMMANDS``. jsonargparse (``pip install "jsonargparse[signatures]"``) is imported only
+when a Lightning subcommand runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Optional, Sequence
+
+STRATEGY_CLASS_PATH = "lightning_ptdp.PTDPStrategy"
+DEFAULT_MODEL = "recipes.gpt.GPTLightningModule"
+DEFAULT_DATA = "recipes.data.MarkovDataModule"
+
+TOOL_COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("lightning_ptdp.planner", "main"),
+    "doctor": ("lightning_ptdp.doctor", "main"),
+}
+"""Subcommand -> (module, function): ``function(argv) -> exit code``, run without LightningCLI."""
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    """Run one of ``TOOL_COMMANDS``; say clearly when this installation does not have it yet."""
+    module_name, function_name = TOOL_COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        print(f"ptdp {name}: not available in this version ({module_name} is not installed)", file=sys.stderr)
+        return 2
+    entry = getattr(module, function_name, None)
+    if entry is None:
+        print(f"ptdp {name}: {module_name} has no {function_name}(argv) entry point", file=sys.stderr)
+        return 2
+    return int(entry(argv) or 0)
+
+
+def expand_strategy_name(args: Sequence[str]) -> list[str]:
+    """Spell the strategy the way jsonargparse and Lightning each need it.
+
+    ``--trainer.strategy=ptdp`` followed by ``--trainer.strategy.<argument>=...``: jsonargparse
+    accepts init arguments only after a class, so the name becomes the class path. Alone, a
+    class path would stay a plain string that Lightning's registry does not know, so it becomes
+    the registry name ``ptdp``.
+    """
+    names = ("ptdp", "PTDPStrategy", STRATEGY_CLASS_PATH)
+    has_init_args = any(arg.startswith("--trainer.strategy.") for arg in args)
+    wanted = STRATEGY_CLASS_PATH if has_init_args else "ptdp"
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in (f"--trainer.strategy={name}" for name in names):
+            out[i] = f"--trainer.strategy={wanted}"
+        elif arg in names and i > 0 and out[i - 1] == "--trainer.strategy":
+            out[i] = wanted
+    return out
+
+
+def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **cli_kwargs: Any):
+    """Construct the LightningCLI (and run the subcommand when ``run``); returns the CLI object."""
+    import lightning_ptdp  # noqa: F401  (registers strategy="ptdp")
+    from lightning.pytorch.cli import LightningCLI
+
+    class PTDPCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    if args is None:  # the command line: rewritten in place, so launched ranks re-run the same one
+        sys.argv[1:] = expand_strategy_name(sys.argv[1:])
+    else:
+        args = expand_strategy_name(args)
+    return PTDPCLI(
+        model_class=None,
+        datamodule_class=None,
+        args=args,
+        run=run,
+        trainer_defaults={"strategy": {"class_path": STRATEGY_CLASS_PATH}},
+        save_config_kwargs={"overwrite": True},
+        **cli_kwargs,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of the ``ptdp`` console script."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in TOOL_COMMANDS:
+        raise SystemExit(run_tool(args[0], args[1:]))
+    build_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

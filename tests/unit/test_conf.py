@@ -1,0 +1,164 @@
+"""The hydra config tree (conf/) against the paper's Table 1 and the classes it configures.
+
+Composition only (hydra's compose API): no process group, no training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from lightning_ptdp import ParallelConfig, PTDPStrategy
+from lightning_ptdp.flops import gpt_parameter_count
+from recipes import train
+from recipes.gpt import GPTConfig, OptimConfig
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+# Narayanan et al. 2021, Table 1: size -> (parameters in billions, heads, hidden, layers, t, p).
+PAPER_TABLE_1 = {
+    "1.7b": (1.7, 24, 2304, 24, 1, 1),
+    "3.6b": (3.6, 32, 3072, 30, 2, 1),
+    "7.5b": (7.5, 32, 4096, 36, 4, 1),
+    "18.4b": (18.4, 48, 6144, 40, 8, 1),
+    "39.1b": (39.1, 64, 8192, 48, 8, 2),
+    "76.1b": (76.1, 80, 10240, 60, 8, 4),
+    "145.6b": (145.6, 96, 12288, 80, 8, 8),
+    "310.1b": (310.1, 128, 16384, 96, 8, 16),
+    "529.6b": (529.6, 128, 20480, 105, 8, 35),
+    "1t": (1008.0, 160, 25600, 128, 8, 64),
+}
+PARAMETER_RTOL = 0.05
+"""Eq. 2 of the paper gives 1.65B for the "1.7B" row; the other rows agree within 1.5%."""
+
+STRATEGY_ONLY_ARGUMENTS = {
+    "process_group_backend", "timeout", "start_method", "accelerator", "parallel_devices",
+    "cluster_environment", "checkpoint_io", "precision_plugin",
+}
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_its_options():
+    assert options("model") == sorted(["tiny", "small", *(f"gpt_{size}" for size in PAPER_TABLE_1)])
+    assert options("parallel") == sorted(["dp1", "dp2", "dp4", *(f"paper_{size}" for size in PAPER_TABLE_1)])
+    assert options("trainer") == ["cpu", "gpu"]
+    assert options("data") == ["markov", "text", "tokens"]
+    assert options("logger") == ["csv", "tensorboard", "wandb"]
+
+
+def test_defaults_are_the_tiny_cpu_run():
+    cfg = compose_config("run_dir=/tmp/unused")
+    assert cfg.model.num_layers == 2 and cfg.parallel.data_parallel_size == 2
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert cfg.data._target_ == "recipes.data.MarkovDataModule"
+    assert cfg.logger._target_.endswith("CSVLogger")
+    assert cfg.optim.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("size", PAPER_TABLE_1)
+def test_model_matches_table_1(size):
+    billions, heads, hidden, layers, t, p = PAPER_TABLE_1[size]
+    cfg = compose_config(f"model=gpt_{size}", f"parallel=paper_{size}")
+    model = GPTConfig(**train.checked_kwargs(GPTConfig, cfg.model, "model"))
+    assert (model.num_heads, model.hidden_size, model.num_layers) == (heads, hidden, layers)
+    assert (model.vocab_size, model.seq_length) == (51200, 2048)
+    count = gpt_parameter_count(model.num_layers, model.hidden_size, model.vocab_size, model.seq_length)
+    assert count == pytest.approx(billions * 1e9, rel=PARAMETER_RTOL)
+    layout = ParallelConfig(**cfg.parallel)
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (t, p)
+    # Megatron splits heads and the MLP across t, and layers evenly across p stages.
+    assert heads % t == 0 and hidden % t == 0 and layers % p == 0
+
+
+@pytest.mark.parametrize("name", options("parallel"))
+def test_parallel_keys_are_exactly_the_strategy_arguments(name):
+    node = OmegaConf.load(CONF / "parallel" / f"{name}.yaml")
+    strategy_arguments = set(inspect.signature(PTDPStrategy).parameters) - STRATEGY_ONLY_ARGUMENTS
+    assert set(node) == strategy_arguments == {f.name for f in dataclasses.fields(ParallelConfig)}
+    ParallelConfig(**OmegaConf.to_container(node))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_cpu_models_build(name):
+    cfg = compose_config(f"model={name}", "run_dir=/tmp/unused")
+    module = train.build_module(cfg)
+    assert module.model_config.num_layers == cfg.model.num_layers
+    assert sum(p.numel() for p in module.parameters()) < 2_000_000
+    assert module.optim_config == OptimConfig(**{**OmegaConf.to_container(cfg.optim, resolve=True), "betas": (0.9, 0.95)})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "devices"),
+    [(["parallel=dp4"], 4), (["parallel=dp1"], 1), (["parallel=dp4", "trainer.num_nodes=2"], 2),
+     (["parallel=paper_1.7b"], "auto"), (["parallel=dp2", "trainer.devices=2"], 2)],
+)
+def test_devices_follow_the_layout(overrides, devices):
+    assert compose_config(*overrides).trainer.devices == devices
+
+
+def test_layout_that_does_not_split_over_nodes_is_an_error():
+    cfg = compose_config("parallel=dp2", "trainer.num_nodes=4")
+    with pytest.raises(ValueError, match=r"does not split evenly over trainer.num_nodes=4"):
+        _ = cfg.trainer.devices
+
+
+def test_misspelled_option_lists_the_available_ones():
+    with pytest.raises(MissingConfigException, match=r"Could not find 'model/gpt_2t'") as info:
+        compose_config("model=gpt_2t")
+    assert "gpt_1t" in str(info.value.options)
+
+
+def test_misspelled_group_or_key_is_refused():
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'modle'"):
+        compose_config("modle=tiny")
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'model.num_layer'"):
+        compose_config("model.num_layer=3")
+
+
+def test_added_key_the_dataclass_does_not_take_names_the_valid_keys():
+    cfg = compose_config("+model.num_layer=3", "run_dir=/tmp/unused")
+    with pytest.raises(ValueError, match=r"model: num_layer is not an argument of GPTConfig; valid keys: .*num_layers"):
+        train.build_module(cfg)
+    cfg = compose_config("+parallel.tensor_parallel=2", "run_dir=/tmp/unused")
+    with pytest.raises(ValueError, match=r"parallel: tensor_parallel is not an argument of PTDPStrategy"):
+        train.build_trainer(cfg, logger=False)
+
+
+def test_data_vocabulary_larger_than_the_model_is_an_error():
+    cfg = compose_config("data.vocab_size=512", "data.train_tokens=1000", "data.val_tokens=200", "run_dir=/tmp/x")
+    with pytest.raises(ValueError, match=r"token ids below 512, but model.vocab_size=256"):
+        train.build_datamodule(cfg)
+
+
+def test_tensorboard_without_the_package_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None)
+    cfg = compose_config("logger=tensorboard", f"run_dir={tmp_path}")
+    with pytest.raises(ModuleNotFoundError, match=r"needs the tensorboard package.*pip install tensorboard"):
+        train.build_logger(cfg)
+
+
+def test_wandb_logger_is_offline_by_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = compose_config("logger=wandb", f"run_dir={tmp_path}")
+    logger = train.build_logger(cfg)
+    assert type(logger).__name__ == "WandbLogger"
+    assert train.os.environ["WANDB_MODE"] == "offline"
+    assert logger.save_dir == str(tmp_path)
+
+
+def test_logger_can_be_removed():
+    assert train.build_logger(compose_config("~logger", "run_dir=/tmp/unused")) is False
