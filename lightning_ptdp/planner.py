@@ -1,30 +1,27 @@
-"""Layout planner: a pure cost model that ranks (t, p, d, v, b, recompute) for a model and cluster.
+"""Layout planner (``ptdp plan``): a pure cost model ranking (t, p, d, v, b, recompute) layouts.
 
-No process group, no torch: arithmetic on top of :mod:`lightning_ptdp.flops`.  For every layout
-with ``t*p*d = num_gpus``, ``t | heads``, ``t | hidden``, ``p*v | layers`` and ``b*d | B``:
+No process group, no torch: arithmetic on :mod:`lightning_ptdp.flops`.  Layouts obey ``t*p*d =
+num_gpus``, ``t | heads``, ``t | hidden``, ``p*v | layers``, ``b*d | B`` (and ``p | m`` to interleave).
 
-* memory per GPU: model state (``flops.model_state_bytes_per_rank``) plus the activations the first
-  pipeline stage keeps: ``min(p, m)`` microbatches of its ``l/p`` layers under 1F1B, times
-  ``1 + (p-1)/(p*v)`` when interleaved (Korthikanti et al. 2022), plus one layer's full
-  activations while it is recomputed and the logits; layouts over ``memory_fraction`` of the GPU
-  are discarded (the rest is left for the CUDA context, NCCL buffers and fragmentation);
-* step time: ``compute * (1 + (p-1)/(v*m)) + TP + PP + DP`` where compute is the slowest
-  stage's executed FLOPs (``1/p`` of the layers plus the logit layer on the last stage) over
-  ``t * d * peak * achievable_fraction``, TP is ``4`` ring all-reduces of ``2bsh`` bytes
-  per layer and microbatch (``6`` with full recompute, whose extra forward repeats two), PP is
-  one ``2bsh/t`` send forward and one backward per microbatch and model chunk (scatter/gather
-  over the t ranks' links, as in the paper) plus the tied embedding's gradient all-reduce
-  between the first and last stage, and DP is the ring all-reduce of the bf16 gradients.
-  A ring collective over ``n`` ranks moves ``2(n-1)/n`` times the buffer through each link.
-  Groups within one node use the NVLink bandwidth, others the per-GPU inter-node bandwidth.
-  Communication is assumed not to overlap compute (Megatron 2021 did not overlap it).
-
-Coarse on purpose: it captures the paper's Section 3 trade-offs (TP within a node, bubble
-against memory, DP traffic shrinking with t*p), not kernel speeds.
+* Memory per GPU: model state (``model_state_bytes_per_rank``) + the first stage's activations
+  (``min(p, m)`` microbatches of its ``l/p`` layers under 1F1B, times ``1 + (p-1)/(p*v)`` when
+  interleaved, Korthikanti et al. 2022) + one layer's full activations while it is recomputed
+  + the fp32 logits. Layouts over ``memory_fraction`` of the GPU are dropped (the rest is for
+  the CUDA context, NCCL buffers and fragmentation).
+* Step time: ``compute * (1 + (p-1)/(v*m)) + TP + PP + DP``. Compute: the slowest stage's FLOPs
+  (``l/p`` layers + the logit layer on the last stage) at ``peak * achievable_fraction``. TP: 4
+  ring all-reduces of ``2bsh`` bytes per layer and microbatch (6 with full recompute). PP: a
+  ``2bsh/t`` send each way per microbatch and chunk (scatter/gather over the t links) + the tied
+  embedding's gradient. DP: a ring all-reduce of the bf16 gradients. A ring over n ranks sends
+  ``2(n-1)/n`` of the buffer per rank; groups tiling a node use NVLink, others the network.
+  Nothing overlaps (as in Megatron 2021). Coarse on purpose: the paper's Section 3 trade-offs
+  (TP within a node, bubble against memory, DP traffic falling with t*p), not kernel speeds.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Optional, Union
 
@@ -35,10 +32,8 @@ from lightning_ptdp.flops import (
     model_state_bytes_per_rank,
 )
 
-__all__ = [
-    "TABLE_1", "Cluster", "Layout", "LayoutArguments", "ModelSize", "PaperConfiguration",
-    "format_plan", "layout_arguments", "model_size", "plan",
-]
+__all__ = ["TABLE_1", "Cluster", "Layout", "LayoutArguments", "ModelSize", "PaperConfiguration",
+           "format_plan", "layout_arguments", "main", "model_size", "plan"]
 
 GB = 1e9
 BF16 = 2  # bytes per activation, gradient and communicated element
@@ -76,7 +71,7 @@ class ModelSize:
         return gpt_parameter_count(self.num_layers, self.hidden_size, self.vocab_size, self.seq_length)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class PaperConfiguration:
     """One row of Table 1 of Narayanan et al. 2021 (weak scaling on 80 GB A100s, 8 per node)."""
 
@@ -103,12 +98,8 @@ _TABLE_1_ROWS = {
     "gpt_1t": (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 }
 TABLE_1: dict[str, PaperConfiguration] = {
-    name: PaperConfiguration(model=ModelSize(num_layers=layers, hidden_size=hidden, num_heads=heads),
-                             parameters_billions=billions, tensor_parallel_size=t,
-                             pipeline_parallel_size=p, num_gpus=gpus, global_batch_size=batch,
-                             achieved_tflops_per_gpu=tflops)
-    for name, (billions, heads, hidden, layers, t, p, gpus, batch, tflops) in _TABLE_1_ROWS.items()
-}
+    name: PaperConfiguration(ModelSize(num_layers=row[3], hidden_size=row[2], num_heads=row[1]), row[0], *row[4:])
+    for name, row in _TABLE_1_ROWS.items()}
 
 
 def model_size(model: Union[str, ModelSize]) -> ModelSize:
@@ -124,16 +115,15 @@ def model_size(model: Union[str, ModelSize]) -> ModelSize:
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """GPUs and links. Bandwidths are bytes/s per GPU in one direction."""
+    """GPUs and links; bandwidths in bytes/s per GPU and direction. The defaults are the paper's
+    DGX A100 nodes: 8 x 80 GB, 312 TFLOP/s bf16, NVLink 3, 8 x 200 Gb/s InfiniBand per node."""
 
     num_gpus: int
-    gpu_memory_bytes: float
-    peak_flops: float
-    """Dense peak FLOP/s of one GPU at the training precision (A100 bf16: 312e12)."""
-    intra_node_bandwidth: float
-    """NVLink bandwidth per GPU (A100 NVLink 3: 300e9 per direction)."""
-    inter_node_bandwidth: float
-    """Network bandwidth per GPU (8 x 200 Gb/s InfiniBand per 8-GPU node: 25e9)."""
+    gpu_memory_bytes: float = 80 * GB
+    peak_flops: float = 312e12
+    """Dense peak FLOP/s of one GPU at the training precision."""
+    intra_node_bandwidth: float = 300 * GB
+    inter_node_bandwidth: float = 25 * GB
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
@@ -143,12 +133,6 @@ class Cluster:
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"Cluster.num_gpus={self.num_gpus} is not a whole number of nodes of "
                              f"{self.gpus_per_node} GPUs; use a multiple of gpus_per_node")
-
-    @classmethod
-    def a100_80gb(cls, num_gpus: int) -> "Cluster":
-        """DGX A100 nodes as in the paper: 8 x 80 GB, 312 TFLOP/s bf16, NVLink, 8 x HDR IB."""
-        return cls(num_gpus=num_gpus, gpu_memory_bytes=80 * GB, gpus_per_node=8, peak_flops=312e12,
-                   intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,36 +257,28 @@ def _reason(x: Layout, per_node: int, limit: float) -> str:
             f"{x.memory_bytes_per_gpu / GB:.1f} of {limit / GB:.1f} GB usable")
 
 
-def _check_plan_inputs(batch: int, zero_stage: int, sequence_parallel: bool, achievable_fraction: float,
-                       memory_fraction: float, max_b: int, recompute_modes: tuple) -> None:
+def plan(model: Union[str, ModelSize], cluster: Cluster, global_batch_size: int, *,
+         zero_stage: int = 0, sequence_parallel: bool = False, achievable_fraction: float = 0.5,
+         memory_fraction: float = 0.9, max_micro_batch_size: int = 8,
+         recompute_modes: tuple = RECOMPUTE_CHOICES) -> list[Layout]:
+    """Every layout that fits in memory, fastest estimated step first; ValueError saying why if none.
+
+    ``model``: a ``ModelSize`` or a Table 1 name. ``achievable_fraction``: of the peak, what the
+    matmuls reach (the paper reports 44-52% end to end). ``memory_fraction``: of the GPU, what is
+    usable. ``recompute_modes``: the choices tried; ``(None, "full")`` is the paper's toolset
+    (selective recompute came with Korthikanti et al. 2022)."""
+    size = model_size(model)
     if not recompute_modes or any(mode not in RECOMPUTE_CHOICES for mode in recompute_modes):
         raise ValueError(f"recompute_modes must be a non-empty selection of {RECOMPUTE_CHOICES}, "
                          f"got {recompute_modes!r}")
-    _check_positive("global_batch_size", batch)
-    _check_positive("max_micro_batch_size", max_b)
+    _check_positive("global_batch_size", global_batch_size)
+    _check_positive("max_micro_batch_size", max_micro_batch_size)
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3) or not isinstance(sequence_parallel, bool):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 and sequence_parallel True or False, "
                          f"got zero_stage={zero_stage!r}, sequence_parallel={sequence_parallel!r}")
     for name, value in (("achievable_fraction", achievable_fraction), ("memory_fraction", memory_fraction)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-
-
-def plan(model: Union[str, ModelSize], cluster: Cluster, global_batch_size: int, *,
-         zero_stage: int = 0, sequence_parallel: bool = False, achievable_fraction: float = 0.5,
-         memory_fraction: float = 0.9, max_micro_batch_size: int = 8,
-         recompute_modes: tuple = RECOMPUTE_CHOICES) -> list[Layout]:
-    """Every layout that fits in memory, fastest estimated step first.
-
-    ``model`` is a ``ModelSize`` or a Table 1 name. ``achievable_fraction`` of the peak is
-    what the matmuls reach (the paper reports 44-52% end to end); ``memory_fraction`` of the
-    GPU's memory is usable; ``recompute_modes`` are the activation-checkpointing choices tried
-    (``(None, "full")`` is the paper's toolset, selective recompute came with Korthikanti et
-    al. 2022). Raises ValueError naming the reason when no layout is valid.
-    """
-    size = model_size(model)
-    _check_plan_inputs(global_batch_size, zero_stage, sequence_parallel, achievable_fraction,
-                       memory_fraction, max_micro_batch_size, recompute_modes)
     opts = _Options(zero_stage, sequence_parallel, achievable_fraction, cluster.gpu_memory_bytes * memory_fraction)
     shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size))
     if not shapes:
@@ -315,21 +291,17 @@ def plan(model: Union[str, ModelSize], cluster: Cluster, global_batch_size: int,
                   for shape in shapes for recompute in recompute_modes]
     fitting = [c for c in candidates if c.memory_bytes_per_gpu <= opts.memory_limit]
     if not fitting:
-        raise ValueError(_no_fit_message(size, candidates, cluster, opts.memory_limit))
+        least = min(candidates, key=lambda c: c.memory_bytes_per_gpu)
+        raise ValueError(
+            f"the model ({size.parameters / 1e9:.1f}B parameters) does not fit in GPU memory with any layout "
+            f"of {cluster.num_gpus} GPUs: the smallest need is {least.memory_bytes_per_gpu / GB:.1f} GB per GPU "
+            f"(t={least.tensor_parallel_size}, p={least.pipeline_parallel_size}, recompute="
+            f"{least.activation_checkpointing!r}, b={least.micro_batch_size}), over the "
+            f"{opts.memory_limit / GB:.1f} GB usable ({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} "
+            f"GB); use more GPUs, zero_stage=1..3, sequence_parallel=True or GPUs with more memory")
     # ties (b without pipelining changes only memory): fewer, larger microbatches run faster
     return sorted(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,
                                           c.memory_bytes_per_gpu, c.virtual_pipeline_size))
-
-
-def _no_fit_message(model: ModelSize, candidates: list[Layout], cluster: Cluster, limit: float) -> str:
-    best = min(candidates, key=lambda c: c.memory_bytes_per_gpu)
-    return (f"the model ({model.parameters / 1e9:.1f}B parameters) does not fit in GPU memory with "
-            f"any layout of {cluster.num_gpus} GPUs: the smallest need is "
-            f"{best.memory_bytes_per_gpu / GB:.1f} GB per GPU (t={best.tensor_parallel_size}, "
-            f"p={best.pipeline_parallel_size}, recompute={best.activation_checkpointing!r}, "
-            f"b={best.micro_batch_size}), over the {limit / GB:.1f} GB usable "
-            f"({limit / cluster.gpu_memory_bytes:.0%} of {cluster.gpu_memory_bytes / GB:.1f} GB); use more GPUs, "
-            f"zero_stage=1..3, sequence_parallel=True or GPUs with more memory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,8 +363,36 @@ def format_plan(layouts: list[Layout], cluster: Cluster, limit: int = 5) -> str:
         degrees = (rank, x.tensor_parallel_size, x.pipeline_parallel_size, x.data_parallel_size,
                    x.virtual_pipeline_size, x.micro_batch_size)
         rows.append("".join(f"{n:>4} " for n in degrees) + f" {str(x.activation_checkpointing):<9} "
-                    f"{x.num_microbatches:>5} {x.step_time_s:>9.2f} {x.tflops_per_gpu:>12.1f} "
+                    f"{x.num_microbatches:>5} {x.step_time_s:>9.3g} {x.tflops_per_gpu:>12.1f} "
                     f"{x.memory_bytes_per_gpu / GB:>7.1f}")
     args = layout_arguments(layouts[0], cluster)
     return "\n".join(rows + ["", f"best: {layouts[0].reason}", "", args.python(), "",
                              " ".join(args.cli_flags()), "", " ".join(args.hydra_overrides())])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``ptdp plan MODEL --gpus N --global-batch-size B``: the ranked layouts, then the arguments
+    that run the best. MODEL is a Table 1 name or ``layers,hidden,heads[,vocab,seq]``."""
+    parser = argparse.ArgumentParser(prog="ptdp plan", description="Rank PTD-P layouts by estimated step time.")
+    parser.add_argument("model", help="gpt_1.7b ... gpt_1t, or layers,hidden,heads[,vocab,seq]")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    for flag, default in (("gpus-per-node", 8), ("gpu-memory-gb", 80.0), ("peak-tflops", 312.0),
+                          ("intra-node-gb-per-s", 300.0), ("inter-node-gb-per-s", 25.0), ("zero-stage", 0)):
+        parser.add_argument(f"--{flag}", type=type(default), default=default, help=f"default {default} (per GPU)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--top", type=int, default=5, help="layouts to list")
+    args = parser.parse_args(argv)
+    names = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+    try:
+        model = ModelSize(**dict(zip(names, map(int, args.model.split(","))))) if "," in args.model else args.model
+        cluster = Cluster(num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                          gpu_memory_bytes=args.gpu_memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+                          intra_node_bandwidth=args.intra_node_gb_per_s * GB,
+                          inter_node_bandwidth=args.inter_node_gb_per_s * GB)
+        layouts = plan(model, cluster, args.global_batch_size, zero_stage=args.zero_stage,
+                       sequence_parallel=args.sequence_parallel)
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"ptdp plan: {err}\n")
+    sys.stdout.write(format_plan(layouts, cluster, limit=args.top) + "\n")
+    return 0

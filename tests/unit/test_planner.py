@@ -8,6 +8,7 @@ activations, 16 bytes per parameter for mixed-precision Adam), not by calling th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -52,7 +53,7 @@ LATER_TOOLSET = dict(sequence_parallel=True)
 
 
 def paper_cluster(name: str) -> Cluster:
-    return Cluster.a100_80gb(TABLE_1[name].num_gpus)
+    return Cluster(num_gpus=TABLE_1[name].num_gpus)
 
 
 def top_choice(name: str, **options):
@@ -230,7 +231,7 @@ def test_arguments_for_a_pipelined_layout():
 
 
 def test_arguments_without_pipelining_use_gradient_accumulation():
-    cluster = Cluster.a100_80gb(64)
+    cluster = Cluster(num_gpus=64)
     x = find(plan("gpt_3.6b", cluster, 512, sequence_parallel=True), pipeline_parallel_size=1,
              tensor_parallel_size=2, micro_batch_size=2)
     args = layout_arguments(x, cluster)
@@ -243,7 +244,7 @@ def test_arguments_without_pipelining_use_gradient_accumulation():
 
 
 def test_a_single_partial_node_renders_its_gpu_count():
-    cluster = Cluster.a100_80gb(4)
+    cluster = Cluster(num_gpus=4)
     args = layout_arguments(plan(ModelSize(num_layers=4, hidden_size=256, num_heads=4), cluster, 8)[0], cluster)
     assert (args.trainer["devices"], args.trainer["num_nodes"]) == (4, 1)
 
@@ -267,14 +268,14 @@ def test_a_model_too_large_for_the_cluster_says_how_far_off_it_is():
     with pytest.raises(ValueError, match=r"\(1008\.0B parameters\) does not fit in GPU memory with any layout "
                                          r"of 64 GPUs: the smallest need is [\d.]+ GB per GPU \(t=.*over the "
                                          r"72\.0 GB usable \(90% of 80\.0 GB\); use more GPUs, zero_stage=1\.\.3"):
-        plan("gpt_1t", Cluster.a100_80gb(64), 64)
+        plan("gpt_1t", Cluster(num_gpus=64), 64)
 
 
 def test_no_factorisation_names_the_rules():
     model = ModelSize(num_layers=3, hidden_size=48, num_heads=3)
     with pytest.raises(ValueError, match=r"no layout of 16 GPUs fits the model and batch.*t \| num_heads \(3\).*"
                                          r"p \| num_layers \(3\) and d \| global_batch_size \(3\)"):
-        plan(model, Cluster.a100_80gb(16), 3)
+        plan(model, Cluster(num_gpus=16), 3)
 
 
 @pytest.mark.parametrize(
@@ -285,18 +286,18 @@ def test_no_factorisation_names_the_rules():
         (lambda: ModelSize(num_layers=2, hidden_size=100, num_heads=3),
          r"hidden_size=100 is not divisible by num_heads=3"),
         (lambda: ModelSize(num_layers=0, hidden_size=64, num_heads=4), r"ModelSize.num_layers must be a positive integer"),
-        (lambda: Cluster.a100_80gb(12), r"num_gpus=12 is not a whole number of nodes of 8 GPUs"),
-        (lambda: replace(Cluster.a100_80gb(8), gpu_memory_bytes=-1),
+        (lambda: Cluster(num_gpus=12), r"num_gpus=12 is not a whole number of nodes of 8 GPUs"),
+        (lambda: replace(Cluster(num_gpus=8), gpu_memory_bytes=-1),
          r"Cluster.gpu_memory_bytes must be a positive number, got -1"),
-        (lambda: plan("gpt_1.7b", Cluster.a100_80gb(32), 512, memory_fraction=1.5),
+        (lambda: plan("gpt_1.7b", Cluster(num_gpus=32), 512, memory_fraction=1.5),
          r"memory_fraction must be in \(0, 1\], got 1.5"),
-        (lambda: plan("gpt_1.7b", Cluster.a100_80gb(32), 512, achievable_fraction=0),
+        (lambda: plan("gpt_1.7b", Cluster(num_gpus=32), 512, achievable_fraction=0),
          r"achievable_fraction must be in \(0, 1\], got 0"),
-        (lambda: plan("gpt_1.7b", Cluster.a100_80gb(32), 512, recompute_modes=("some",)),
+        (lambda: plan("gpt_1.7b", Cluster(num_gpus=32), 512, recompute_modes=("some",)),
          r"recompute_modes must be a non-empty selection of \(None, 'selective', 'full'\), got \('some',\)"),
-        (lambda: plan("gpt_1.7b", Cluster.a100_80gb(32), 512, zero_stage=4), r"zero_stage must be 0, 1, 2 or 3"),
-        (lambda: plan("gpt_1.7b", Cluster.a100_80gb(32), 0), r"global_batch_size must be a positive integer, got 0"),
-        (lambda: format_plan([], Cluster.a100_80gb(8)), r"format_plan needs at least one layout"),
+        (lambda: plan("gpt_1.7b", Cluster(num_gpus=32), 512, zero_stage=4), r"zero_stage must be 0, 1, 2 or 3"),
+        (lambda: plan("gpt_1.7b", Cluster(num_gpus=32), 0), r"global_batch_size must be a positive integer, got 0"),
+        (lambda: format_plan([], Cluster(num_gpus=8)), r"format_plan needs at least one layout"),
     ],
 )
 def test_bad_input_is_rejected_with_the_rule(call, match):
@@ -312,3 +313,44 @@ def test_table_1_rows_are_consistent_with_their_own_layouts():
         assert row.model.num_heads % t == 0 and row.model.num_layers % p == 0, name
         assert row.global_batch_size % d == 0, name
         assert math.isclose(row.achieved_tflops_per_gpu / 312, 0.5, abs_tol=0.08), name
+
+
+# --------------------------------------------------------------------------- ptdp plan
+
+
+def test_ptdp_plan_prints_the_ranking_and_the_best_arguments(capsys):
+    from lightning_ptdp.planner import main
+
+    assert main(["gpt_76.1b", "--gpus", "1024", "--global-batch-size", "1792", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    expected = plan("gpt_76.1b", Cluster(num_gpus=1024), 1792)[0]
+    assert out.splitlines()[1].split()[:3] == ["1", str(expected.tensor_parallel_size),
+                                               str(expected.pipeline_parallel_size)]
+    assert f"best: {expected.reason}" in out and "--trainer.strategy.tensor_parallel_size=8" in out
+
+
+def test_ptdp_plan_takes_sizes_and_cluster_flags(capsys):
+    from lightning_ptdp.planner import main
+
+    argv = ["4,256,4,1000,128", "--gpus", "4", "--global-batch-size", "8", "--gpu-memory-gb", "16",
+            "--peak-tflops", "989", "--sequence-parallel"]
+    assert main(argv) == 0
+    assert "Trainer(strategy=PTDPStrategy(" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["gpt_1t", "--gpus", "64", "--global-batch-size", "64"], r"ptdp plan: the model \(1008\.0B parameters\) "
+                                                                  r"does not fit"),
+        (["gpt_2t", "--gpus", "8", "--global-batch-size", "8"], r"ptdp plan: unknown model 'gpt_2t'"),
+        (["4,256", "--gpus", "8", "--global-batch-size", "8"], r"ptdp plan: .*num_heads"),
+    ],
+)
+def test_ptdp_plan_reports_errors_on_stderr_with_exit_code_2(argv, match, capsys):
+    from lightning_ptdp.planner import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
