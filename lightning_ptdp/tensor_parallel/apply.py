@@ -1,0 +1,270 @@
+"""Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
+
+  1. find the repeated transformer blocks (a ModuleList/Sequential of same-type modules with
+     Linears) and capture the first block's real inputs with one probe forward;
+  2. trace and plan one block per list (discovery.py), then for every block: swap its Linears for
+     their column/row shards and run its forward from the rewritten graph, with one collective
+     at each region's input and one at its output (Megatron's f and g);
+  3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
+  4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
+     is split, the last block's output gathered, region inputs all-gathered and region outputs
+     reduce-scattered; parameters replicated inside the blocks then get partial gradients,
+     listed in the report for the strategy to sum over the group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch import fx
+
+from lightning_ptdp.tensor_parallel import collectives as C
+from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.discovery import BlockPlan, RegionPlan, TPDiscoveryError, plan_block, trace_block
+from lightning_ptdp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TPReport:
+    """What the rewrite did: one line per module, plus the parameters needing a gradient sum."""
+
+    tp_size: int
+    sequence_parallel: bool
+    entries: list[tuple[str, str, str]] = field(default_factory=list)
+    partial_grad_params: list[nn.Parameter] = field(default_factory=list)
+
+    def summary(self) -> str:
+        width = max((len(p) for p, _, _ in self.entries), default=10)
+        lines = [f"tensor parallel plan (t={self.tp_size}, sequence_parallel={self.sequence_parallel}):"]
+        lines += [f"  {path:<{width}}  {style:<16} {detail}" for path, style, detail in self.entries]
+        return "\n".join(lines)
+
+
+class _Collective(nn.Module):
+    """A graph-inserted collective (a module, so the rewritten graph can call it by name)."""
+
+    _ptdp_tp_leaf = True
+
+    def __init__(self, fn: Callable[[torch.Tensor, TPGroup], torch.Tensor], tp: TPGroup) -> None:
+        super().__init__()
+        self.fn, self.tp = fn, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.tp)
+
+
+class _ProbeDone(Exception):
+    pass
+
+
+def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """Outermost ModuleLists/Sequentials whose children are same-type modules holding >= 2 Linears."""
+    found: list[tuple[str, list[nn.Module]]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        if any(path.startswith(f"{p}.") for p, _ in found):
+            continue
+        children = list(module)
+        same_type = len({type(c) for c in children}) == 1
+        if same_type and sum(isinstance(m, nn.Linear) for m in children[0].modules()) >= 2:
+            found.append((path, children))
+    return found
+
+
+def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> dict[int, tuple[tuple, dict]]:
+    """Run ``probe`` (one forward of the model) until every given block has been called once."""
+    captured: dict[int, tuple[tuple, dict]] = {}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.setdefault(id(module), (args, kwargs))
+        if len(captured) == len(blocks):
+            raise _ProbeDone
+
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
+    try:
+        with torch.no_grad():
+            probe()
+    except _ProbeDone:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
+    for region in regions:
+        widest = max(region.units.values())
+        for col in region.columns:
+            layout = ShardLayout(region.blocks[col], region.units[col], region.unit_size[col], tp.size)
+            _set_submodule(block, col, ColumnParallelLinear(block.get_submodule(col), layout, tp))
+        row = block.get_submodule(region.row)
+        row_layout = ShardLayout(1, widest, row.in_features // widest, tp.size)
+        _set_submodule(block, region.row, RowParallelLinear(row, row_layout, tp))
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _insert_collectives(
+    graph: fx.Graph, regions: list[RegionPlan], tp: TPGroup, sp: bool, biased_rows: set[str]
+) -> dict[str, nn.Module]:
+    """f at each region input, g (then the row bias) at each region output; returns the modules."""
+    modules: dict[str, nn.Module] = {}
+    nodes = {n.name: n for n in graph.nodes}
+    calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
+    for k, region in enumerate(regions):
+        row = calls[region.row]
+        inside = _ancestors(row)
+        source = nodes[region.input_node]
+        modules[f"_ptdp_enter_{k}"] = _Collective(C.gather_sequence if sp else C.copy_to_tp, tp)
+        with graph.inserting_after(source):
+            enter = graph.call_module(f"_ptdp_enter_{k}", (source,))
+        for user in list(source.users):
+            if user is not enter and user in inside:
+                user.replace_input_with(source, enter)
+        modules[f"_ptdp_exit_{k}"] = _Collective(C.reduce_scatter_sequence if sp else C.reduce_from_tp, tp)
+        with graph.inserting_after(row):
+            out = graph.call_module(f"_ptdp_exit_{k}", (row,))
+        result = out
+        if region.row in biased_rows:
+            with graph.inserting_after(out):
+                bias = graph.get_attr(f"{region.row}.bias")
+            with graph.inserting_after(bias):
+                result = graph.call_function(operator.add, (out, bias))
+        for user in list(row.users):
+            if user is not out:
+                user.replace_input_with(row, result)
+    graph.lint()
+    return modules
+
+
+def _install_graph(block: nn.Module, plan: BlockPlan, tp: TPGroup, sp: bool) -> None:
+    graph = copy.deepcopy(plan.graph)
+    biased = {r.row for r in plan.regions if block.get_submodule(r.row).bias is not None}
+    root: dict[str, Any] = dict(_insert_collectives(graph, plan.regions, tp, sp, biased))
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target not in root:
+            root[node.target] = block.get_submodule(node.target)
+        elif node.op == "get_attr":
+            root[node.target] = block.get_parameter(node.target)
+    gm = fx.GraphModule(root, graph, class_name=f"TP{type(block).__name__}")
+    block.__dict__["_ptdp_graph"] = gm  # not a registered child: state_dict keys stay the model's own
+    block.forward = gm.forward
+
+
+def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
+    embeddings = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding) and id(m) not in inside_blocks]
+    if not embeddings:
+        return
+    emb_path, embedding = max(embeddings, key=lambda pm: pm[1].num_embeddings)
+    vocab = embedding.num_embeddings
+    heads = [
+        (p, m) for p, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
+    ]
+    new_embedding = VocabParallelEmbedding(embedding, tp)
+    _set_submodule(model, emb_path, new_embedding)
+    report.entries.append((emb_path, "vocab_embedding", f"V={vocab} -> {new_embedding.shard.local} rows per rank"))
+    if vocab % tp.size:
+        log.info("vocabulary %d padded to %d (a multiple of t=%d); padding logits are masked", vocab,
+                 new_embedding.shard.padded_size, tp.size)
+    for head_path, head in heads[-1:]:
+        tied = head.weight is embedding.weight
+        _set_submodule(model, head_path, VocabParallelHead(head, tp, weight=new_embedding.weight if tied else None))
+        report.entries.append((head_path, "vocab_head", "tied to the embedding" if tied else "untied"))
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any]
+) -> TPReport:
+    """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward."""
+    report = TPReport(tp.size, sequence_parallel)
+    block_lists = find_block_lists(model)
+    if not block_lists:
+        raise TPDiscoveryError(
+            "tensor parallelism found no transformer blocks (a ModuleList or Sequential of same-type modules "
+            "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
+        )
+    captured = capture_block_inputs([blocks[0] for _, blocks in block_lists], probe)
+    inside: set[int] = set()
+    for path, blocks in block_lists:
+        if id(blocks[0]) not in captured:
+            raise TPDiscoveryError(f"the probe forward never called block '{path}.0'; is it used in forward()?")
+        args, kwargs = captured[id(blocks[0])]
+        if sequence_parallel:
+            C.check_sequence_divisible(args[0].shape[C.SEQ_DIM], tp)
+        gm, _ = trace_block(blocks[0], args, kwargs, f"{path}.0")
+        plan = plan_block(gm, f"{path}.0", tp.size)
+        for i, block in enumerate(blocks):
+            inside.update(id(m) for m in block.modules())
+            _shard_block(block, plan.regions, tp)
+            _install_graph(block, plan, tp, sequence_parallel)
+            for region in plan.regions:
+                for name in (*region.columns, region.row):
+                    report.entries.append((f"{path}.{i}.{name}", _style(region, name), _layout_text(block, name)))
+        if sequence_parallel:
+            _enter_sequence_parallel(blocks, tp, report)
+    _shard_vocabulary(model, tp, inside, report)
+    return report
+
+
+def _style(region: RegionPlan, name: str) -> str:
+    if name == region.row:
+        return "rowwise"
+    return "colwise" if region.blocks[name] == 1 else f"colwise_fused:{region.blocks[name]}"
+
+
+def _layout_text(block: nn.Module, name: str) -> str:
+    layer = block.get_submodule(name)
+    layout = layer.layout
+    what = "heads" if layout.unit_size > 1 else "features"
+    repl = f", replicated x{layout.replication}" if layout.replication > 1 else ""
+    return f"{layout.local_units}/{layout.units} {what}{repl} per rank, weight {tuple(layer.weight.shape)}"
+
+
+def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPReport) -> None:
+    def split_input(module: nn.Module, args: tuple, kwargs: dict):
+        return (C.scatter_sequence(args[0], tp), *args[1:]), kwargs
+
+    def gather_output(module: nn.Module, args: tuple, output: Any):
+        if isinstance(output, tuple):
+            return (C.gather_replicated(output[0], tp), *output[1:])
+        return C.gather_replicated(output, tp)
+
+    blocks[0].register_forward_pre_hook(split_input, with_kwargs=True)
+    blocks[-1].register_forward_hook(gather_output)
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, ColumnParallelLinear):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if not (isinstance(module, RowParallelLinear) and name == "weight"):
+                    report.partial_grad_params.append(param)

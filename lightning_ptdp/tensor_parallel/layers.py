@@ -1,0 +1,194 @@
+"""Tensor-parallel replacements for nn.Linear and nn.Embedding holding this rank's shard.
+
+Parameters are plain local tensors, not DTensors: DTensor placements cannot say "each of the
+q, k, v blocks split by heads" (fused QKV) nor "KV heads replicated across rank pairs" (GQA with
+t > n_kv_heads), and plain tensors keep per-op dispatch cost off the step. Each layer keeps a
+``ShardLayout`` that maps its shard back to the original tensor, for consolidation.
+Communication is not inside these layers: the block rewrite (apply.py) places it at region
+boundaries, exactly once per region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one dimension of size ``blocks * units * unit_size`` is split over t ranks.
+
+    ``blocks`` side-by-side parts (3 for fused q/k/v) each hold ``units`` (heads, or single
+    features) of ``unit_size``. Rank r owns the same units of every block: units/t of them, or,
+    when units < t (grouped-query KV heads), unit r // (t / units), replicated across ranks.
+    """
+
+    blocks: int
+    units: int
+    unit_size: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if self.units >= self.tp_size and self.units % self.tp_size:
+            raise ValueError(f"{self.units} units cannot be split evenly over tensor_parallel_size={self.tp_size}")
+        if self.units < self.tp_size and self.tp_size % self.units:
+            raise ValueError(
+                f"{self.units} units cannot be replicated evenly over tensor_parallel_size={self.tp_size}"
+            )
+
+    @property
+    def size(self) -> int:
+        return self.blocks * self.units * self.unit_size
+
+    @property
+    def local_units(self) -> int:
+        return max(1, self.units // self.tp_size)
+
+    @property
+    def replication(self) -> int:
+        """How many ranks hold the same units (1 unless units < t)."""
+        return max(1, self.tp_size // self.units)
+
+    def unit_indices(self, rank: int) -> range:
+        if self.units >= self.tp_size:
+            per = self.units // self.tp_size
+            return range(rank * per, (rank + 1) * per)
+        unit = rank // self.replication
+        return range(unit, unit + 1)
+
+    def indices(self, rank: int) -> torch.Tensor:
+        """Indices into the full dimension owned by ``rank``, block by block."""
+        units = self.unit_indices(rank)
+        idx = [
+            torch.arange(self.unit_size) + (b * self.units + u) * self.unit_size
+            for b in range(self.blocks)
+            for u in units
+        ]
+        return torch.cat(idx)
+
+
+def _param(tensor: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(tensor.detach().clone().contiguous(), requires_grad=like.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i: this rank's output features (the layout's units) of an nn.Linear."""
+
+    def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.layout, self.tp, self.comm = linear.in_features, layout, tp, comm
+        self.register_buffer("_rows", layout.indices(tp.rank), persistent=False)
+        self.weight = _param(linear.weight[self._rows], linear.weight)
+        self.bias = None if linear.bias is None else _param(linear.bias[self._rows], linear.bias)
+        self.out_features = self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm:
+            x = copy_to_tp(x, self.tp)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out_local={self.out_features}/{self.layout.size}, tp={self.tp.size}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i B_i: this rank's input features; the bias is added once, after the sum.
+
+    Without ``comm`` the forward returns the partial product X_i B_i (no bias): the block rewrite
+    reduces it and adds ``bias`` after the reduction.
+    """
+
+    def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.layout, self.tp, self.comm = linear.out_features, layout, tp, comm
+        self.register_buffer("_cols", layout.indices(tp.rank), persistent=False)
+        self.weight = _param(linear.weight[:, self._cols], linear.weight)
+        self.bias = None if linear.bias is None else _param(linear.bias, linear.bias)
+        self.in_features = self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if not self.comm:
+            return y
+        y = reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.in_features}/{self.layout.size}, out={self.out_features}, tp={self.tp.size}"
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rows [start, start + local) of a vocabulary padded to a multiple of t; rows >= vocab are padding."""
+
+    vocab_size: int
+    padded_size: int
+    start: int
+    local: int
+
+    @classmethod
+    def of(cls, vocab_size: int, tp: TPGroup) -> "VocabShard":
+        padded = -(-vocab_size // tp.size) * tp.size
+        local = padded // tp.size
+        return cls(vocab_size, padded, tp.rank * local, local)
+
+    @property
+    def valid(self) -> int:
+        """Rows of this shard inside the real vocabulary."""
+        return max(0, min(self.local, self.vocab_size - self.start))
+
+    def slice_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        out = weight.new_zeros((self.local, *weight.shape[1:]))
+        out[: self.valid] = weight[self.start : self.start + self.valid]
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over ranks
+    (one all-reduce) is the full embedding."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup, weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError("vocab-parallel embedding supports neither padding_idx nor max_norm")
+        self.tp = tp
+        self.shard = VocabShard.of(embedding.num_embeddings, tp)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = weight if weight is not None else _param(self.shard.slice_rows(embedding.weight), embedding.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.valid)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp)
+
+    def extra_repr(self) -> str:
+        return f"vocab rows {self.shard.start}..{self.shard.start + self.shard.local} of {self.shard.padded_size}"
+
+
+class VocabParallelHead(nn.Module):
+    """LM head split by vocabulary rows; returns ``VocabParallelLogits`` (never full-vocab logits)."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup, weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard = VocabShard.of(linear.out_features, tp)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = weight if weight is not None else _param(self.shard.slice_rows(linear.weight), linear.weight)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _param(self.shard.slice_rows(linear.bias.unsqueeze(-1)).squeeze(-1), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return VocabParallelLogits.wrap(local, self.shard, self.tp)
+
+    def extra_repr(self) -> str:
+        return f"vocab rows {self.shard.start}..{self.shard.start + self.shard.local} of {self.shard.padded_size}"

@@ -1,0 +1,165 @@
+"""Vocabulary-parallel logits: the LM head's output stays split by vocabulary on every rank.
+
+``VocabParallelLogits`` is a tensor subclass around this rank's (..., V/t) slice. The user's own
+loss code runs unchanged: ``F.cross_entropy`` on it becomes Megatron's vocab-parallel
+cross-entropy (max, target logit and sum of exponentials reduced over the group; no rank ever
+holds V logits); reshapes and dtype casts that keep the vocabulary last stay local; any other
+use (argmax, softmax, returning logits from predict_step) gathers the full logits first, which
+is always correct, and logs once that it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, all_reduce_max, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+_LOCAL_METHODS = {"view", "reshape", "flatten", "float", "double", "half", "bfloat16", "to", "contiguous", "type_as"}
+_METADATA = {"size", "dim", "numel", "__get__", "__len__", "data_ptr", "element_size", "is_contiguous", "stride"}
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Per-token loss from vocab-split logits (N, V/t) and global targets (N,)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, target: torch.Tensor, shard, tp: TPGroup, ignore_index: int):
+        x = local.float()
+        if shard.valid < shard.local:  # padding rows never win the softmax
+            x = x.masked_fill(torch.arange(shard.local, device=x.device) >= shard.valid, float("-inf"))
+        x = x - all_reduce_max(x.max(dim=-1).values, tp).unsqueeze(-1)
+        target_local = target - shard.start
+        owned = (target_local >= 0) & (target_local < shard.valid)
+        picked = x.gather(-1, target_local.clamp(0, shard.local - 1).unsqueeze(-1)).squeeze(-1)
+        exp = x.exp()
+        totals = all_reduce_sum(torch.stack((picked.where(owned, torch.zeros_like(picked)), exp.sum(-1))), tp)
+        ignored = target == ignore_index
+        loss = (totals[1].log() - totals[0]).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp / totals[1].unsqueeze(-1), target_local, owned, ignored)
+        ctx.input_dtype = local.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, target_local, owned, ignored = ctx.saved_tensors
+        grad = softmax
+        rows = owned.nonzero(as_tuple=True)[0]
+        grad[rows, target_local[rows]] -= 1.0
+        grad = grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+class _GatherVocab(Function):
+    """All-gather along the vocabulary (dropping padding); backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, shard, tp: TPGroup) -> torch.Tensor:
+        ctx.shard = shard
+        parts = [torch.empty_like(local) for _ in range(tp.size)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=tp.group)
+        return torch.cat(parts, dim=-1)[..., : shard.vocab_size]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard = ctx.shard
+        local = grad.new_zeros((*grad.shape[:-1], shard.local))
+        local[..., : shard.valid] = grad[..., shard.start : shard.start + shard.valid]
+        return local, None, None
+
+
+class VocabParallelLogits(torch.Tensor):
+    """This rank's vocabulary slice of the logits; see the module docstring for the rules."""
+
+    _shard: Any
+    _tp: TPGroup
+    _warned_gather = False
+
+    @staticmethod
+    def wrap(local: torch.Tensor, shard, tp: TPGroup) -> "VocabParallelLogits":
+        out = local.as_subclass(VocabParallelLogits)
+        out._shard, out._tp = shard, tp
+        return out
+
+    def local(self) -> torch.Tensor:
+        """The plain (..., V/t) tensor, still attached to autograd."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def full(self) -> torch.Tensor:
+        """The full (..., V) logits, gathered over the tensor-parallel group."""
+        return _GatherVocab.apply(self.local(), self._shard, self._tp)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        logits = next(a for a in (*args, *kwargs.values()) if isinstance(a, VocabParallelLogits))
+        name = getattr(func, "__name__", "")
+        if func is F.cross_entropy:
+            return _cross_entropy(logits, *args[1:], **kwargs)
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if name in _LOCAL_METHODS or (name == "__getitem__" and _keeps_last_dim(args[1], logits.dim())):
+            out = _run_local(func, logits, args, kwargs)
+            if out is not None:
+                return out
+        return _run_gathered(func, logits, args, kwargs)
+
+
+def _keeps_last_dim(index: Any, ndim: int) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return Ellipsis not in items and None not in items and len(items) < ndim
+
+
+def _localise(arg: Any, logits: VocabParallelLogits) -> Any:
+    if isinstance(arg, VocabParallelLogits):
+        return arg.local()
+    if isinstance(arg, int) and not isinstance(arg, bool) and arg == logits._shard.vocab_size:
+        return logits._shard.local  # view(..., V) -> view(..., V/t)
+    if isinstance(arg, (tuple, list)):
+        return type(arg)(_localise(a, logits) for a in arg)
+    return arg
+
+
+def _run_local(func, logits: VocabParallelLogits, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*(_localise(a, logits) for a in args), **kwargs)
+    if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[-1] == logits._shard.local:
+        return VocabParallelLogits.wrap(out, logits._shard, logits._tp)
+    return None
+
+
+def _run_gathered(func, logits: VocabParallelLogits, args, kwargs):
+    if not VocabParallelLogits._warned_gather:
+        VocabParallelLogits._warned_gather = True
+        log.info("gathering full-vocabulary logits for %s (only F.cross_entropy stays vocab-parallel)", func)
+
+    def full(a: Any) -> Any:
+        if isinstance(a, VocabParallelLogits):
+            return a.full()
+        if isinstance(a, (tuple, list)):
+            return type(a)(full(x) for x in a)
+        return a
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
+
+
+def _cross_entropy(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0, **_):
+    supported = weight is None and size_average is None and reduce is None and label_smoothing == 0.0
+    if not supported or logits.dim() != 2 or target.dim() != 1:
+        return _run_gathered(F.cross_entropy, logits, (logits, target), dict(
+            weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing))
+    losses = _VocabParallelCrossEntropy.apply(logits.local(), target, logits._shard, logits._tp, ignore_index)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (target != ignore_index).sum()

@@ -1,0 +1,92 @@
+"""One forward/backward of a zoo model, tensor-parallel on the pool's ranks or whole in-process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tests.models import build_model
+
+VOCAB, SEQ, BATCH = 64, 32, 4
+
+
+def _net(family: str, overrides: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    module = build_model(family, **overrides)
+    return module.gpt if family == "gpt" else module.net
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference_step(family: str, overrides: dict | None = None) -> dict[str, Any]:
+    net = _net(family, overrides or {})
+    inputs, targets = _batch()
+    loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict, sum_partial_gradients
+
+    net = _net(family, overrides or {})
+    inputs, targets = _batch()
+    tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    report = apply_tensor_parallel(net, tp, sequence_parallel=sequence_parallel, probe=lambda: net(inputs))
+    state = full_state_dict(net)
+    counter = CollectiveCounter() if count else None
+    if counter:
+        counter.start()
+    logits = net(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    forward_counts = dict(counter.counts) if counter else {}
+    loss.backward()
+    backward_counts = counter.stop() if counter else {}
+    sum_partial_gradients(net, report.partial_grad_params, tp)
+    local_shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    return {
+        "loss": loss.item(), "grads": full_gradients(net), "state": state, "local_shapes": local_shapes,
+        "report": report.summary(), "logits_local_vocab": logits.shape[-1],
+        "forward_counts": forward_counts,
+        "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
+    }
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives by patching the module attributes (tests only)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def stop(self) -> dict[str, int]:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        return dict(self.counts)
