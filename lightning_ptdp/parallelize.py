@@ -13,14 +13,18 @@ The order is fixed, each step its own function:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.sharding import apply_data_parallel
+from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,6 @@ def check_implemented(config: ParallelConfig) -> None:
     from lightning_ptdp import __version__
 
     pending = {
-        "tensor_parallel_size": (config.tensor_parallel_size > 1, "use tensor_parallel_size=1"),
         "pipeline_parallel_size": (config.pipeline_parallel_size > 1, "use pipeline_parallel_size=1"),
         "micro_batch_size": (config.micro_batch_size is not None, "leave micro_batch_size=None"),
         "zero_stage": (config.zero_stage != 0, "use zero_stage=0"),
@@ -44,12 +47,55 @@ def check_implemented(config: ParallelConfig) -> None:
             raise NotImplementedError(f"{name}={value!r} " + _NOT_YET.format(version=__version__, fix=fix))
 
 
+@dataclass
+class Parallelized:
+    """What ``parallelize`` returns: the module to train and what each step recorded."""
+
+    module: torch.nn.Module
+    tp_group: Optional[TPGroup] = None
+    tp_report: Optional[TPReport] = None
+
+
 def parallelize(
-    module: torch.nn.Module, *, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh
-) -> torch.nn.Module:
-    """Apply steps 1-5 above and return the module Lightning should train on this rank."""
+    module: torch.nn.Module,
+    *,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    probe: Callable[[], Any],
+    tp_plan: Optional[dict[str, str]] = None,
+    training: bool = True,
+) -> Parallelized:
+    """Apply steps 1-5 above; ``probe`` runs one ordinary forward (tensor-parallel discovery
+    traces the first transformer block on its real inputs). Data parallelism only when training."""
     check_implemented(config)
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
+    result = Parallelized(module)
+    if dims.tp > 1:
+        # a second stage (fit, then validate) finds the model already rewritten: reuse that
+        if "_ptdp_tp" not in module.__dict__:
+            module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, probe, tp_plan)
+        result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
     report = apply_kernels(module, config.kernels)
     log.info("kernels: %s", report.summary())
-    return apply_data_parallel(module, mesh["dp"])
+    if training:
+        result.module = apply_data_parallel(module, mesh["dp"])
+    return result
+
+
+def apply_tensor_parallelism(
+    module: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, probe: Callable[[], Any],
+    tp_plan: Optional[dict[str, str]],
+) -> tuple[TPGroup, TPReport]:
+    """Step 2: rewrite the model for its tp group, automatically or from an explicit plan."""
+    tp_mesh = mesh["tp"]
+    tp = TPGroup(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
+    if tp_plan is not None:
+        if config.sequence_parallel:
+            raise ValueError("sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel")
+        report = apply_explicit_plan(module, tp_plan, tp)
+    else:
+        report = apply_tensor_parallel(module, tp, sequence_parallel=config.sequence_parallel, probe=probe)
+    if dist.get_rank() == 0:
+        log.info(report.summary())
+    return tp, report

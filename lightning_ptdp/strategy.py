@@ -30,7 +30,8 @@ from typing_extensions import override
 
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
-from lightning_ptdp.parallelize import check_implemented, parallelize
+from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
+from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, sum_partial_gradients
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class PTDPStrategy(ParallelStrategy):
         activation_checkpointing: Optional[Literal["full", "selective"]] = None,
         pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
         kernels: Literal["auto", "triton", "torch"] = "auto",
+        tp_plan: Optional[dict[str, str]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -91,6 +93,8 @@ class PTDPStrategy(ParallelStrategy):
             kernels=kernels,
         )
         check_implemented(self.parallel_config)
+        self.tp_plan = tp_plan
+        self._parallelized: Optional[Parallelized] = None
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
         self._process_group_backend = process_group_backend
@@ -197,14 +201,69 @@ class PTDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.model = parallelize(
-                self.model, config=self.parallel_config, dims=self.parallel_dims, mesh=self.device_mesh
-            )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._parallelized = parallelize(
+            self.model,
+            config=self.parallel_config,
+            dims=self.parallel_dims,
+            mesh=self.device_mesh,
+            probe=lambda: self._probe_forward(trainer),
+            tp_plan=self.tp_plan,
+            training=fitting,
+        )
+        self.model = self._parallelized.module
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _probe_forward(self, trainer: "pl.Trainer") -> None:
+        """One ordinary step on a sample batch, so discovery sees the blocks' real inputs.
+
+        Uses ``example_input_array`` when the module has one, else the first batch of the stage's
+        dataloader (through the loop's data source, which knows every way Lightning accepts data).
+        """
+        module = self.lightning_module
+        assert module is not None
+        if module.example_input_array is not None:
+            example = self.batch_to_device(module.example_input_array)
+            module(*example) if isinstance(example, tuple) else module(example)
+            return
+        stage = trainer.state.fn
+        loop, step = {
+            TrainerFn.FITTING: (trainer.fit_loop, module.training_step),
+            TrainerFn.VALIDATING: (trainer.validate_loop, module.validation_step),
+            TrainerFn.TESTING: (trainer.test_loop, module.test_step),
+            TrainerFn.PREDICTING: (trainer.predict_loop, module.predict_step),
+        }[stage]
+        loader = loop._data_source.dataloader()  # Lightning has no public "the stage's dataloader" hook
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        batch = self.batch_to_device(next(iter(loader)))
+        step(batch, 0)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Finish tensor-parallel gradients (sequence-parallel norms, replicated KV heads) right
+        after backward, before Lightning's clipping and the step."""
+        parallel = self._parallelized
+        if parallel is None or parallel.tp_report is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_sum() -> Any:
+            output = closure()
+            sum_partial_gradients(self.lightning_module, parallel.tp_report.partial_grad_params, parallel.tp_group)
+            return output
+
+        return super().optimizer_step(optimizer, closure_then_sum, model, **kwargs)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unsharded state_dict (a collective under tensor parallelism: every rank calls it)."""
+        if self._parallelized is not None and self._parallelized.tp_report is not None:
+            return full_state_dict(self.lightning_module)
+        return super().lightning_module_state_dict()
 
     @override
     def model_to_device(self) -> None:

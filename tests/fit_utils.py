@@ -28,9 +28,9 @@ class LossRecorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if not self.first_grads:
-            self.first_grads = {
-                name: p.grad.detach().cpu().clone() for name, p in pl_module.named_parameters() if p.grad is not None
-            }
+            from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+
+            self.first_grads = {name: g.detach().cpu().clone() for name, g in full_gradients(pl_module).items()}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"].detach()
@@ -92,7 +92,7 @@ def fit_and_record(
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, callbacks=[recorder])
     trainer.fit(model, datamodule)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return {"losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state}
 
 

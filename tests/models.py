@@ -168,7 +168,8 @@ class CausalLM(L.LightningModule):
 def build_model(family: str, **overrides) -> L.LightningModule:
     """A fresh LightningModule of the named family (module-level, so spawned ranks can call it)."""
     if family == "gpt":
-        cfg = GPTConfig(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32, **overrides)
+        shape = dict(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32)
+        cfg = GPTConfig(**{**shape, **overrides})
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":

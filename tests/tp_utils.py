@@ -18,15 +18,15 @@ def _net(family: str, overrides: dict) -> torch.nn.Module:
     return module.gpt if family == "gpt" else module.net
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def reference_step(family: str, overrides: dict | None = None) -> dict[str, Any]:
     net = _net(family, overrides or {})
-    inputs, targets = _batch()
+    inputs, targets = _batch((overrides or {}).get("vocab_size", VOCAB))
     loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -40,14 +40,15 @@ def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None,
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict, sum_partial_gradients
 
     net = _net(family, overrides or {})
-    inputs, targets = _batch()
+    inputs, targets = _batch((overrides or {}).get("vocab_size", VOCAB))
     tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
     report = apply_tensor_parallel(net, tp, sequence_parallel=sequence_parallel, probe=lambda: net(inputs))
     state = full_state_dict(net)
     counter = CollectiveCounter() if count else None
     if counter:
         counter.start()
-    logits = net(inputs)
+    with AttentionHeads() as heads:
+        logits = net(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     forward_counts = dict(counter.counts) if counter else {}
     loss.backward()
@@ -56,10 +57,23 @@ def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None,
     local_shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     return {
         "loss": loss.item(), "grads": full_gradients(net), "state": state, "local_shapes": local_shapes,
-        "report": report.summary(), "logits_local_vocab": logits.shape[-1],
+        "report": report.summary(), "logits_local_vocab": logits.shape[-1], "attention_heads": heads.seen,
         "forward_counts": forward_counts,
         "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
     }
+
+
+class AttentionHeads(torch.overrides.TorchFunctionMode):
+    """Records the number of query heads of every scaled_dot_product_attention call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.seen.append(args[0].shape[-3])
+        return func(*args, **(kwargs or {}))
 
 
 class CollectiveCounter:

@@ -268,3 +268,42 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPRep
             for name, param in module.named_parameters(recurse=False):
                 if not (isinstance(module, RowParallelLinear) and name == "weight"):
                     report.partial_grad_params.append(param)
+
+
+EXPLICIT_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+
+
+def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> TPReport:
+    """``tp_plan={"path": style}`` for models discovery cannot read. Each colwise linear brings its
+    own f (copy to the group) and each rowwise its own g (all-reduce, then bias), Megatron's way;
+    the forward must take head counts from tensor shapes (``view(B, T, -1, head_dim)``).
+    Styles: "colwise", "colwise_fused:K" (K side-by-side parts such as q/k/v), "rowwise",
+    "vocab_embedding", "vocab_head". No sequence parallelism on this path.
+    """
+    report = TPReport(tp.size, False)
+    embedding_weight = None
+    for path, style in sorted(plan.items(), key=lambda item: item[1] != "vocab_embedding"):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError as err:
+            raise ValueError(f"tp_plan names '{path}', which is not a submodule of {type(model).__name__}") from err
+        kind, _, parts = style.partition(":")
+        if kind not in ("colwise_fused", *EXPLICIT_STYLES) or (parts and kind != "colwise_fused"):
+            raise ValueError(f"tp_plan['{path}']={style!r}: use one of {', '.join(EXPLICIT_STYLES)} or 'colwise_fused:K'")
+        if kind in ("colwise", "colwise_fused", "rowwise") and not isinstance(module, nn.Linear):
+            raise ValueError(f"tp_plan['{path}']={style!r} needs an nn.Linear, found {type(module).__name__}")
+        if kind in ("colwise", "colwise_fused"):
+            blocks = int(parts or 1)
+            layout = ShardLayout(blocks, module.out_features // blocks, 1, tp.size)
+            new = ColumnParallelLinear(module, layout, tp, comm=True)
+        elif kind == "rowwise":
+            new = RowParallelLinear(module, ShardLayout(1, module.in_features, 1, tp.size), tp, comm=True)
+        elif kind == "vocab_embedding":
+            new = VocabParallelEmbedding(module, tp)
+            embedding_weight = (module.weight, new.weight)
+        else:
+            tied = embedding_weight is not None and module.weight is embedding_weight[0]
+            new = VocabParallelHead(module, tp, weight=embedding_weight[1] if tied else None)
+        _set_submodule(model, path, new)
+        report.entries.append((path, style, "explicit plan"))
+    return report
