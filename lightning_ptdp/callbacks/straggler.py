@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-
 _Mark = Union[float, "torch.cuda.Event"]
 
 
@@ -70,19 +69,24 @@ class _Stopwatch:
 
 
 class StragglerDetector(pl.Callback):
-    """Warn (on rank 0, :class:`StragglerWarning`) naming every rank whose local work per step,
+    """Warn (on rank 0, :class:`StragglerWarning`) naming every rank whose own work per step,
     averaged over the last ``every_n_steps`` steps, is more than ``slowdown_factor`` times the
     median of the other ranks'; every rank gets the gathered times in ``last_seconds_per_step``
-    and the verdict in ``last_stragglers``.
+    and the verdict in ``last_stragglers``. Each check is one all_gather over the world.
 
-    Why not the wall-clock step time: gradient all-reduces make every rank wait for the slowest,
-    so all ranks see the same step time. A rank's *local* work is the part of a step without a
-    data-parallel collective: from the end of the previous step to ``on_before_backward`` (data
-    loading and forward) plus from ``on_before_optimizer_step`` to the end of the step (the
-    optimizer). Where those hooks do not fire (manual optimization, a pipeline schedule running
-    backward itself) the whole step counts. With tensor or pipeline parallelism the forward holds
-    collectives too, so a slow rank may also slow its t/p peers; it is still the slowest.
-    Every ``every_n_steps`` steps this runs one all_gather over the world.
+    Why not the wall-clock step time: collectives make every rank wait for the slowest (the
+    gradient all-reduce, a ``self.log(..., sync_dist=True)`` in ``training_step``), so all ranks
+    see the same step time. A rank's *own work* is measured where no collective runs:
+
+    * fetching the batch: from the end of the previous step (or the epoch start, or the end of a
+      validation) to ``on_train_batch_start``;
+    * the model's forward: the time inside the forward calls of the LightningModule's direct
+      submodules (forward hooks, added at ``on_train_start`` and removed at ``on_train_end``);
+    * the optimizer step: from ``on_before_optimizer_step`` to the end of the step.
+
+    The backward is left out (it waits in the gradient all-reduce). With tensor parallelism the
+    forward holds TP collectives, so a slow rank also slows its TP peers (it stays the slowest).
+    Intervals are read on the device's timeline: CUDA events on a GPU, no per-step host sync.
     """
 
     def __init__(self, *, every_n_steps: int = 50, slowdown_factor: float = 1.5) -> None:
@@ -99,10 +103,17 @@ class StragglerDetector(pl.Callback):
         self._open: Optional[_Mark] = None
         self._intervals: list[tuple[_Mark, _Mark]] = []
         self._steps = 0
+        self._in_step = False
+        self._forward_depth = 0
+        self._hook_handles: list[Any] = []
 
+    # ------------------------------------------------------------------ setup and teardown
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Called on every rank once the model is set up: pick the clock, learn the hostnames."""
+        """Called on every rank once the model is set up: clock, forward hooks, hostnames."""
         self._watch = _Stopwatch(pl_module.device)
+        for child in pl_module.children():
+            self._hook_handles.append(child.register_forward_pre_hook(self._forward_started))
+            self._hook_handles.append(child.register_forward_hook(self._forward_ended))
         host = socket.gethostname()
         if dist.is_available() and dist.is_initialized():
             self.hostnames = [""] * dist.get_world_size()
@@ -110,24 +121,41 @@ class StragglerDetector(pl.Callback):
         else:
             self.hostnames = [host]
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Also after a failed fit: leave the user's modules without our hooks."""
+        self.on_train_end(trainer, pl_module)
+
+    # ------------------------------------------------------------------ the measured intervals
     def _close(self) -> None:
         if self._open is not None:
             self._intervals.append((self._open, self._watch.mark()))
             self._open = None
 
+    def _forward_started(self, module: Any, args: Any) -> None:
+        self._forward_depth += 1
+        if self._in_step and self._forward_depth == 1:
+            self._open = self._watch.mark()
+
+    def _forward_ended(self, module: Any, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+        if self._in_step and self._forward_depth == 0:
+            self._close()
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._open = None
+        self._open = self._watch.mark()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._open = None  # validation is not a training step: the next step starts at its batch
+        self._open = self._watch.mark()  # validation itself is not a training step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._open is None:
-            self._open = self._watch.mark()
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self._close()  # the backward waits in the gradient all-reduce: not local work
+        self._close()  # the batch has arrived
+        self._in_step = True
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._open = self._watch.mark()
@@ -135,11 +163,12 @@ class StragglerDetector(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._close()
+        self._in_step = False
         self._steps += 1
         if self._steps >= self.every_n_steps:
             self._check(trainer, pl_module)
             self._intervals, self._steps = [], 0
-        self._open = self._watch.mark()  # the next step's data loading is local work too
+        self._open = self._watch.mark()  # fetching the next batch is the rank's own work
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = sum(self._watch.seconds(start, end) for start, end in self._intervals) / self._steps
@@ -153,6 +182,6 @@ class StragglerDetector(pl.Callback):
         host = self.hostnames[straggler.rank] if straggler.rank < len(self.hostnames) else "?"
         table = ", ".join(f"{rank}: {seconds:.4f}" for rank, seconds in enumerate(self.last_seconds_per_step))
         return (f"straggler: rank {straggler.rank} (host {host}) spent {straggler.seconds_per_step:.4f} s per step "
-                f"on its own work (data loading, forward, optimizer) over the last {self._steps} steps, "
+                f"on its own work (batch fetch, forward, optimizer) over the last {self._steps} steps, "
                 f"{straggler.slowdown:.1f}x the median of the other ranks ({straggler.others_median:.4f} s); "
                 f"seconds per step by rank: {table}")

@@ -11,10 +11,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ptdp.flops import device_peak_flops, gpt_flops_per_iteration
 
-
-METRIC_NAMES = ("tokens_per_sec", "samples_per_sec", "tflops_per_device", "mfu")
-MODEL_DIMS = ("num_layers", "hidden_size", "vocab_size")
-
 _FORMULAS = {
     True: "F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) (Narayanan et al. 2021 Eq. 3: the recomputed "
           "forward is counted, as the paper does)",
@@ -58,7 +54,8 @@ class PTDPThroughput(pl.Callback):
     ``num_layers``, ``hidden_size`` and ``vocab_size`` come from the arguments or else from the
     LightningModule's ``model_config`` (as ``recipes.gpt.GPTLightningModule`` has); ``s`` is the
     batch's second dimension unless ``seq_length`` is given. ``activation_recompute=None`` takes
-    it from the strategy (``PTDPStrategy(activation_checkpointing="full")``). The peak is
+    it from the strategy: True for ``PTDPStrategy(activation_checkpointing="full")``, else False
+    (selective recompute's extra attention-core work is not counted). The peak is
     ``peak_flops`` if given, else looked up for the CUDA device and the Trainer's precision; on
     CPU, or on a GPU the table does not know, MFU is skipped (said once) and the rest is logged.
     Metrics go to every logger, to ``trainer.callback_metrics`` and (``prog_bar=True``) to the
