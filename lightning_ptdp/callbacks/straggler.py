@@ -166,14 +166,18 @@ class StragglerDetector(pl.Callback):
         self._in_step = False
         self._steps += 1
         if self._steps >= self.every_n_steps:
-            self._check(trainer, pl_module)
+            self._check(pl_module.device)
             self._intervals, self._steps = [], 0
         self._open = self._watch.mark()  # fetching the next batch is the rank's own work
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _check(self, device: torch.device) -> None:
         local = sum(self._watch.seconds(start, end) for start, end in self._intervals) / self._steps
-        mine = torch.tensor([local], dtype=torch.float64, device=pl_module.device)
-        self.last_seconds_per_step = trainer.strategy.all_gather(mine).reshape(-1).tolist()
+        self.last_seconds_per_step = [local]
+        if dist.is_available() and dist.is_initialized():  # over the whole world, every t, p, d rank
+            mine = torch.tensor([local], dtype=torch.float64, device=device)
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)
+            self.last_seconds_per_step = [float(value) for value in gathered]
         self.last_stragglers = find_stragglers(self.last_seconds_per_step, self.slowdown_factor)
         for straggler in self.last_stragglers:
             rank_zero_warn(self._message(straggler), category=StragglerWarning)
