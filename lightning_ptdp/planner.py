@@ -321,8 +321,9 @@ class LayoutArguments:
     def cli_flags(self) -> list[str]:
         return self._assignments("--trainer.strategy.", "--trainer.", "--data.")
 
-    def hydra_overrides(self) -> list[str]:
-        return self._assignments("parallel.", "trainer.", "data.")
+    def hydra_overrides(self) -> list[str]:  # "++": conf/trainer has no accumulate_grad_batches
+        return [f"++{item}" if item.startswith("trainer.accumulate") else item
+                for item in self._assignments("parallel.", "trainer.", "data.")]
 
     def _assignments(self, strategy: str, trainer: str, data: str) -> list[str]:
         pairs = [(strategy + k, v) for k, v in self.strategy.items()]

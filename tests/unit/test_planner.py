@@ -240,6 +240,8 @@ def test_arguments_without_pipelining_use_gradient_accumulation():
     assert args.per_rank_batch_size * x.data_parallel_size * args.trainer["accumulate_grad_batches"] == 512
     assert "--trainer.strategy.sequence_parallel=true" in args.cli_flags()
     assert "parallel.sequence_parallel=true" in args.hydra_overrides()
+    assert "++trainer.accumulate_grad_batches=8" in args.hydra_overrides()
+    assert "--trainer.accumulate_grad_batches=8" in args.cli_flags()
     ParallelConfig(**args.strategy)
 
 
