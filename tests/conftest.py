@@ -35,3 +35,25 @@ def dist_pool():
     cache = _PoolCache()
     yield cache
     cache.close()
+
+
+def _world_size(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("world_size")
+    if marker is not None:
+        return marker.args[0]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for key in ("devices", "world_size", "tp", "dp"):
+        if isinstance(params.get(key), int):
+            return params[key]
+    return 0
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run distributed tests grouped by world size, so each pool size starts once per session."""
+    distributed = [i for i in items if "distributed" in i.nodeid.split("/")]
+    if not distributed:
+        return
+    first = items.index(distributed[0])
+    rest = [i for i in items if i not in set(distributed)]
+    ordered = sorted(distributed, key=_world_size)
+    items[:] = rest[:first] + ordered + rest[first:]

@@ -66,6 +66,7 @@ def fit_and_record(
     steps: int = 20,
     seed: int = 0,
     model_overrides: dict | None = None,
+    tp_plan: dict | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
@@ -82,7 +83,7 @@ def fit_and_record(
     if strategy_kwargs is not None:
         config = ParallelConfig(**strategy_kwargs)
         replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
-        strategy = PTDPStrategy(**strategy_kwargs)
+        strategy = PTDPStrategy(**strategy_kwargs, tp_plan=tp_plan)
     datamodule = MarkovDataModule(
         vocab_size=VOCAB, seq_length=SEQ, batch_size=global_batch // replicas, shuffle=False,
         train_tokens=(steps + 1) * global_batch * (SEQ + 1), val_tokens=4 * (SEQ + 1),

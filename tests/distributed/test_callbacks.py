@@ -95,6 +95,7 @@ def check_throughput(result: dict, *, dp: int, devices: int, recompute: bool, pe
         assert result["progress_bar"][f"throughput/{name}"] == pytest.approx(value, rel=1e-6)
 
 
+@pytest.mark.world_size(2)
 def test_throughput_on_two_ranks_counts_the_global_batch(dist_pool, tmp_path):
     results = dist_pool(2).run(fit_with_throughput, str(tmp_path), 2, PEAK)
     for result in results:
@@ -113,6 +114,7 @@ def test_throughput_on_two_ranks_counts_the_global_batch(dist_pool, tmp_path):
     assert hparams["throughput/flops_formula"] == results[0]["formula"]
 
 
+@pytest.mark.world_size(2)
 def test_throughput_single_process_without_a_peak_skips_mfu_and_says_so(tmp_path):
     seen: list[str] = []
     handler = logging.Handler()
@@ -129,6 +131,7 @@ def test_throughput_single_process_without_a_peak_skips_mfu_and_says_so(tmp_path
                      "in FLOP/s to log it"]
 
 
+@pytest.mark.world_size(2)
 def test_throughput_with_recompute_uses_the_papers_equation_3(tmp_path):
     result = fit_with_throughput(str(tmp_path), 1, PEAK, activation_recompute=True)
     check_throughput(result, dp=1, devices=1, recompute=True, peak=PEAK)
@@ -147,6 +150,7 @@ class NoConfig(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.world_size(2)
 def test_a_model_without_dimensions_fails_before_training_naming_the_arguments():
     trainer = quiet_trainer(devices=1, max_steps=1, callbacks=[PTDPThroughput()])
     with pytest.raises(ValueError, match=r"PTDPThroughput needs the model's num_layers, hidden_size, vocab_size .* "
@@ -194,6 +198,7 @@ def fit_with_a_slow_rank(slow_rank: int, where: str) -> dict:
 
 
 @pytest.mark.parametrize("where", ["batch", "forward"])
+@pytest.mark.world_size(2)
 def test_the_slow_rank_is_named_and_the_waiting_rank_is_not(dist_pool, where):
     results = dist_pool(2).run(fit_with_a_slow_rank, 1, where)
     for result in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -54,6 +55,7 @@ def one_epoch(devices: int) -> dict:
     return {"seen": model.seen, "metrics": metrics, "sampler": (sampler.num_replicas, sampler.rank)}
 
 
+@pytest.mark.world_size(4)
 def test_each_dp_rank_sees_disjoint_samples_and_every_sample_once(dist_pool):
     results = dist_pool(4).run(one_epoch, 4)
     seen = [set(r["seen"]) for r in results]
@@ -67,6 +69,7 @@ def test_each_dp_rank_sees_disjoint_samples_and_every_sample_once(dist_pool):
     assert counts.tolist() == [1] * NUM_SAMPLES
 
 
+@pytest.mark.world_size(4)
 def test_sync_dist_reduces_over_dp(dist_pool):
     results = dist_pool(4).run(one_epoch, 4)
     for r in results:

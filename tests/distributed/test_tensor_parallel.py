@@ -1,0 +1,122 @@
+"""Tensor (+ sequence) parallelism against the single-process model, for three model families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fit_utils import assert_matches_reference, fit_and_record, relative_error
+from tests.tp_utils import reference_step, tp_step
+
+# fp32. A TP rank computes the same sums as the reference split into t partial sums, so values
+# differ by round-off only: measured losses <= 1e-6 relative, gradients ~1e-7 of their norm.
+LOSS_RTOL = 1e-5
+GRAD_REL = 1e-5
+# Key-projection biases get an exactly-zero gradient in exact arithmetic (softmax is shift
+# invariant per query row): their "gradient" is round-off noise, compared for nothing. nanoGPT's
+# fused c_attn bias holds the key bias as its middle third.
+NOISE_DRIVEN = ("attn.key.bias", "attn.c_attn.bias")
+FAMILIES = ("gpt", "nanogpt", "llama")
+LAYERS = 2  # the zoo's blocks per model
+
+
+def _check_against_reference(result: dict, ref: dict) -> None:
+    assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+    assert result["grads"].keys() == ref["grads"].keys()
+    for name, expected in ref["grads"].items():
+        if not name.endswith(NOISE_DRIVEN):
+            err = relative_error(result["grads"][name], expected, expected)
+            assert err <= GRAD_REL, f"{name}: gradient relative error {err:.1e}"
+    for name, expected in ref["state"].items():  # consolidation gives back the original tensors
+        assert torch.equal(result["state"][name], expected), f"consolidated {name} differs"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_step_matches_single_process(dist_pool, tp, sequence_parallel, family):
+    results = dist_pool(tp).run(tp_step, family, sequence_parallel, count=True)
+    ref = reference_step(family)
+    for result in results:
+        _check_against_reference(result, ref)
+    shapes = results[0]["local_shapes"]
+    heads = 4  # every zoo model has 4 query heads; llama has 2 key/value heads
+    assert results[0]["attention_heads"] == [heads // tp] * LAYERS  # the attention core runs on a/t heads
+    assert results[0]["logits_local_vocab"] == 64 // tp  # no rank holds full-vocabulary logits
+    for name, full in ref["state"].items():
+        local = shapes.get(name)
+        if local is None or not name.endswith("weight") or len(full.shape) != 2:
+            continue
+        if "attention.wk" in name or "attention.wv" in name:  # GQA: 2 KV heads, replicated when t > 2
+            assert local[0] == full.shape[0] // min(tp, 2)
+        elif any(k in name for k in ("attn", "attention", "mlp", "c_fc", "w1", "w2", "w3", "c_proj")):
+            assert local[0] * local[1] * tp == full.numel(), f"{name}: {local} is not 1/{tp} of {tuple(full.shape)}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_collectives_are_megatrons(dist_pool, tp, sequence_parallel):
+    """Per layer and microbatch: 2 all-reduces forward and 2 backward, or with sequence
+    parallelism 2 all-gathers + 2 reduce-scatters each way. The model adds: the vocab-parallel
+    embedding (1 all-reduce), cross-entropy (2: max, then target logit and exp-sum together),
+    the LM head's input copy (1 backward all-reduce) and, with SP, leaving the blocks (1 gather
+    forward, 1 gather backward for entering them)."""
+    result = dist_pool(tp).run(tp_step, "llama", sequence_parallel, count=True)[0]
+    fwd, bwd = result["forward_counts"], result["backward_counts"]
+    if sequence_parallel:
+        assert fwd == {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS, "all_reduce": 3}
+        assert bwd == {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS, "all_reduce": 1}
+    else:
+        assert fwd == {"all_reduce": 2 * LAYERS + 3}
+        assert bwd == {"all_reduce": 2 * LAYERS + 1}
+
+
+@pytest.mark.world_size(2)
+def test_vocab_not_divisible_is_padded_and_masked(dist_pool):
+    overrides = {"vocab_size": 63}
+    results = dist_pool(2).run(tp_step, "gpt", False, overrides)
+    ref = reference_step("gpt", overrides)
+    for result in results:
+        _check_against_reference(result, ref)
+    assert results[0]["logits_local_vocab"] == 32
+
+
+STEPS, GLOBAL_BATCH = 20, 8
+UPDATE_REL = 1e-4  # as in test_data_parallel: Adam amplifies round-off in tiny gradients
+
+
+@pytest.mark.parametrize(
+    ("family", "devices", "strategy_kwargs"),
+    [
+        ("gpt", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("nanogpt", 4, {"tensor_parallel_size": 4}),
+        ("llama", 4, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    ],
+    ids=["gpt-t2-sp", "nanogpt-t4", "llama-t2-d2-sp"],
+)
+def test_trainer_fit_matches_single_process(dist_pool, family, devices, strategy_kwargs):
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, global_batch=GLOBAL_BATCH
+    )
+    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
+    for result in results:
+        assert_matches_reference(
+            result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+        )
+
+
+@pytest.mark.world_size(2)
+def test_explicit_plan_matches_single_process(dist_pool):
+    plan = {"gpt.token_embedding": "vocab_embedding", "gpt.lm_head": "vocab_head"}
+    for i in range(LAYERS):
+        for name in ("query", "key", "value"):
+            plan[f"gpt.blocks.{i}.attn.{name}"] = "colwise"
+        plan[f"gpt.blocks.{i}.attn.proj"] = "rowwise"
+        plan[f"gpt.blocks.{i}.mlp.fc_in"] = "colwise"
+        plan[f"gpt.blocks.{i}.mlp.fc_out"] = "rowwise"
+    kwargs = {"tensor_parallel_size": 2}
+    results = dist_pool(2).run(
+        fit_and_record, "gpt", strategy_kwargs=kwargs, devices=2, steps=5, global_batch=GLOBAL_BATCH, tp_plan=plan
+    )
+    ref = fit_and_record("gpt", steps=5, global_batch=GLOBAL_BATCH)
+    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
