@@ -107,6 +107,10 @@ def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> d
     return captured
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, child = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, new)
@@ -221,15 +225,15 @@ def apply_tensor_parallel(
         args, kwargs = captured[id(blocks[0])]
         if sequence_parallel:
             C.check_sequence_divisible(args[0].shape[C.SEQ_DIM], tp)
-        gm, _ = trace_block(blocks[0], args, kwargs, f"{path}.0")
-        plan = plan_block(gm, f"{path}.0", tp.size)
+        gm, _ = trace_block(blocks[0], args, kwargs, _join(path, "0"))
+        plan = plan_block(gm, _join(path, "0"), tp.size)
         for i, block in enumerate(blocks):
             inside.update(id(m) for m in block.modules())
             _shard_block(block, plan.regions, tp)
             _install_graph(block, plan, tp, sequence_parallel)
             for region in plan.regions:
                 for name in (*region.columns, region.row):
-                    report.entries.append((f"{path}.{i}.{name}", _style(region, name), _layout_text(block, name)))
+                    report.entries.append((_join(path, f"{i}.{name}"), _style(region, name), _layout_text(block, name)))
         if sequence_parallel:
             _enter_sequence_parallel(blocks, tp, report)
     _shard_vocabulary(model, tp, inside, report)
@@ -306,4 +310,22 @@ def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> 
             new = VocabParallelHead(module, tp, weight=embedding_weight[1] if tied else None)
         _set_submodule(model, path, new)
         report.entries.append((path, style, "explicit plan"))
+    return report
+
+
+def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any]) -> TPReport:
+    """Dry run: the plan ``apply_tensor_parallel`` would choose at ``tp_size``, without changing
+    the model or needing a process group (``probe`` runs one ordinary forward)."""
+    report = TPReport(tp_size, False)
+    block_lists = find_block_lists(model)
+    captured = capture_block_inputs([blocks[0] for _, blocks in block_lists], probe)
+    for path, blocks in block_lists:
+        args, kwargs = captured[id(blocks[0])]
+        gm, _ = trace_block(blocks[0], args, kwargs, _join(path, "0"))
+        for region in plan_block(gm, _join(path, "0"), tp_size).regions:
+            widest = max(region.units.values())
+            for name in (*region.columns, region.row):
+                units = region.units.get(name, widest)
+                detail = f"{max(1, units // tp_size)}/{units} {'heads' if region.unit_size.get(name, 2) > 1 else 'units'} per rank"
+                report.entries.append((_join(path, f"*.{name}"), _style(region, name), detail))
     return report

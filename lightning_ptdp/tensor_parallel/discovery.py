@@ -29,7 +29,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 PLAN_HINT = (
     "pass an explicit plan instead, e.g. PTDPStrategy(tensor_parallel_size=2, tp_plan={{'{block}.{module}': "
-    "'colwise', ...}}) with 'colwise', 'rowwise', 'colwise_fused:3' (fused q/k/v), 'vocab_embedding', 'vocab_head'"
+    "'rowwise', ...}}), one entry per module path, each 'colwise', 'rowwise', 'colwise_fused:3' (fused q/k/v), "
+    "'vocab_embedding' or 'vocab_head'"
 )
 
 _ELEMENTWISE = {

@@ -1,0 +1,127 @@
+"""Tensor-parallel plan discovery without a process group: plans, and errors before training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+from lightning_ptdp.tensor_parallel.layers import ShardLayout, VocabShard
+from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from tests.models import build_model
+
+
+def _net(family: str, **overrides) -> nn.Module:
+    module = build_model(family, **overrides)
+    return module.gpt if family == "gpt" else module.net
+
+
+def _plan(net: nn.Module, tp: int):
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return tensor_parallel_plan(net, tp, probe=lambda: net(ids))
+
+
+def _styles(report) -> dict[str, str]:
+    return {path.split("*.")[1]: style for path, style, _ in report.entries}
+
+
+def test_plans_are_found_from_dataflow_for_each_family():
+    assert _styles(_plan(_net("gpt"), 2)) == {
+        "attn.query": "colwise", "attn.key": "colwise", "attn.value": "colwise", "attn.proj": "rowwise",
+        "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
+    }
+    assert _styles(_plan(_net("nanogpt"), 2)) == {
+        "attn.c_attn": "colwise_fused:3", "attn.c_proj": "rowwise", "c_fc": "colwise", "c_proj": "rowwise",
+    }
+    llama = _plan(_net("llama"), 4)
+    assert _styles(llama) == {
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "w1": "colwise", "w3": "colwise", "w2": "rowwise",
+    }
+    details = {path.split("*.")[1]: detail for path, _, detail in llama.entries}
+    assert details["attention.wq"].startswith("1/4 heads") and details["attention.wk"].startswith("1/2 heads")
+    assert "attention.wo" in llama.summary()
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "match"),
+    [
+        ("gpt", 3, r"tensor_parallel_size=3 does not divide the 4 attention heads of 'blocks.0.attn.query'; choose tensor_parallel_size from 1, 2 or 4"),
+        ("nanogpt", 8, r"tensor_parallel_size=8 does not divide the 4 attention heads of 'h.0.attn.c_attn'"),
+        ("llama", 3, r"tensor_parallel_size=3 does not divide the 4 attention heads of 'layers.0.attention.wq'"),
+    ],
+)
+def test_heads_not_divisible_by_t(family, tp, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(_net(family), tp)
+
+
+def test_mlp_width_not_divisible_by_t():
+    net = _net("gpt", ffn_hidden_size=66, num_heads=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the 2 attention heads"):
+        _plan(net, 4)
+    with pytest.raises(ValueError, match=r"does not divide the 66 output features of 'blocks.0.mlp.fc_in'"):
+        _plan(_net("gpt", ffn_hidden_size=66, num_heads=4), 4)
+
+
+class ControlFlowBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: not traceable
+            x = x * 2
+        return x + self.b(F.relu(self.a(x)))
+
+
+class ControlFlowNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ControlFlowBlock(), ControlFlowBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_untraceable_block_names_it_and_shows_the_explicit_plan():
+    net = ControlFlowNet()
+    with pytest.raises(TPDiscoveryError, match=r"could not trace block 'blocks.0' \(ControlFlowBlock\).*tp_plan=\{'blocks.0.<linear>': 'rowwise'"):
+        tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+
+
+class HeadSumBlock(nn.Module):
+    """Sums over the heads dim inside attention: cannot be split by heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x).view(x.shape[0], x.shape[1], 4, 2).sum(dim=2)
+        return x + self.o(h)
+
+
+def test_op_across_the_sharded_dim_names_block_and_op():
+    net = nn.Sequential(HeadSumBlock(), HeadSumBlock())
+    with pytest.raises(TPDiscoveryError, match=r"block '0': .*sum.* cannot be split by heads automatically; pass an explicit plan"):
+        tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+
+
+def test_shard_layouts():
+    fused = ShardLayout(blocks=3, units=4, unit_size=2, tp_size=2)
+    assert fused.indices(1).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]  # its heads of q, k and v
+    kv = ShardLayout(blocks=1, units=2, unit_size=3, tp_size=4)
+    assert [kv.indices(r).tolist() for r in range(4)] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+    assert kv.replication == 2
+    with pytest.raises(ValueError, match=r"3 units cannot be replicated evenly over tensor_parallel_size=4"):
+        ShardLayout(blocks=1, units=3, unit_size=1, tp_size=4)
+
+
+def test_vocab_padding():
+    shard = VocabShard.of(63, TPGroup(group=None, size=2, rank=1))
+    assert (shard.padded_size, shard.start, shard.local, shard.valid) == (64, 32, 32, 31)
