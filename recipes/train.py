@@ -173,6 +173,7 @@ def summarize(trainer, datamodule) -> dict[str, Any]:
         "steps": trainer.global_step,
         "layout": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "world_size": dims.world_size},
         "num_nodes": trainer.num_nodes,
+        "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
     }
     if hasattr(datamodule, "loss_bound"):
         summary["loss_bound"] = datamodule.loss_bound()

@@ -15,32 +15,15 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_ptdp import ParallelConfig, PTDPStrategy
-from lightning_ptdp.flops import gpt_parameter_count
+from lightning_ptdp.planner import TABLE_1
 from recipes import train
 from recipes.gpt import GPTConfig, OptimConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+SIZES = [name.removeprefix("gpt_") for name in TABLE_1]  # Narayanan et al. 2021, Table 1
 
-# Narayanan et al. 2021, Table 1: size -> (parameters in billions, heads, hidden, layers, t, p).
-PAPER_TABLE_1 = {
-    "1.7b": (1.7, 24, 2304, 24, 1, 1),
-    "3.6b": (3.6, 32, 3072, 30, 2, 1),
-    "7.5b": (7.5, 32, 4096, 36, 4, 1),
-    "18.4b": (18.4, 48, 6144, 40, 8, 1),
-    "39.1b": (39.1, 64, 8192, 48, 8, 2),
-    "76.1b": (76.1, 80, 10240, 60, 8, 4),
-    "145.6b": (145.6, 96, 12288, 80, 8, 8),
-    "310.1b": (310.1, 128, 16384, 96, 8, 16),
-    "529.6b": (529.6, 128, 20480, 105, 8, 35),
-    "1t": (1008.0, 160, 25600, 128, 8, 64),
-}
 PARAMETER_RTOL = 0.05
 """Eq. 2 of the paper gives 1.65B for the "1.7B" row; the other rows agree within 1.5%."""
-
-STRATEGY_ONLY_ARGUMENTS = {
-    "process_group_backend", "timeout", "start_method", "accelerator", "parallel_devices",
-    "cluster_environment", "checkpoint_io", "precision_plugin",
-}
 
 
 def compose_config(*overrides: str):
@@ -53,8 +36,8 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_options():
-    assert options("model") == sorted(["tiny", "small", *(f"gpt_{size}" for size in PAPER_TABLE_1)])
-    assert options("parallel") == sorted(["dp1", "dp2", "dp4", *(f"paper_{size}" for size in PAPER_TABLE_1)])
+    assert options("model") == sorted(["tiny", "small", *(f"gpt_{size}" for size in SIZES)])
+    assert options("parallel") == sorted(["dp1", "dp2", "dp4", *(f"paper_{size}" for size in SIZES)])
     assert options("trainer") == ["cpu", "gpu"]
     assert options("data") == ["markov", "text", "tokens"]
     assert options("logger") == ["csv", "tensorboard", "wandb"]
@@ -69,26 +52,30 @@ def test_defaults_are_the_tiny_cpu_run():
     assert cfg.optim.max_steps == cfg.trainer.max_steps
 
 
-@pytest.mark.parametrize("size", PAPER_TABLE_1)
-def test_model_matches_table_1(size):
-    billions, heads, hidden, layers, t, p = PAPER_TABLE_1[size]
+@pytest.mark.parametrize("size", SIZES)
+def test_model_and_layout_match_table_1(size):
+    row = TABLE_1[f"gpt_{size}"]
     cfg = compose_config(f"model=gpt_{size}", f"parallel=paper_{size}")
     model = GPTConfig(**train.checked_kwargs(GPTConfig, cfg.model, "model"))
-    assert (model.num_heads, model.hidden_size, model.num_layers) == (heads, hidden, layers)
-    assert (model.vocab_size, model.seq_length) == (51200, 2048)
-    count = gpt_parameter_count(model.num_layers, model.hidden_size, model.vocab_size, model.seq_length)
-    assert count == pytest.approx(billions * 1e9, rel=PARAMETER_RTOL)
+    shape = (model.num_heads, model.hidden_size, model.num_layers, model.vocab_size, model.seq_length)
+    assert shape == (row.model.num_heads, row.model.hidden_size, row.model.num_layers, 51200, 2048)
+    assert row.model.parameters == pytest.approx(row.parameters_billions * 1e9, rel=PARAMETER_RTOL)
     layout = ParallelConfig(**cfg.parallel)
-    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (t, p)
-    # Megatron splits heads and the MLP across t, and layers evenly across p stages.
-    assert heads % t == 0 and hidden % t == 0 and layers % p == 0
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (
+        row.tensor_parallel_size, row.pipeline_parallel_size
+    )
+    # Megatron splits heads across t and layers evenly across p stages.
+    assert model.num_heads % layout.tensor_parallel_size == 0
+    assert model.num_layers % layout.pipeline_parallel_size == 0
 
 
 @pytest.mark.parametrize("name", options("parallel"))
 def test_parallel_keys_are_exactly_the_strategy_arguments(name):
+    """The layout is ParallelConfig, whole; the strategy's other arguments (backend, timeout,
+    tp_plan...) are not layout and are added with +parallel.<name>=... when wanted."""
     node = OmegaConf.load(CONF / "parallel" / f"{name}.yaml")
-    strategy_arguments = set(inspect.signature(PTDPStrategy).parameters) - STRATEGY_ONLY_ARGUMENTS
-    assert set(node) == strategy_arguments == {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert set(node) == {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert set(node) <= set(inspect.signature(PTDPStrategy).parameters)
     ParallelConfig(**OmegaConf.to_container(node))
 
 
