@@ -100,6 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in TOOL_COMMANDS:
         raise SystemExit(run_tool(args[0], args[1:]))
+    if not args or args[0] in ("-h", "--help"):
+        print(f"ptdp subcommands: fit, validate, test, predict (LightningCLI); {', '.join(TOOL_COMMANDS)}\n")
     build_cli(argv)
 
 

@@ -58,13 +58,15 @@ def test_trains_on_two_processes_under_lightnings_launcher(tmp_path):
 
 
 def test_multirun_sweep_runs_each_layout_once(tmp_path):
-    recipe("-m", *TINY_RUN, "parallel=dp1,dp2", "trainer.max_steps=5", f"hydra.sweep.dir={tmp_path}")
+    proc = recipe("-m", *TINY_RUN, "parallel=dp1,dp2", "trainer.max_steps=5", f"hydra.sweep.dir={tmp_path}")
+    # Rank 1 of the dp2 job (started by Lightning) must run that job, not launch the sweep again.
+    assert (proc.stdout + proc.stderr).count("Launching 2 jobs locally") == 1
+    assert "Launching 1 jobs" not in proc.stdout + proc.stderr
     summaries = sorted(tmp_path.glob("*/summary.json"))
     assert [p.parent.name.split("_")[0] for p in summaries] == ["0", "1"]
     layouts = [json.loads(p.read_text())["layout"]["dp"] for p in summaries]
     assert layouts == [1, 2]
-    # Rank 1 of the dp2 job ran that job alone, in its folder: no third job, no stray sweep.
-    assert (summaries[1].parent / "train_ddp_process_1.log").is_file()
+    assert (summaries[1].parent / "train_ddp_process_1.log").is_file()  # rank 1 logged into its job's folder
     assert len(list(tmp_path.glob("*/.hydra"))) == 2
 
 
