@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ptdp.activation_checkpoint import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
@@ -39,7 +40,6 @@ def check_implemented(config: ParallelConfig) -> None:
         "pipeline_parallel_size": (config.pipeline_parallel_size > 1, "use pipeline_parallel_size=1"),
         "micro_batch_size": (config.micro_batch_size is not None, "leave micro_batch_size=None"),
         "zero_stage": (config.zero_stage != 0, "use zero_stage=0"),
-        "activation_checkpointing": (config.activation_checkpointing is not None, "leave it None"),
     }
     for name, (requested, fix) in pending.items():
         if requested:
@@ -78,6 +78,10 @@ def parallelize(
         result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
     report = apply_kernels(module, config.kernels)
     log.info("kernels: %s", report.summary())
+    if config.activation_checkpointing is not None and "_ptdp_recompute" not in module.__dict__:
+        wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
+        module.__dict__["_ptdp_recompute"] = wrapped
+        log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
     if training:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result

@@ -128,6 +128,9 @@ class WindowDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, False)
 
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, False)
+
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, False)
 

@@ -232,6 +232,13 @@ class GPTLightningModule(L.LightningModule):
         self.val_nll.update(loss, weight=batch[1].numel())
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Greedy next-token ids (B, T) for each position of the inputs."""
+        return self(batch[0]).argmax(dim=-1)
+
     def on_validation_epoch_end(self) -> None:
         self.log("val_perplexity", torch.exp(self.val_nll.compute()), prog_bar=True)
         self.val_nll.reset()

@@ -81,7 +81,8 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
             continue
         children = list(module)
         same_type = len({type(c) for c in children}) == 1
-        if same_type and sum(isinstance(m, nn.Linear) for m in children[0].modules()) >= 2:
+        linears = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+        if same_type and sum(isinstance(m, linears) for m in children[0].modules()) >= 2:
             found.append((path, children))
     return found
 

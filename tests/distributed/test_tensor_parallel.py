@@ -88,11 +88,11 @@ UPDATE_REL = 1e-4  # as in test_data_parallel: Adam amplifies round-off in tiny 
 @pytest.mark.parametrize(
     ("family", "devices", "strategy_kwargs"),
     [
-        ("gpt", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
-        ("nanogpt", 4, {"tensor_parallel_size": 4}),
-        ("llama", 4, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("gpt", 2, {"tensor_parallel_size": 2, "sequence_parallel": True, "activation_checkpointing": "selective"}),
+        ("nanogpt", 4, {"tensor_parallel_size": 4, "activation_checkpointing": "full"}),
+        ("llama", 4, {"tensor_parallel_size": 2, "sequence_parallel": True, "activation_checkpointing": "full"}),
     ],
-    ids=["gpt-t2-sp", "nanogpt-t4", "llama-t2-d2-sp"],
+    ids=["gpt-t2-sp-selective", "nanogpt-t4-full", "llama-t2-d2-sp-full"],
 )
 def test_trainer_fit_matches_single_process(dist_pool, family, devices, strategy_kwargs):
     results = dist_pool(devices).run(

@@ -69,7 +69,6 @@ def test_megatron_rank_order_tp_fastest():
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 is not implemented yet"),
         ({"zero_stage": 1}, r"zero_stage=1 is not implemented yet"),
         ({"micro_batch_size": 2}, r"micro_batch_size=2 is not implemented yet"),
-        ({"activation_checkpointing": "full"}, r"activation_checkpointing='full' is not implemented yet"),
     ],
 )
 def test_pending_features_say_so(kwargs, match):
