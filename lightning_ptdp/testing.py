@@ -156,3 +156,49 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwarg
     """One-shot form: start a pool, run ``fn`` on every rank, close the pool."""
     with DistributedPool(world_size) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives, and the bytes of their tensors, while active.
+
+    Patches the ``torch.distributed`` module attributes (library code calls them through the
+    module, so every call is seen); for tests and benchmarks, never for training runs.
+    """
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def start(self) -> "CollectiveCounter":
+        import torch
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                largest = max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)
+                self.bytes[_name] = self.bytes.get(_name, 0) + largest
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def stop(self) -> dict[str, int]:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved = {}
+        return dict(self.counts)
+
+    def __enter__(self) -> "CollectiveCounter":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_ptdp.testing import CollectiveCounter
 from tests.models import build_model
 
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -74,33 +75,3 @@ class AttentionHeads(torch.overrides.TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self.seen.append(args[0].shape[-3])
         return func(*args, **(kwargs or {}))
-
-
-class CollectiveCounter:
-    """Counts torch.distributed collectives by patching the module attributes (tests only)."""
-
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self._saved: dict[str, Any] = {}
-
-    def start(self) -> None:
-        import torch.distributed as dist
-
-        for name in self.NAMES:
-            original = getattr(dist, name)
-            self._saved[name] = original
-
-            def counted(*args, _name=name, _original=original, **kwargs):
-                self.counts[_name] = self.counts.get(_name, 0) + 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)
-
-    def stop(self) -> dict[str, int]:
-        import torch.distributed as dist
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        return dict(self.counts)
