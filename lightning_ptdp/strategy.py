@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -31,7 +31,12 @@ from typing_extensions import override
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
-from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, sum_partial_gradients
+from lightning_ptdp.tensor_parallel.consolidate import (
+    clip_grad_norm,
+    full_state_dict,
+    shard_state_dict,
+    sum_partial_gradients,
+)
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +217,25 @@ class PTDPStrategy(ParallelStrategy):
             training=fitting,
         )
         self.model = self._parallelized.module
+        if self._parallelized.tp_report is not None:
+            self._clip_by_global_norm()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _clip_by_global_norm(self) -> None:
+        """Lightning clips by the norm of the gradients a rank holds; under tensor parallelism that
+        is a shard, so clipping would differ per rank and from a single process. Clip by the norm
+        of the whole model instead (the precision plugin's hook, so every precision gets it)."""
+        plugin, parallel = self.precision_plugin, self._parallelized
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            params = list(plugin.main_params(optimizer))
+            clip_grad_norm(params, self.lightning_module, parallel.tp_group, float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     def _probe_forward(self, trainer: "pl.Trainer") -> None:
         """One ordinary step on a sample batch, so discovery sees the blocks' real inputs.
@@ -258,10 +277,37 @@ class PTDPStrategy(ParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_sum, model, **kwargs)
 
+    def _tensor_parallel(self) -> bool:
+        return self._parallelized is not None and self._parallelized.tp_report is not None
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
+        if not self._tensor_parallel():
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        assert self.lightning_module is not None
+        local = shard_state_dict(self.lightning_module, checkpoint["state_dict"])
+        self.lightning_module.load_state_dict(local, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._tensor_parallel():
+            rank_zero_warn(
+                "PTDPStrategy: the optimizer state is not saved under tensor parallelism yet (it is sharded per "
+                "rank; distributed checkpoints will hold it). A resumed run restarts the optimizer's moments."
+            )
+            return {}
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self._tensor_parallel():
+            super().load_optimizer_state_dict(checkpoint)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsharded state_dict (a collective under tensor parallelism: every rank calls it)."""
-        if self._parallelized is not None and self._parallelized.tp_report is not None:
+        if self._tensor_parallel():
             return full_state_dict(self.lightning_module)
         return super().lightning_module_state_dict()
 

@@ -67,6 +67,7 @@ def fit_and_record(
     seed: int = 0,
     model_overrides: dict | None = None,
     tp_plan: dict | None = None,
+    trainer_kwargs: dict | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
@@ -91,7 +92,9 @@ def fit_and_record(
     if strategy_kwargs is None:
         use_distributed_order(datamodule, seed)
     recorder = LossRecorder()
-    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, callbacks=[recorder])
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, max_steps=steps, callbacks=[recorder], **(trainer_kwargs or {})
+    )
     trainer.fit(model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return {"losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state}

@@ -98,3 +98,64 @@ def sum_partial_gradients(model: nn.Module, partial: list[nn.Parameter], tp: TPG
                 full.index_copy_(0, rows, param.grad)
                 dist.all_reduce(full, group=tp.group)
                 param.grad.copy_(full.index_select(0, rows))
+
+
+def global_grad_norm(parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, as a single process would compute it.
+
+    Sharded parameters contribute their squares summed over the group; replicated ones (norms,
+    row biases, position embeddings) once; KV heads replicated over r ranks 1/r from each copy.
+    """
+    weight = {}
+    for layer in model.modules():
+        if isinstance(layer, _TP_LAYERS):
+            replication = getattr(getattr(layer, "layout", None), "replication", 1)
+            for attr, param in layer.named_parameters(recurse=False):
+                replicated_bias = isinstance(layer, RowParallelLinear) and attr == "bias"
+                weight[id(param)] = None if replicated_bias else 1.0 / replication
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        if param.grad is None:
+            continue
+        square = param.grad.detach().double().pow(2).sum().cpu()
+        share = weight.get(id(param))
+        if share is None:
+            replicated += square
+        else:
+            sharded += square * share
+    dist.all_reduce(sharded, group=tp.group)
+    return (sharded + replicated).sqrt()
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole tensor-parallel model."""
+    total = global_grad_norm(parameters, model, tp)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return total
+
+
+def local_shard(layer: nn.Module, attr: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an original-layout tensor (the inverse of ``full_tensor``)."""
+    if isinstance(layer, (VocabParallelEmbedding, VocabParallelHead)):
+        rows = full if full.dim() > 1 else full.unsqueeze(-1)
+        local = layer.shard.slice_rows(rows)
+        return local if full.dim() > 1 else local.squeeze(-1)
+    if isinstance(layer, RowParallelLinear) and attr == "bias":
+        return full
+    dim = 1 if isinstance(layer, RowParallelLinear) else 0
+    return full.index_select(dim, layer.layout.indices(layer.tp.rank).to(full.device))
+
+
+def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An unsharded state_dict (any tensor-parallel size, or none) cut to this rank's shards."""
+    owners = {}
+    for path, module in model.named_modules():
+        if isinstance(module, _TP_LAYERS):
+            for attr, _ in module.named_parameters(recurse=False):
+                owners[f"{path}.{attr}" if path else attr] = (module, attr)
+    return {key: local_shard(*owners[key], value) if key in owners else value for key, value in full_state.items()}
