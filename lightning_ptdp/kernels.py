@@ -34,6 +34,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_ptdp.config import KERNEL_MODES
+from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
 
 log = logging.getLogger(__name__)
 _FIX = "use kernels='auto' (Triton only where it can run, torch elsewhere) or kernels='torch'"
@@ -164,7 +165,10 @@ class _Plan:
     def add(self, name: str, module: nn.Module) -> None:
         label = name or type(module).__name__
         try:
-            graph = _OwnForwardTracer(module).trace(module)
+            # a tensor-parallel block runs its rewritten graph (attention inlined), not its class forward
+            rewritten = module.__dict__.get("_ptdp_graph")
+            graph = rewritten.graph if rewritten is not None else _OwnForwardTracer(module).trace(module)
+            owner = rewritten if rewritten is not None else module  # holds every module the graph calls
         except Exception as err:  # noqa: BLE001 - any tracing failure only means "look at run time"
             first_sentence = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
             self.skipped.append((label, f"torch.fx could not trace it: {type(err).__name__}: {first_sentence}"))
@@ -173,9 +177,9 @@ class _Plan:
         calls_attention = any(
             node.op == "call_function" and node.target is F.scaled_dot_product_attention for node in graph.nodes
         )
-        pairs = _linear_gelu_pairs(module, graph)
+        pairs = _linear_gelu_pairs(owner, graph)
         for linear_path, gelu_label in pairs:
-            linear = module.get_submodule(linear_path)
+            linear = owner.get_submodule(linear_path)
             self.fused_linears.append(linear)
             prefix = f"{name}." if name else ""
             gelu_path = gelu_label if gelu_label == "F.gelu" else prefix + gelu_label
@@ -200,7 +204,7 @@ def _linear_gelu_pairs(module: nn.Module, graph: fx.Graph) -> list[tuple[str, st
         if node.op != "call_module" or calls[node.target] != 1 or len(node.users) != 1:
             continue
         linear = module.get_submodule(node.target)
-        if not isinstance(linear, nn.Linear) or linear.bias is None:
+        if not isinstance(linear, (nn.Linear, ColumnParallelLinear)) or linear.bias is None:
             continue
         (user,) = node.users
         if not user.args or user.args[0] is not node or node in user.args[1:] or node in user.kwargs.values():

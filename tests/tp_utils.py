@@ -34,7 +34,9 @@ def reference_step(family: str, overrides: dict | None = None) -> dict[str, Any]
     return {"loss": loss.item(), "grads": grads, "state": {k: v.clone() for k, v in net.state_dict().items()}}
 
 
-def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False) -> dict[str, Any]:
+def tp_step(
+    family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False, kernels: str = "torch"
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
@@ -44,6 +46,10 @@ def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None,
     inputs, targets = _batch((overrides or {}).get("vocab_size", VOCAB))
     tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
     report = apply_tensor_parallel(net, tp, sequence_parallel=sequence_parallel, probe=lambda: net(inputs))
+    from lightning_ptdp.kernels import apply_kernels
+
+    kernel_report = apply_kernels(net, kernels)
+    kernel_calls = _count_kernel_calls() if kernels != "torch" else {}
     state = full_state_dict(net)
     counter = CollectiveCounter() if count else None
     if counter:
@@ -58,10 +64,26 @@ def tp_step(family: str, sequence_parallel: bool, overrides: dict | None = None,
     local_shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     return {
         "loss": loss.item(), "grads": full_gradients(net), "state": state, "local_shapes": local_shapes,
-        "report": report.summary(), "logits_local_vocab": logits.shape[-1], "attention_heads": heads.seen,
+        "report": report.summary(), "kernel_report": [*kernel_report.attention, *kernel_report.bias_gelu], "kernel_calls": kernel_calls, "logits_local_vocab": logits.shape[-1], "attention_heads": heads.seen,
         "forward_counts": forward_counts,
         "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
     }
+
+
+def _count_kernel_calls() -> dict[str, int]:
+    """Wrap the Triton entry points so the test sees that they really ran (worker process only)."""
+    import triton_kernels
+
+    calls: dict[str, int] = {}
+    for name in ("flash_attention", "bias_gelu"):
+        original = getattr(triton_kernels, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(triton_kernels, name, counted)
+    return calls
 
 
 class AttentionHeads(torch.overrides.TorchFunctionMode):
