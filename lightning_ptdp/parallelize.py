@@ -24,7 +24,7 @@ from lightning_ptdp.activation_checkpoint import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
-from lightning_ptdp.sharding import apply_data_parallel
+from lightning_ptdp.sharding import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,10 @@ def check_implemented(config: ParallelConfig) -> None:
     pending = {
         "pipeline_parallel_size": (config.pipeline_parallel_size > 1, "use pipeline_parallel_size=1"),
         "micro_batch_size": (config.micro_batch_size is not None, "leave micro_batch_size=None"),
-        "zero_stage": (config.zero_stage != 0, "use zero_stage=0"),
+        "zero_stage": (
+            config.zero_stage != 0 and (config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1),
+            "with tensor or pipeline parallelism use zero_stage=0 for now",
+        ),
     }
     for name, (requested, fix) in pending.items():
         if requested:
@@ -82,7 +85,9 @@ def parallelize(
         wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
         module.__dict__["_ptdp_recompute"] = wrapped
         log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
-    if training:
+    if training and config.zero_stage > 0:
+        result.module = apply_zero(module, mesh["dp"], config.zero_stage)
+    elif training:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result
 

@@ -280,9 +280,18 @@ class PTDPStrategy(ParallelStrategy):
     def _tensor_parallel(self) -> bool:
         return self._parallelized is not None and self._parallelized.tp_report is not None
 
+    def _sharded_by_zero(self) -> bool:
+        return self.parallel_config.zero_stage > 0 and self._dims is not None and self._parallelized is not None
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
+        if self._sharded_by_zero():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+            return None
         if not self._tensor_parallel():
             return super().load_model_state_dict(checkpoint, strict=strict)
         assert self.lightning_module is not None
@@ -297,16 +306,34 @@ class PTDPStrategy(ParallelStrategy):
                 "rank; distributed checkpoints will hold it). A resumed run restarts the optimizer's moments."
             )
             return {}
+        if self._sharded_by_zero():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), options=options)
         return super().optimizer_state(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._tensor_parallel():
+        if self._sharded_by_zero():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                set_optimizer_state_dict(
+                    self.lightning_module, optimizer, state, options=StateDictOptions(full_state_dict=True)
+                )
+        elif not self._tensor_parallel():
             super().load_optimizer_state_dict(checkpoint)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsharded state_dict (a collective under tensor parallelism: every rank calls it)."""
+        """The unsharded state_dict (a collective under TP and ZeRO: every rank calls it; under ZeRO
+        only rank 0 receives the tensors)."""
+        if self._sharded_by_zero():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.lightning_module, options=options)
         if self._tensor_parallel():
             return full_state_dict(self.lightning_module)
         return super().lightning_module_state_dict()

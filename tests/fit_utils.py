@@ -97,7 +97,11 @@ def fit_and_record(
     )
     trainer.fit(model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
-    return {"losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state}
+    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return {
+        "losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state,
+        "local_numel": local_numel,
+    }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:

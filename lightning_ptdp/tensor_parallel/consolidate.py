@@ -67,8 +67,9 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad  # ZeRO: DTensor
         owner = owners.get(id(param))
-        grads[name] = full_tensor(owner[0], owner[1], param.grad) if owner else param.grad
+        grads[name] = full_tensor(owner[0], owner[1], grad) if owner else grad
     return grads
 
 

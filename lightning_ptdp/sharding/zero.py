@@ -1,0 +1,37 @@
+"""ZeRO on the dp axis with FSDP2 (``fully_shard``), one unit per transformer block plus a root.
+
+Stages map onto FSDP2 as follows:
+  1, 2  parameters stay whole between forward and backward (``reshard_after_forward=False``);
+        gradients are reduce-scattered and the optimizer state is sharded over d. FSDP2 has no
+        "full gradients, sharded optimizer" mode, so stage 1 also shards gradients -- what
+        Megatron's distributed optimizer does too, at the same communication volume.
+  3     parameters are resharded after forward and gathered again for backward.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ptdp.tensor_parallel.apply import find_block_lists
+
+
+def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> nn.Module:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero_stage == 3
+    for _, blocks in find_block_lists(module):
+        for block in blocks:
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    # Lightning calls training_step, not the LightningModule's __call__, so the FSDP root must be
+    # a module whose __call__ runs: each child holding parameters (the user's network).
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"zero_stage={zero_stage} needs the parameters of {type(module).__name__} inside submodules "
+            "(FSDP shards submodules that the forward calls); move direct nn.Parameters into a submodule"
+        )
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=dp_mesh, reshard_after_forward=reshard)
+    return module
