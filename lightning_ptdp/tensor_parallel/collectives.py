@@ -17,6 +17,7 @@ All calls go through ``torch.distributed`` module attributes, so a test can coun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,93 +70,30 @@ def check_sequence_divisible(length: int, tp: TPGroup) -> None:
         )
 
 
-class _CopyToTP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _conjugate_pair(name: str, forward: Callable, backward: Callable) -> Callable[[torch.Tensor, TPGroup], torch.Tensor]:
+    """An autograd function applying ``forward(x, tp)`` and, to the gradient, ``backward(g, tp)``."""
+
+    def fwd(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         ctx.tp = tp
-        return x.view_as(x)
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.tp), None
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.tp), None
 
-
-class _ReduceFromTP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        return _all_reduce(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    function = type(name, (Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return function.apply
 
 
-class _GatherSequence(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return _all_gather_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.tp), None
+def _identity(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceScatterSequence(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return _reduce_scatter_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_seq(grad, ctx.tp), None
-
-
-class _ScatterSequence(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return _own_chunk(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_seq(grad, ctx.tp), None
-
-
-class _GatherReplicated(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return _all_gather_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _own_chunk(grad, ctx.tp), None
-
-
-def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _CopyToTP.apply(x, tp)
-
-
-def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, tp)
-
-
-def gather_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _GatherSequence.apply(x, tp)
-
-
-def reduce_scatter_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, tp)
-
-
-def scatter_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _ScatterSequence.apply(x, tp)
-
-
-def gather_replicated(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _GatherReplicated.apply(x, tp)
+copy_to_tp = _conjugate_pair("CopyToTP", _identity, _all_reduce)
+reduce_from_tp = _conjugate_pair("ReduceFromTP", _all_reduce, _identity)
+gather_sequence = _conjugate_pair("GatherSequence", _all_gather_seq, _reduce_scatter_seq)
+reduce_scatter_sequence = _conjugate_pair("ReduceScatterSequence", _reduce_scatter_seq, _all_gather_seq)
+scatter_sequence = _conjugate_pair("ScatterSequence", _own_chunk, _all_gather_seq)
+gather_replicated = _conjugate_pair("GatherReplicated", _all_gather_seq, _own_chunk)
 
 
 def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
