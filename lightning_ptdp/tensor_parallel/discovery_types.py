@@ -1,0 +1,78 @@
+"""Shared vocabulary of tensor-parallel discovery: plans, errors and small fx helpers."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+PLAN_HINT = (
+    "pass an explicit plan instead, e.g. PTDPStrategy(tensor_parallel_size=2, tp_plan={{'{block}.{module}': "
+    "'rowwise', ...}}), one entry per module path, each 'colwise', 'rowwise', 'colwise_fused:3' (fused q/k/v), "
+    "'vocab_embedding' or 'vocab_head'"
+)
+
+_ELEMENTWISE = {
+    operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.mul, torch.sub, torch.div, torch.tanh, torch.sigmoid, torch.exp, torch.neg, torch.pow,
+    F.gelu, F.silu, F.relu, F.dropout, F.softplus, torch.relu, torch.where,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "mul", "sub", "div", "float", "half", "bfloat16", "to", "type_as", "contiguous", "tanh", "sigmoid",
+    "exp", "relu", "neg", "clone", "__mul__", "__add__", "__sub__", "__truediv__", "pow",
+}
+
+
+class TPDiscoveryError(ValueError):
+    """The block's dataflow defeated automatic discovery; the message says where and what to do."""
+
+
+@dataclass
+class Sharded:
+    dim: int
+    ratio: int  # global size / local size along ``dim``
+
+
+@dataclass
+class RegionPlan:
+    """One column-parallel -> row-parallel region of a block (attention or MLP)."""
+
+    columns: list[str]
+    row: str
+    input_node: str
+    is_attention: bool = False
+    blocks: dict[str, int] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
+    unit_size: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BlockPlan:
+    """The traced graph of one block, its regions, and the shape-argument rewrites it needs."""
+
+    graph: fx.Graph
+    regions: list[RegionPlan]
+    rewrites: dict[str, dict[int, Any]] = field(default_factory=dict)
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _call_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _shape_args(node: fx.Node) -> tuple[list, bool]:
+    """The shape arguments of view/reshape as a list, and whether they came packed in one tuple."""
+    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) == "reshape" else []
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        return list(rest[0]), True
+    return rest, False
