@@ -31,12 +31,8 @@ from typing_extensions import override
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
-from lightning_ptdp.tensor_parallel.consolidate import (
-    clip_grad_norm,
-    full_state_dict,
-    shard_state_dict,
-    sum_partial_gradients,
-)
+from lightning_ptdp import checkpoint
+from lightning_ptdp.tensor_parallel.consolidate import clip_grad_norm, sum_partial_gradients
 
 log = logging.getLogger(__name__)
 
@@ -284,64 +280,47 @@ class PTDPStrategy(ParallelStrategy):
         return self.parallel_config.zero_stage > 0 and self._dims is not None and self._parallelized is not None
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
-        if self._sharded_by_zero():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
 
-            options = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
-            return None
-        if not self._tensor_parallel():
-            return super().load_model_state_dict(checkpoint, strict=strict)
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Unsharded weights; a collective under TP and ZeRO (every rank calls it)."""
         assert self.lightning_module is not None
-        local = shard_state_dict(self.lightning_module, checkpoint["state_dict"])
-        self.lightning_module.load_state_dict(local, strict=strict)
+        return checkpoint.model_state(
+            self.lightning_module, tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero()
+        )
+
+    @override
+    def load_model_state_dict(self, state: Any, strict: bool = True) -> None:
+        """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
+        assert self.lightning_module is not None
+        checkpoint.load_model_state(
+            self.lightning_module, state["state_dict"], strict=strict,
+            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+        )
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._sharded_by_zero():
+            return checkpoint.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
         if self._tensor_parallel():
             rank_zero_warn(
                 "PTDPStrategy: the optimizer state is not saved under tensor parallelism yet (it is sharded per "
                 "rank; distributed checkpoints will hold it). A resumed run restarts the optimizer's moments."
             )
             return {}
-        if self._sharded_by_zero():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), options=options)
         return super().optimizer_state(optimizer)
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+    def load_optimizer_state_dict(self, state: Any) -> None:
         if self._sharded_by_zero():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                set_optimizer_state_dict(
-                    self.lightning_module, optimizer, state, options=StateDictOptions(full_state_dict=True)
-                )
+            for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
+                checkpoint.load_optimizer_state(self.lightning_module, optimizer, optimizer_state)
         elif not self._tensor_parallel():
-            super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsharded state_dict (a collective under TP and ZeRO: every rank calls it; under ZeRO
-        only rank 0 receives the tensors)."""
-        if self._sharded_by_zero():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.lightning_module, options=options)
-        if self._tensor_parallel():
-            return full_state_dict(self.lightning_module)
-        return super().lightning_module_state_dict()
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+            super().load_optimizer_state_dict(state)
 
     # ------------------------------------------------------------------ collectives
     @override
