@@ -229,3 +229,29 @@ def test_bf16_precisions_under_tp(dist_pool, precision):
     assert results[0]["losses"] == pytest.approx(ref["losses"], rel=BF16_LOSS_RTOL)
     dtype = torch.float32 if precision == "bf16-mixed" else torch.bfloat16  # mixed: fp32 master weights
     assert all(v.dtype == dtype for k, v in results[0]["state"].items() if v.is_floating_point())
+
+
+def predict_tokens(devices: int, strategy_kwargs: dict | None) -> torch.Tensor:
+    """``trainer.predict`` with the recipe's predict_step (argmax over the vocabulary)."""
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from recipes.data import MarkovDataModule
+    from tests.fit_utils import quiet_trainer
+    from tests.models import build_model
+
+    L.seed_everything(0, verbose=False)
+    model = build_model("gpt")
+    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=1000, val_tokens=400)
+    strategy = PTDPStrategy(**strategy_kwargs) if strategy_kwargs is not None else "auto"
+    trainer = quiet_trainer(devices=devices, strategy=strategy, limit_predict_batches=2)
+    return torch.cat(trainer.predict(model, data))
+
+
+@pytest.mark.world_size(2)
+def test_predict_gathers_logits_only_when_the_user_needs_them(dist_pool):
+    # argmax needs every vocabulary entry: the logits are gathered for it (and only for it)
+    results = dist_pool(2).run(predict_tokens, 2, {"tensor_parallel_size": 2})
+    expected = predict_tokens(1, None)
+    for tokens in results:
+        assert torch.equal(tokens, expected)
