@@ -15,7 +15,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, shard_state_dict
+from lightning_ptdp.tensor_parallel.consolidate import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_optimizer_state,
+    shard_state_dict,
+)
 
 
 def _options(**kwargs: Any):
@@ -44,14 +49,21 @@ def load_model_state(module: nn.Module, state: dict[str, Any], *, tensor_paralle
         module.load_state_dict(state, strict=strict)
 
 
-def optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Unsharded optimizer state under ZeRO (rank 0 receives it)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def optimizer_state(module: nn.Module, optimizer: Any, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
+    """Unsharded optimizer state (under ZeRO rank 0 receives it)."""
+    if zero:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
+        return get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
+    return full_optimizer_state(module, optimizer) if tensor_parallel else optimizer.state_dict()
 
 
-def load_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+def load_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, zero: bool) -> None:
+    if zero:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(module, optimizer, state, options=_options())
+        set_optimizer_state_dict(module, optimizer, state, options=_options())
+    elif tensor_parallel:
+        load_full_optimizer_state(module, optimizer, state)
+    else:
+        optimizer.load_state_dict(state)

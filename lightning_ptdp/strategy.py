@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -304,23 +304,20 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._sharded_by_zero():
-            return checkpoint.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-        if self._tensor_parallel():
-            rank_zero_warn(
-                "PTDPStrategy: the optimizer state is not saved under tensor parallelism yet (it is sharded per "
-                "rank; distributed checkpoints will hold it). A resumed run restarts the optimizer's moments."
-            )
-            return {}
-        return super().optimizer_state(optimizer)
+        """Unsharded optimizer state; a collective under TP and ZeRO."""
+        return checkpoint.optimizer_state(
+            self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
+            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+        )
 
     @override
     def load_optimizer_state_dict(self, state: Any) -> None:
-        if self._sharded_by_zero():
-            for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
-                checkpoint.load_optimizer_state(self.lightning_module, optimizer, optimizer_state)
-        elif not self._tensor_parallel():
-            super().load_optimizer_state_dict(state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
+            checkpoint.load_optimizer_state(
+                self.lightning_module, getattr(optimizer, "_optimizer", optimizer), optimizer_state,
+                tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+            )
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives
     @override

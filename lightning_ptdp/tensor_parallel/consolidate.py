@@ -160,3 +160,46 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> d
             for attr, _ in module.named_parameters(recurse=False):
                 owners[f"{path}.{attr}" if path else attr] = (module, attr)
     return {key: local_shard(*owners[key], value) if key in owners else value for key, value in full_state.items()}
+
+
+def _param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    return {
+        id(param): (layer, attr)
+        for layer in model.modules()
+        if isinstance(layer, _TP_LAYERS)
+        for attr, param in layer.named_parameters(recurse=False)
+    }
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every per-parameter tensor (Adam's moments...) unsharded.
+
+    Parameter indices follow ``model.parameters()`` order, which the rewrite keeps, so the result
+    is the state a single process would hold and loads back at any tensor-parallel size.
+    """
+    owners = _param_owners(model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = optimizer.state_dict()
+    full = {}
+    for index, values in state["state"].items():
+        owner = owners.get(id(params[index]))
+        full[index] = {
+            key: full_tensor(*owner, value) if owner and torch.is_tensor(value) and value.shape == params[index].shape else value
+            for key, value in values.items()
+        }
+    return {"state": full, "param_groups": state["param_groups"]}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Inverse of ``full_optimizer_state`` for this rank's shards."""
+    owners = _param_owners(model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = {}
+    for index, values in state["state"].items():
+        param = params[int(index)]
+        owner = owners.get(id(param))
+        local[index] = {
+            key: local_shard(*owner, value) if owner and torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape else value
+            for key, value in values.items()
+        }
+    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})

@@ -1,0 +1,49 @@
+"""Interrupted and resumed training equals uninterrupted training, also on another TP layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+STEPS_PER_EPOCH = 5
+# fp32; a resumed run repeats the same arithmetic from the same weights, Adam moments, LR schedule
+# and sampler epoch: identical on the same layout up to round-off, and within the TP tolerance
+# (summation order) on another one.
+LOSS_RTOL = 1e-5
+
+
+def run_epochs(devices: int, tensor_parallel_size: int | None, epochs: int, save: str | None, resume: str | None) -> list:
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from recipes.data import MarkovDataModule
+    from tests.fit_utils import LossRecorder, quiet_trainer
+    from tests.models import build_model
+
+    L.seed_everything(0, verbose=False)
+    model = build_model("llama")
+    batch = 8 // (devices // (tensor_parallel_size or 1))
+    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1,
+                            val_tokens=100)
+    strategy = PTDPStrategy(tensor_parallel_size=tensor_parallel_size) if tensor_parallel_size else "auto"
+    recorder = LossRecorder()
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
+    trainer.fit(model, data, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return recorder.losses
+
+
+@pytest.mark.world_size(2)
+def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
+    path = str(tmp_path / "epoch1.ckpt")
+    uninterrupted = dist_pool(2).run(run_epochs, 2, 2, 2, None, None)[0]
+    first = dist_pool(2).run(run_epochs, 2, 2, 1, path, None)[0]
+    assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    checkpoint = torch.load(path, weights_only=False)
+    moments = checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]  # of the token embedding
+    assert moments.shape == checkpoint["state_dict"]["net.tok_embeddings.weight"].shape  # unsharded
+    resumed_same = dist_pool(2).run(run_epochs, 2, 2, 2, None, path)[0]
+    assert resumed_same == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    resumed_t4 = dist_pool(4).run(run_epochs, 4, 4, 2, None, path)[0]
+    assert resumed_t4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
