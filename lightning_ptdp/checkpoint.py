@@ -15,12 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lightning_ptdp.tensor_parallel.consolidate import (
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    shard_state_dict,
-)
+from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 
 
 def _options(**kwargs: Any):
@@ -30,7 +25,11 @@ def _options(**kwargs: Any):
 
 
 def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
-    """Unsharded weights (under ZeRO only rank 0 receives them)."""
+    """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
+    if zero and tensor_parallel:  # gather over dp on every rank, then over tp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return full_state_dict(module, get_model_state_dict(module, options=_options()))
     if zero:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -42,7 +41,8 @@ def load_model_state(module: nn.Module, state: dict[str, Any], *, tensor_paralle
     if zero:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(module, state, options=_options(strict=strict))
+        local = shard_state_dict(module, state) if tensor_parallel else state
+        set_model_state_dict(module, local, options=_options(strict=strict))
     elif tensor_parallel:
         module.load_state_dict(shard_state_dict(module, state), strict=strict)
     else:
@@ -50,20 +50,17 @@ def load_model_state(module: nn.Module, state: dict[str, Any], *, tensor_paralle
 
 
 def optimizer_state(module: nn.Module, optimizer: Any, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
-    """Unsharded optimizer state (under ZeRO rank 0 receives it)."""
-    if zero:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    """Unsharded optimizer state keyed by parameter name, the same on every layout (under ZeRO
+    alone only rank 0 receives it)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
-    return full_optimizer_state(module, optimizer) if tensor_parallel else optimizer.state_dict()
+    gathered = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=zero and not tensor_parallel))
+    return map_optimizer_state_by_name(module, gathered, to_full=True) if tensor_parallel else gathered
 
 
 def load_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, zero: bool) -> None:
-    if zero:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state, options=_options())
-    elif tensor_parallel:
-        load_full_optimizer_state(module, optimizer, state)
-    else:
-        optimizer.load_state_dict(state)
+    if tensor_parallel:
+        state = map_optimizer_state_by_name(module, state, to_full=False)
+    set_optimizer_state_dict(module, optimizer, state, options=_options())

@@ -40,8 +40,8 @@ def check_implemented(config: ParallelConfig) -> None:
         "pipeline_parallel_size": (config.pipeline_parallel_size > 1, "use pipeline_parallel_size=1"),
         "micro_batch_size": (config.micro_batch_size is not None, "leave micro_batch_size=None"),
         "zero_stage": (
-            config.zero_stage != 0 and (config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1),
-            "with tensor or pipeline parallelism use zero_stage=0 for now",
+            config.zero_stage != 0 and config.pipeline_parallel_size > 1,
+            "with pipeline parallelism use zero_stage=0 for now",
         ),
     }
     for name, (requested, fix) in pending.items():

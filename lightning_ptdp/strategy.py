@@ -229,7 +229,8 @@ class PTDPStrategy(ParallelStrategy):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
-            clip_grad_norm(params, self.lightning_module, parallel.tp_group, float(clip_val))
+            dp_group = self.device_mesh["dp"].get_group() if self.parallel_config.zero_stage > 0 else None
+            clip_grad_norm(params, self.lightning_module, parallel.tp_group, float(clip_val), dp_group)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 

@@ -31,7 +31,10 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> nn.Mo
             f"zero_stage={zero_stage} needs the parameters of {type(module).__name__} inside submodules "
             "(FSDP shards submodules that the forward calls); move direct nn.Parameters into a submodule"
         )
+    # The root keeps its (embedding, head, final norm) parameters gathered until backward, which
+    # starts right after its forward anyway; this also keeps backward independent of whether FSDP
+    # can hook the root's output (tensor-parallel logits are a tensor subclass).
     for child in module.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(child, mesh=dp_mesh, reshard_after_forward=False)
     return module

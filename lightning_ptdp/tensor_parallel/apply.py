@@ -45,7 +45,8 @@ class TPReport:
     tp_size: int
     sequence_parallel: bool
     entries: list[tuple[str, str, str]] = field(default_factory=list)
-    partial_grad_params: list[nn.Parameter] = field(default_factory=list)
+    partial_grad_params: list[tuple[nn.Module, str]] = field(default_factory=list)
+    """(module, parameter name): looked up at use time, since ZeRO may replace the Parameter."""
 
     def summary(self) -> str:
         width = max((len(p) for p, _, _ in self.entries), default=10)
@@ -270,9 +271,9 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPRep
         for module in block.modules():
             if isinstance(module, ColumnParallelLinear):
                 continue
-            for name, param in module.named_parameters(recurse=False):
+            for name, _ in module.named_parameters(recurse=False):
                 if not (isinstance(module, RowParallelLinear) and name == "weight"):
-                    report.partial_grad_params.append(param)
+                    report.partial_grad_params.append((module, name))
 
 
 EXPLICIT_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")

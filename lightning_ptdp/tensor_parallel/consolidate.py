@@ -8,6 +8,8 @@ rank of the group.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -46,14 +48,20 @@ def full_tensor(layer: nn.Module, attr: str, local: torch.Tensor) -> torch.Tenso
     return full
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state_dict of a tensor-parallel model (same keys as before the rewrite)."""
+def _owners_by_name(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     owners = {}
     for path, module in model.named_modules():
         if isinstance(module, _TP_LAYERS):
             for attr, _ in module.named_parameters(recurse=False):
                 owners[f"{path}.{attr}" if path else attr] = (module, attr)
-    state = model.state_dict(keep_vars=False)
+    return owners
+
+
+def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded state_dict of a tensor-parallel model (same keys as before the rewrite);
+    ``state`` is this rank's TP-local state dict when it comes from elsewhere (ZeRO's gather)."""
+    owners = _owners_by_name(model)
+    state = model.state_dict(keep_vars=False) if state is None else state
     return {
         key: full_tensor(owners[key][0], owners[key][1], value) if key in owners else value
         for key, value in state.items()
@@ -73,7 +81,12 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def sum_partial_gradients(model: nn.Module, partial: list[nn.Parameter], tp: TPGroup) -> None:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a tensor that ZeRO may have sharded into a DTensor (a view, writable)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]], tp: TPGroup) -> None:
     """Finish the gradients TP leaves partial, once per optimizer step:
 
     - parameters replicated inside sequence-parallel blocks (norms, row biases) saw only this
@@ -81,7 +94,8 @@ def sum_partial_gradients(model: nn.Module, partial: list[nn.Parameter], tp: TPG
     - KV heads replicated over several ranks (t > n_kv_heads): each copy saw only its ranks'
       query heads: sum the copies (scatter into the full tensor, all-reduce, take own rows).
     """
-    grads = [p.grad for p in partial if p.grad is not None]
+    params = [getattr(module, name) for module, name in partial]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=tp.group)
@@ -94,6 +108,11 @@ def sum_partial_gradients(model: nn.Module, partial: list[nn.Parameter], tp: TPG
             for param in (layer.weight, layer.bias):
                 if param is None or param.grad is None:
                     continue
+                if hasattr(param.grad, "to_local"):
+                    raise NotImplementedError(
+                        "zero_stage > 0 with key/value heads replicated over tensor-parallel ranks "
+                        "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or a smaller t"
+                    )
                 rows = layer.layout.indices(tp.rank).to(param.grad.device)
                 full = param.grad.new_zeros((layer.layout.size, *param.grad.shape[1:]))
                 full.index_copy_(0, rows, param.grad)
@@ -101,7 +120,9 @@ def sum_partial_gradients(model: nn.Module, partial: list[nn.Parameter], tp: TPG
                 param.grad.copy_(full.index_select(0, rows))
 
 
-def global_grad_norm(parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup) -> torch.Tensor:
+def global_grad_norm(
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, dp_group: Any = None
+) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a single process would compute it.
 
     Sharded parameters contribute their squares summed over the group; replicated ones (norms,
@@ -119,24 +140,30 @@ def global_grad_norm(parameters: list[nn.Parameter], model: nn.Module, tp: TPGro
     for param in parameters:
         if param.grad is None:
             continue
-        square = param.grad.detach().double().pow(2).sum().cpu()
+        square = _local(param.grad.detach()).double().pow(2).sum().cpu()
         share = weight.get(id(param))
         if share is None:
             replicated += square
         else:
             sharded += square * share
     dist.all_reduce(sharded, group=tp.group)
+    if dp_group is not None:  # ZeRO: each dp rank holds a slice of every gradient
+        both = torch.stack((sharded, replicated))
+        dist.all_reduce(both, group=dp_group)
+        sharded, replicated = both[0], both[1]
     return (sharded + replicated).sqrt()
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, max_norm: float, dp_group: Any = None
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole tensor-parallel model."""
-    total = global_grad_norm(parameters, model, tp)
+    total = global_grad_norm(parameters, model, tp, dp_group)
     scale = max_norm / (float(total) + 1e-6)
     if scale < 1.0:
         for param in parameters:
             if param.grad is not None:
-                param.grad.mul_(scale)
+                _local(param.grad).mul_(scale)
     return total
 
 
@@ -154,52 +181,23 @@ def local_shard(layer: nn.Module, attr: str, full: torch.Tensor) -> torch.Tensor
 
 def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An unsharded state_dict (any tensor-parallel size, or none) cut to this rank's shards."""
-    owners = {}
-    for path, module in model.named_modules():
-        if isinstance(module, _TP_LAYERS):
-            for attr, _ in module.named_parameters(recurse=False):
-                owners[f"{path}.{attr}" if path else attr] = (module, attr)
+    owners = _owners_by_name(model)
     return {key: local_shard(*owners[key], value) if key in owners else value for key, value in full_state.items()}
 
 
-def _param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
-    return {
-        id(param): (layer, attr)
-        for layer in model.modules()
-        if isinstance(layer, _TP_LAYERS)
-        for attr, param in layer.named_parameters(recurse=False)
-    }
+def map_optimizer_state_by_name(model: nn.Module, state: dict, to_full: bool) -> dict:
+    """Unshard (``to_full``) or shard again the per-parameter tensors of an optimizer state dict
+    keyed by parameter names, as torch's distributed-checkpoint helpers produce under ZeRO."""
+    owners = _owners_by_name(model)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
 
+    def convert(name: str, value: Any) -> Any:
+        owner = owners.get(name)
+        if owner is None or not torch.is_tensor(value) or value.dim() == 0:
+            return value
+        if to_full:
+            return full_tensor(*owner, value) if tuple(value.shape) == shapes[name] else value
+        return local_shard(*owner, value) if tuple(value.shape) != shapes[name] else value
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with every per-parameter tensor (Adam's moments...) unsharded.
-
-    Parameter indices follow ``model.parameters()`` order, which the rewrite keeps, so the result
-    is the state a single process would hold and loads back at any tensor-parallel size.
-    """
-    owners = _param_owners(model)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = optimizer.state_dict()
-    full = {}
-    for index, values in state["state"].items():
-        owner = owners.get(id(params[index]))
-        full[index] = {
-            key: full_tensor(*owner, value) if owner and torch.is_tensor(value) and value.shape == params[index].shape else value
-            for key, value in values.items()
-        }
-    return {"state": full, "param_groups": state["param_groups"]}
-
-
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Inverse of ``full_optimizer_state`` for this rank's shards."""
-    owners = _param_owners(model)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    local = {}
-    for index, values in state["state"].items():
-        param = params[int(index)]
-        owner = owners.get(id(param))
-        local[index] = {
-            key: local_shard(*owner, value) if owner and torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape else value
-            for key, value in values.items()
-        }
-    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+    converted = {name: {k: convert(name, v) for k, v in values.items()} for name, values in state["state"].items()}
+    return {**state, "state": converted}

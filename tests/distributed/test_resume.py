@@ -12,7 +12,9 @@ STEPS_PER_EPOCH = 5
 LOSS_RTOL = 1e-5
 
 
-def run_epochs(devices: int, tensor_parallel_size: int | None, epochs: int, save: str | None, resume: str | None) -> list:
+def run_epochs(
+    devices: int, tensor_parallel_size: int | None, epochs: int, save: str | None, resume: str | None, zero_stage: int = 0
+) -> list:
     import lightning as L
 
     from lightning_ptdp import PTDPStrategy
@@ -25,7 +27,7 @@ def run_epochs(devices: int, tensor_parallel_size: int | None, epochs: int, save
     batch = 8 // (devices // (tensor_parallel_size or 1))
     data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1,
                             val_tokens=100)
-    strategy = PTDPStrategy(tensor_parallel_size=tensor_parallel_size) if tensor_parallel_size else "auto"
+    strategy = PTDPStrategy(tensor_parallel_size=tensor_parallel_size, zero_stage=zero_stage)
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
     trainer.fit(model, data, ckpt_path=resume)
@@ -41,9 +43,12 @@ def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
     first = dist_pool(2).run(run_epochs, 2, 2, 1, path, None)[0]
     assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     checkpoint = torch.load(path, weights_only=False)
-    moments = checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]  # of the token embedding
+    moments = checkpoint["optimizer_states"][0]["state"]["net.tok_embeddings.weight"]["exp_avg"]
     assert moments.shape == checkpoint["state_dict"]["net.tok_embeddings.weight"].shape  # unsharded
     resumed_same = dist_pool(2).run(run_epochs, 2, 2, 2, None, path)[0]
     assert resumed_same == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
     resumed_t4 = dist_pool(4).run(run_epochs, 4, 4, 2, None, path)[0]
     assert resumed_t4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    # and with the weights and Adam moments sharded again over d=2 by ZeRO-3 (t=2 x d=2)
+    resumed_zero = dist_pool(4).run(run_epochs, 4, 2, 2, None, path, 3)[0]
+    assert resumed_zero == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)

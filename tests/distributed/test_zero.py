@@ -30,3 +30,22 @@ def test_zero_matches_single_process(dist_pool, family, devices, zero_stage):
     # each rank holds 1/d of every parameter (FSDP pads a shard by at most one row per tensor)
     for result in results:
         assert result["local_numel"] <= ref["local_numel"] / devices * 1.1, (result["local_numel"], ref["local_numel"])
+
+
+@pytest.mark.parametrize(
+    ("family", "zero_stage", "sequence_parallel"),
+    [("gpt", 1, False), ("llama", 3, True)],
+    ids=["gpt-zero1-t2-d2", "llama-zero3-t2-d2-sp"],
+)
+@pytest.mark.world_size(4)
+def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zero_stage, sequence_parallel):
+    devices = 4  # t=2 x d=2: each TP shard is sharded again over its dp group
+    kwargs = {"zero_stage": zero_stage, "tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=kwargs, devices=devices, steps=STEPS, global_batch=GLOBAL_BATCH,
+        trainer_kwargs={"gradient_clip_val": 0.5},
+    )
+    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, trainer_kwargs={"gradient_clip_val": 0.5})
+    for result in results:
+        assert_matches_reference(result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+        assert result["local_numel"] < ref["local_numel"] / 2  # sharded by t and again by d
