@@ -387,7 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     report = run_checks(args)
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+        sys.stdout.write((json.dumps(report.as_dict(), indent=2) if args.json else report.text()) + "\n")
     return report.exit_code
 
 
