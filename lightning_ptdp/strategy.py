@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
 from lightning_ptdp import checkpoint
 from lightning_ptdp.tensor_parallel.consolidate import clip_grad_norm, sum_partial_gradients
@@ -65,6 +66,7 @@ class PTDPStrategy(ParallelStrategy):
         pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
         kernels: Literal["auto", "triton", "torch"] = "auto",
         tp_plan: Optional[dict[str, str]] = None,
+        on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -95,6 +97,9 @@ class PTDPStrategy(ParallelStrategy):
         )
         check_implemented(self.parallel_config)
         self.tp_plan = tp_plan
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip', 'ignore'; choose one of those")
+        self.on_nonfinite = on_nonfinite
         self._parallelized: Optional[Parallelized] = None
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
@@ -261,18 +266,22 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Finish tensor-parallel gradients (sequence-parallel norms, replicated KV heads) right
-        after backward, before Lightning's clipping and the step."""
+        """Right after backward, before Lightning's clipping and the step: finish tensor-parallel
+        gradients (sequence-parallel norms, replicated KV heads), then check, on all ranks
+        together, that the loss and gradients are finite (``on_nonfinite``)."""
         parallel = self._parallelized
-        if parallel is None or parallel.tp_report is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
 
-        def closure_then_sum() -> Any:
+        def closure_then_finish() -> Any:
             output = closure()
-            sum_partial_gradients(self.lightning_module, parallel.tp_report.partial_grad_params, parallel.tp_group)
+            if parallel is not None and parallel.tp_report is not None:
+                sum_partial_gradients(self.lightning_module, parallel.tp_report.partial_grad_params, parallel.tp_group)
+            if self.on_nonfinite != "ignore":
+                step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+                apply_policy(self.on_nonfinite, nonfinite_ranks(output, params), step, params)
             return output
 
-        return super().optimizer_step(optimizer, closure_then_sum, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     def _tensor_parallel(self) -> bool:
         return self._parallelized is not None and self._parallelized.tp_report is not None

@@ -1,0 +1,62 @@
+"""Non-finite losses and gradients, detected on all ranks together.
+
+One rank's NaN must not let the others step: after backward every rank shares a flag (one small
+all-gather), so all of them take the same decision. "raise" stops the run on every rank with a
+FloatingPointError naming the step and the ranks whose loss or gradients were not finite;
+"skip" drops the step everywhere (gradients cleared, so the optimizer leaves every parameter and
+its moments untouched) with a warning; "ignore" does nothing, as plain Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    sums = [t.detach().float().sum() for t in tensors]  # a NaN or Inf anywhere survives the sum
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
+def nonfinite_ranks(loss: Any, params: Iterable[torch.nn.Parameter]) -> dict[str, list[int]]:
+    """Global ranks whose loss, and whose gradients, are not finite (a collective over the world).
+
+    Both are reported: under data parallelism one rank's NaN loss reaches every rank's gradients
+    through the all-reduce, and the loss names where it started."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    losses = [loss] if isinstance(loss, torch.Tensor) else []
+    flags = torch.tensor([0.0 if _all_finite(losses) else 1.0, 0.0 if _all_finite(grads) else 1.0])
+    if not (dist.is_available() and dist.is_initialized()):
+        gathered = [flags]
+    else:
+        device = loss.device if isinstance(loss, torch.Tensor) and dist.get_backend() == "nccl" else torch.device("cpu")
+        gathered = [torch.zeros(2, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flags.to(device))
+    return {
+        "loss": [rank for rank, f in enumerate(gathered) if f[0].item()],
+        "gradients": [rank for rank, f in enumerate(gathered) if f[1].item()],
+    }
+
+
+def apply_policy(policy: str, bad: dict[str, list[int]], step: int, params: Iterable[torch.nn.Parameter]) -> bool:
+    """Act on the shared decision; returns True when the step must be skipped."""
+    if not (bad["loss"] or bad["gradients"]) or policy == "ignore":
+        return False
+    what = (
+        f"non-finite values at global step {step}: loss on rank(s) {bad['loss']}, "
+        f"gradients on rank(s) {bad['gradients']}"
+    )
+    if policy == "raise":
+        raise FloatingPointError(
+            f"{what}; every rank stops here. Lower the learning rate, clip gradients, or pass "
+            "PTDPStrategy(on_nonfinite='skip') to drop such steps"
+        )
+    rank_zero_warn(f"{what}: skipping this optimizer step on every rank (on_nonfinite='skip')")
+    for param in params:
+        param.grad = None
+    return True
