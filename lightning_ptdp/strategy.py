@@ -287,7 +287,7 @@ class PTDPStrategy(ParallelStrategy):
         return self._parallelized is not None and self._parallelized.tp_report is not None
 
     def _sharded_by_zero(self) -> bool:
-        return self.parallel_config.zero_stage > 0 and self._dims is not None and self._parallelized is not None
+        return self.parallel_config.zero_stage > 0 and self._parallelized is not None
 
     @override
     def model_to_device(self) -> None:

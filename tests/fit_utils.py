@@ -37,6 +37,21 @@ class LossRecorder(L.Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
 
+def zoo_data(batch_size: int, train_tokens: int, val_tokens: int) -> MarkovDataModule:
+    """The embedded corpus at the zoo models' vocabulary and context, in order (no shuffle)."""
+    return MarkovDataModule(
+        vocab_size=VOCAB, seq_length=SEQ, batch_size=batch_size, shuffle=False,
+        train_tokens=train_tokens, val_tokens=val_tokens,
+    )
+
+
+def strategy_from(strategy_kwargs: dict | None) -> Any:
+    """PTDPStrategy(**kwargs), or Lightning's default single-process strategy for ``None``."""
+    from lightning_ptdp import PTDPStrategy
+
+    return PTDPStrategy(**strategy_kwargs) if strategy_kwargs is not None else "auto"
+
+
 def use_distributed_order(datamodule: MarkovDataModule, seed: int) -> None:
     """Make a single-process run read samples in the order Lightning's DistributedSampler gives
     the union of all replicas: a training loader is always shuffled with ``randperm(seed + epoch)``
@@ -85,10 +100,7 @@ def fit_and_record(
         config = ParallelConfig(**strategy_kwargs)
         replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
         strategy = PTDPStrategy(**strategy_kwargs, tp_plan=tp_plan)
-    datamodule = MarkovDataModule(
-        vocab_size=VOCAB, seq_length=SEQ, batch_size=global_batch // replicas, shuffle=False,
-        train_tokens=(steps + 1) * global_batch * (SEQ + 1), val_tokens=4 * (SEQ + 1),
-    )
+    datamodule = zoo_data(global_batch // replicas, (steps + 1) * global_batch * (SEQ + 1), 4 * (SEQ + 1))
     if strategy_kwargs is None:
         use_distributed_order(datamodule, seed)
     recorder = LossRecorder()

@@ -208,11 +208,11 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         report.entries.append((head_path, "vocab_head", "tied to the embedding" if tied else "untied"))
 
 
-def apply_tensor_parallel(
-    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any]
-) -> TPReport:
-    """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward."""
-    report = TPReport(tp.size, sequence_parallel)
+def plan_block_lists(
+    model: nn.Module, tp_size: int, probe: Callable[[], Any]
+) -> list[tuple[str, list[nn.Module], BlockPlan, tuple]]:
+    """(path, blocks, plan, first block's positional inputs) for every block list of ``model``;
+    the plan of the first block serves its whole list (same type, same code)."""
     block_lists = find_block_lists(model)
     if not block_lists:
         raise TPDiscoveryError(
@@ -220,15 +220,25 @@ def apply_tensor_parallel(
             "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
         )
     captured = capture_block_inputs([blocks[0] for _, blocks in block_lists], probe)
-    inside: set[int] = set()
+    planned = []
     for path, blocks in block_lists:
+        name = _join(path, "0")
         if id(blocks[0]) not in captured:
-            raise TPDiscoveryError(f"the probe forward never called block '{path}.0'; is it used in forward()?")
+            raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
         args, kwargs = captured[id(blocks[0])]
+        planned.append((path, blocks, plan_block(trace_block(blocks[0], args, kwargs, name), name, tp_size), args))
+    return planned
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any]
+) -> TPReport:
+    """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward."""
+    report = TPReport(tp.size, sequence_parallel)
+    inside: set[int] = set()
+    for path, blocks, plan, args in plan_block_lists(model, tp.size, probe):
         if sequence_parallel:
             C.check_sequence_divisible(args[0].shape[C.SEQ_DIM], tp)
-        gm, _ = trace_block(blocks[0], args, kwargs, _join(path, "0"))
-        plan = plan_block(gm, _join(path, "0"), tp.size)
         for i, block in enumerate(blocks):
             inside.update(id(m) for m in block.modules())
             _shard_block(block, plan.regions, tp)
@@ -319,15 +329,12 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
     """Dry run: the plan ``apply_tensor_parallel`` would choose at ``tp_size``, without changing
     the model or needing a process group (``probe`` runs one ordinary forward)."""
     report = TPReport(tp_size, False)
-    block_lists = find_block_lists(model)
-    captured = capture_block_inputs([blocks[0] for _, blocks in block_lists], probe)
-    for path, blocks in block_lists:
-        args, kwargs = captured[id(blocks[0])]
-        gm, _ = trace_block(blocks[0], args, kwargs, _join(path, "0"))
-        for region in plan_block(gm, _join(path, "0"), tp_size).regions:
+    for path, _, plan, _ in plan_block_lists(model, tp_size, probe):
+        for region in plan.regions:
             widest = max(region.units.values())
             for name in (*region.columns, region.row):
                 units = region.units.get(name, widest)
-                detail = f"{max(1, units // tp_size)}/{units} {'heads' if region.unit_size.get(name, 2) > 1 else 'units'} per rank"
+                what = "heads" if region.unit_size.get(name, 2) > 1 else "units"
+                detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                 report.entries.append((_join(path, f"*.{name}"), _style(region, name), detail))
     return report

@@ -41,7 +41,7 @@ class _Tracer(fx.Tracer):
         return not any(isinstance(c, nn.Linear) for c in m.modules())
 
 
-def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> tuple[fx.GraphModule, list]:
+def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> fx.GraphModule:
     """Trace ``block`` specialised to the non-tensor arguments of a real call; propagate shapes."""
     bound = inspect.signature(block.forward).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -54,9 +54,8 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> tuple
             + PLAN_HINT.format(block=name, module="<linear>")
         ) from err
     gm = fx.GraphModule(block, graph)
-    call_args = list(bound.arguments.values())
-    ShapeProp(gm).propagate(*call_args)
-    return gm, call_args
+    ShapeProp(gm).propagate(*bound.arguments.values())
+    return gm
 
 
 def _has_tensor(value: Any) -> bool:

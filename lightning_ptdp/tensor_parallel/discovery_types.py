@@ -52,11 +52,10 @@ class RegionPlan:
 
 @dataclass
 class BlockPlan:
-    """The traced graph of one block, its regions, and the shape-argument rewrites it needs."""
+    """The traced graph of one block (shape arguments already rewritten) and its regions."""
 
     graph: fx.Graph
     regions: list[RegionPlan]
-    rewrites: dict[str, dict[int, Any]] = field(default_factory=dict)
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

@@ -33,12 +33,11 @@ class WeightTrace(L.Callback):
 
 def train(policy: str) -> dict:
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
-    from tests.fit_utils import quiet_trainer
+    from tests.fit_utils import quiet_trainer, zoo_data
 
     L.seed_everything(0, verbose=False)
     model = NaNOnOneRank(Llama(ZooConfig()))
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=4000, val_tokens=100)
+    data = zoo_data(4, 4000, 100)
     trace = WeightTrace()
     trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(on_nonfinite=policy), max_steps=STEPS, callbacks=[trace])
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fit_utils import assert_matches_reference, fit_and_record, relative_error
+from tests.fit_utils import assert_matches_reference, fit_and_record, relative_error, strategy_from, zoo_data
 from tests.tp_utils import reference_step, tp_step
 
 # fp32. A TP rank computes the same sums as the reference split into t partial sums, so values
@@ -149,7 +149,6 @@ def test_gradient_clipping_uses_the_global_norm(dist_pool, family, devices, stra
 def fit_and_save(path: str) -> dict:
     """Train the GPT at t=2 for a few steps and save a checkpoint (rank 0 writes it)."""
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from tests.fit_utils import quiet_trainer
     from tests.models import build_model
 
@@ -157,7 +156,7 @@ def fit_and_save(path: str) -> dict:
 
     L.seed_everything(0, verbose=False)
     model = build_model("gpt")
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=5000, val_tokens=1000)
+    data = zoo_data(4, 5000, 1000)
     trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(tensor_parallel_size=2), max_steps=3)
     trainer.fit(model, data)
     trainer.save_checkpoint(path)
@@ -165,14 +164,12 @@ def fit_and_save(path: str) -> dict:
 
 
 def validate_checkpoint(path: str, devices: int, strategy_kwargs: dict | None) -> float:
-    from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from tests.fit_utils import quiet_trainer
     from tests.models import build_model
 
     model = build_model("gpt")
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=5000, val_tokens=1000)
-    strategy = PTDPStrategy(**strategy_kwargs) if strategy_kwargs is not None else "auto"
+    data = zoo_data(4, 5000, 1000)
+    strategy = strategy_from(strategy_kwargs)
     trainer = quiet_trainer(devices=devices, strategy=strategy, limit_val_batches=4)
     return trainer.validate(model, data, ckpt_path=path, verbose=False)[0]["val_loss"]
 
@@ -235,15 +232,13 @@ def predict_tokens(devices: int, strategy_kwargs: dict | None) -> torch.Tensor:
     """``trainer.predict`` with the recipe's predict_step (argmax over the vocabulary)."""
     import lightning as L
 
-    from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from tests.fit_utils import quiet_trainer
     from tests.models import build_model
 
     L.seed_everything(0, verbose=False)
     model = build_model("gpt")
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=1000, val_tokens=400)
-    strategy = PTDPStrategy(**strategy_kwargs) if strategy_kwargs is not None else "auto"
+    data = zoo_data(4, 1000, 400)
+    strategy = strategy_from(strategy_kwargs)
     trainer = quiet_trainer(devices=devices, strategy=strategy, limit_predict_batches=2)
     return torch.cat(trainer.predict(model, data))
 
