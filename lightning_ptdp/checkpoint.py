@@ -5,14 +5,19 @@ checkpoint loads on one device with plain ``load_state_dict`` and on any other l
   - TP: each rank's shards are gathered into the original tensors; on load, cut again for the
     new t (``consolidate.shard_state_dict``);
   - ZeRO (FSDP2): torch's distributed-checkpoint state-dict helpers gather to rank 0 and scatter
-    back on load, optimizer state included.
+    back on load, optimizer state included;
+  - PP: each stage holds its own chunks' entries; they are gathered over the pipeline group (a
+    weight tied across stages appears under each of its names, as in the original state_dict),
+    and on load each stage takes the entries it holds.
 Every function here is a collective over the ranks that hold shards: call it on all of them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
@@ -24,8 +29,23 @@ def _options(**kwargs: Any):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
+def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
+    parts: list[Optional[dict]] = [None] * dist.get_world_size(pp_group)
+    local = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    dist.all_gather_object(parts, local, group=pp_group)
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged
+
+
+def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
+    state = _stage_model_state(module, tensor_parallel=tensor_parallel, zero=zero)
+    return _gather_stages(state, pp_group) if pp_group is not None else state
+
+
+def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
     if zero and tensor_parallel:  # gather over dp on every rank, then over tp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -37,7 +57,12 @@ def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool) -> dict
     return full_state_dict(module) if tensor_parallel else module.state_dict()
 
 
-def load_model_state(module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, zero: bool, strict: bool) -> None:
+def load_model_state(
+    module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, zero: bool, strict: bool, pipeline: bool = False
+) -> None:
+    if pipeline:  # this stage's entries only; a missing one is still an error under strict
+        local = module.state_dict().keys()
+        state = {k: v for k, v in state.items() if k in local}
     if zero:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -49,18 +74,65 @@ def load_model_state(module: nn.Module, state: dict[str, Any], *, tensor_paralle
         module.load_state_dict(state, strict=strict)
 
 
-def optimizer_state(module: nn.Module, optimizer: Any, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module, optimizer: Any, *, tensor_parallel: bool, zero: bool, pp_group: Any = None
+) -> dict[str, Any]:
     """Unsharded optimizer state keyed by parameter name, the same on every layout (under ZeRO
     alone only rank 0 receives it)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     gathered = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=zero and not tensor_parallel))
-    return map_optimizer_state_by_name(module, gathered, to_full=True) if tensor_parallel else gathered
+    state = map_optimizer_state_by_name(module, gathered, to_full=True) if tensor_parallel else gathered
+    return _gather_optimizer_stages(state, pp_group) if pp_group is not None else state
 
 
-def load_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, zero: bool) -> None:
+def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
+    """Every stage's per-parameter state in one dict; param groups joined group by group."""
+    parts: list[Optional[dict]] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, _cpu(state), group=pp_group)
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for index, group in enumerate(part["param_groups"]):
+            if index == len(merged["param_groups"]):
+                merged["param_groups"].append({**group, "params": []})
+            merged["param_groups"][index]["params"] += [p for p in group["params"] if p not in merged["param_groups"][index]["params"]]
+    return merged
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu(v) for v in value]
+    return value
+
+
+def stage_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], aliases: dict[str, list[str]]) -> dict[str, Any]:
+    """The entries of a whole-model optimizer state this stage's optimizer holds, found under any
+    name of the parameter (a single process names a tied weight once, a stage by its own module)."""
+    names = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    by_name, picked, groups = state["state"], {}, []
+    for index, group in enumerate(optimizer.param_groups):
+        local = [names[id(p)] for p in group["params"]]
+        for name in local:
+            found = [alias for alias in aliases.get(name, [name]) if alias in by_name]
+            if found:
+                picked[name] = by_name[found[0]]
+        groups.append({**state["param_groups"][index], "params": local})
+    return {"state": picked, "param_groups": groups}
+
+
+def load_optimizer_state(
+    module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, zero: bool,
+    aliases: Optional[dict[str, list[str]]] = None,
+) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    if aliases is not None:
+        state = stage_optimizer_state(module, optimizer, state, aliases)
     if tensor_parallel:
         state = map_optimizer_state_by_name(module, state, to_full=False)
     set_optimizer_state_dict(module, optimizer, state, options=_options())

@@ -48,7 +48,8 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     """v: model chunks per pipeline rank for the interleaved schedule (bubble (p-1)/(v*m))."""
     micro_batch_size: Union[int, None] = None
-    """b: samples per pipeline microbatch; None means the whole per-rank batch is one microbatch."""
+    """b: samples per pipeline microbatch (m = per-replica batch / b microbatches per step); None
+    means the whole per-replica batch is one microbatch."""
     sequence_parallel: bool = False
     """Shard norms, dropout and residuals along the sequence inside each TP group (needs t > 1)."""
     zero_stage: int = 0
@@ -88,9 +89,9 @@ class ParallelConfig:
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline_parallel_size > 1 "
                 "(it interleaves chunks across pipeline ranks); set pipeline_parallel_size or use 1"
             )
-        if self.virtual_pipeline_size > 1 and self.pipeline_schedule != "interleaved_1f1b":
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule == "1f1b":
             raise ValueError(
-                f"virtual_pipeline_size={self.virtual_pipeline_size} only applies to "
-                f"pipeline_schedule='interleaved_1f1b', got {self.pipeline_schedule!r}; "
-                "use virtual_pipeline_size=1 or the interleaved schedule"
+                f"virtual_pipeline_size={self.virtual_pipeline_size} needs a schedule that runs several chunks per "
+                "rank, but pipeline_schedule='1f1b' runs one; use 'interleaved_1f1b' (or 'gpipe', 'zero_bubble'), "
+                "or virtual_pipeline_size=1"
             )

@@ -5,9 +5,11 @@ The order is fixed, each step its own function:
                       pipeline split moves modules between stages.
   2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                       sees its own heads and bias shard (DESIGN.md had kernels first).
-  3. pipeline split   cut the (sharded) model into p*v chunks.
-  4. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
-  5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp).
+  3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
+  4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
+                      recomputed blocks, so a block of another chunk is never recomputed.
+  5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
+                      under PP the engine averages gradients over dp once per step instead).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning_ptdp.activation_checkpoint import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.sharding import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
@@ -37,8 +40,6 @@ def check_implemented(config: ParallelConfig) -> None:
     from lightning_ptdp import __version__
 
     pending = {
-        "pipeline_parallel_size": (config.pipeline_parallel_size > 1, "use pipeline_parallel_size=1"),
-        "micro_batch_size": (config.micro_batch_size is not None, "leave micro_batch_size=None"),
         "zero_stage": (
             config.zero_stage != 0 and config.pipeline_parallel_size > 1,
             "with pipeline parallelism use zero_stage=0 for now",
@@ -57,6 +58,7 @@ class Parallelized:
     module: torch.nn.Module
     tp_group: Optional[TPGroup] = None
     tp_report: Optional[TPReport] = None
+    pipeline: Optional[PipelineEngine] = None
 
 
 def parallelize(
@@ -68,9 +70,12 @@ def parallelize(
     probe: Callable[[], Any],
     tp_plan: Optional[dict[str, str]] = None,
     training: bool = True,
+    pipeline_probe: Optional[Callable[[], tuple[Callable[[], Any], int]]] = None,
+    device: torch.device = torch.device("cpu"),
 ) -> Parallelized:
     """Apply steps 1-5 above; ``probe`` runs one ordinary forward (tensor-parallel discovery
-    traces the first transformer block on its real inputs). Data parallelism only when training."""
+    traces the first transformer block on its real inputs); ``pipeline_probe`` gives a forward on
+    one microbatch and its sample count. Data parallelism only when training."""
     check_implemented(config)
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module)
@@ -85,9 +90,20 @@ def parallelize(
         wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
         module.__dict__["_ptdp_recompute"] = wrapped
         log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
+    if dims.pp > 1:
+        if "_ptdp_pipeline" not in module.__dict__:
+            if pipeline_probe is None:
+                raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
+            run, rows = pipeline_probe()
+            module.__dict__["_ptdp_pipeline"] = apply_pipeline(
+                module, pp=dims.pp, vpp=config.virtual_pipeline_size, rank=mesh["pp"].get_local_rank(),
+                schedule=config.pipeline_schedule, micro_batch_size=config.micro_batch_size,
+                pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows,
+            )
+        result.pipeline = module.__dict__["_ptdp_pipeline"]
     if training and config.zero_stage > 0:
         result.module = apply_zero(module, mesh["dp"], config.zero_stage)
-    elif training:
+    elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result
 

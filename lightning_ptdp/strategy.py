@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -33,6 +34,8 @@ from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
 from lightning_ptdp import checkpoint
+from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
+from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
 from lightning_ptdp.tensor_parallel.consolidate import clip_grad_norm, sum_partial_gradients
 
 log = logging.getLogger(__name__)
@@ -208,6 +211,8 @@ class PTDPStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.parallel_dims.pp > 1:
+            self._check_pipeline_precision()
         self._parallelized = parallelize(
             self.model,
             config=self.parallel_config,
@@ -216,9 +221,11 @@ class PTDPStrategy(ParallelStrategy):
             probe=lambda: self._probe_forward(trainer),
             tp_plan=self.tp_plan,
             training=fitting,
+            pipeline_probe=lambda: self._microbatch_probe(trainer),
+            device=self.root_device,
         )
         self.model = self._parallelized.module
-        if self._parallelized.tp_report is not None:
+        if self._parallelized.tp_report is not None or self._parallelized.pipeline is not None:
             self._clip_by_global_norm()
         if fitting:
             self.setup_optimizers(trainer)
@@ -235,9 +242,53 @@ class PTDPStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
             dp_group = self.device_mesh["dp"].get_group() if self.parallel_config.zero_stage > 0 else None
-            clip_grad_norm(params, self.lightning_module, parallel.tp_group, float(clip_val), dp_group)
+            pipeline = parallel.pipeline
+            pp_group = pipeline.pp_group if pipeline is not None else None
+            exclude = pipeline.split.norm_exclude if pipeline is not None else frozenset()
+            clip_grad_norm(
+                params, self.lightning_module, parallel.tp_group, float(clip_val), dp_group, pp_group, exclude
+            )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _check_pipeline_precision(self) -> None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision='16-mixed' scales the loss with a GradScaler, which the pipeline schedule's backward "
+                "cannot apply; with pipeline_parallel_size > 1 use precision='bf16-mixed', 'bf16-true' or '32-true'"
+            )
+
+    def _stage_step(self, trainer: "pl.Trainer") -> tuple[Any, Any]:
+        """The stage's step method and its dataloader's first batch (on this device)."""
+        module = self.lightning_module
+        stage = trainer.state.fn
+        loop, step = {
+            TrainerFn.FITTING: (trainer.fit_loop, module.training_step),
+            TrainerFn.VALIDATING: (trainer.validate_loop, module.validation_step),
+            TrainerFn.TESTING: (trainer.test_loop, module.test_step),
+            TrainerFn.PREDICTING: (trainer.predict_loop, module.predict_step),
+        }[stage]
+        loader = loop._data_source.dataloader()  # Lightning has no public "the stage's dataloader" hook
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        return step, self.batch_to_device(next(iter(loader)))
+
+    def _microbatch_probe(self, trainer: "pl.Trainer") -> tuple[Any, int]:
+        """One ordinary step on the first microbatch of the stage's first batch (logging muted), for
+        the pipeline split; returns it unrun with its sample count."""
+        step, batch = self._stage_step(trainer)
+        microbatches, rows = split_microbatches(batch, self.parallel_config.micro_batch_size)
+        module = self.lightning_module
+
+        def run() -> None:
+            module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+            try:
+                with self.precision_plugin.forward_context():
+                    step(microbatches[0], 0)
+            finally:
+                del module.log
+
+        return run, rows
 
     def _probe_forward(self, trainer: "pl.Trainer") -> None:
         """One ordinary step on a sample batch, so discovery sees the blocks' real inputs.
@@ -251,17 +302,7 @@ class PTDPStrategy(ParallelStrategy):
             example = self.batch_to_device(module.example_input_array)
             module(*example) if isinstance(example, tuple) else module(example)
             return
-        stage = trainer.state.fn
-        loop, step = {
-            TrainerFn.FITTING: (trainer.fit_loop, module.training_step),
-            TrainerFn.VALIDATING: (trainer.validate_loop, module.validation_step),
-            TrainerFn.TESTING: (trainer.test_loop, module.test_step),
-            TrainerFn.PREDICTING: (trainer.predict_loop, module.predict_step),
-        }[stage]
-        loader = loop._data_source.dataloader()  # Lightning has no public "the stage's dataloader" hook
-        if isinstance(loader, (list, tuple)):
-            loader = loader[0]
-        batch = self.batch_to_device(next(iter(loader)))
+        step, batch = self._stage_step(trainer)
         step(batch, 0)
 
     @override
@@ -274,8 +315,13 @@ class PTDPStrategy(ParallelStrategy):
 
         def closure_then_finish() -> Any:
             output = closure()
+            pipeline = parallel.pipeline if parallel is not None else None
+            if pipeline is not None:
+                sum_tied_gradients(pipeline.split, pipeline.pp_group, self.root_device)
             if parallel is not None and parallel.tp_report is not None:
                 sum_partial_gradients(self.lightning_module, parallel.tp_report.partial_grad_params, parallel.tp_group)
+            if pipeline is not None and self.parallel_config.zero_stage == 0:
+                average_data_parallel_gradients(params, self.device_mesh["dp"].get_group(), self.parallel_dims.dp)
             if self.on_nonfinite != "ignore":
                 step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
                 apply_policy(self.on_nonfinite, nonfinite_ranks(output, params), step, params)
@@ -283,8 +329,63 @@ class PTDPStrategy(ParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
+    # ------------------------------------------------------------------ pipeline steps
+    def _pipeline(self) -> Optional[PipelineEngine]:
+        return self._parallelized.pipeline if self._parallelized is not None else None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under PP: the whole global batch through the pipeline schedule (forward and backward of
+        every microbatch); returns the mean loss on every rank. Otherwise Lightning's own step."""
+        engine = self._pipeline()
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        step = functools.partial(module.training_step, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return engine.train_step(step, args[0], args[1:], 1.0 / module.trainer.accumulate_grad_batches)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Under PP the schedule already ran backward inside training_step: its gradients are
+        added here (after Lightning's zero_grad), between the usual hooks."""
+        engine = self._pipeline()
+        if engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        engine.apply_pending_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
+        engine = self._pipeline()
+        if engine is None:
+            return getattr(super(), name)(*args, **kwargs)
+        step = functools.partial(getattr(self.lightning_module, name), **kwargs)
+        with context():
+            return engine.eval_step(step, args[0], args[1:], collect=collect)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args, kwargs, self.precision_plugin.test_step_context)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under PP the predictions of the last stage, returned on every rank."""
+        return self._eval_step("predict_step", args, kwargs, self.precision_plugin.predict_step_context, True)
+
     def _tensor_parallel(self) -> bool:
         return self._parallelized is not None and self._parallelized.tp_report is not None
+
+    def _pp_group(self) -> Any:
+        engine = self._pipeline()
+        return engine.pp_group if engine is not None else None
 
     def _sharded_by_zero(self) -> bool:
         return self.parallel_config.zero_stage > 0 and self._parallelized is not None
@@ -300,7 +401,8 @@ class PTDPStrategy(ParallelStrategy):
         """Unsharded weights; a collective under TP and ZeRO (every rank calls it)."""
         assert self.lightning_module is not None
         return checkpoint.model_state(
-            self.lightning_module, tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero()
+            self.lightning_module, tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+            pp_group=self._pp_group(),
         )
 
     @override
@@ -309,7 +411,7 @@ class PTDPStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         checkpoint.load_model_state(
             self.lightning_module, state["state_dict"], strict=strict,
-            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), pipeline=self._pp_group() is not None,
         )
 
     @override
@@ -317,15 +419,17 @@ class PTDPStrategy(ParallelStrategy):
         """Unsharded optimizer state; a collective under TP and ZeRO."""
         return checkpoint.optimizer_state(
             self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
-            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+            tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), pp_group=self._pp_group(),
         )
 
     @override
     def load_optimizer_state_dict(self, state: Any) -> None:
+        engine = self._pipeline()
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
             checkpoint.load_optimizer_state(
                 self.lightning_module, getattr(optimizer, "_optimizer", optimizer), optimizer_state,
                 tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
+                aliases=engine.split.aliases if engine is not None else None,
             )
         _optimizers_to_device(self.optimizers, self.root_device)
 

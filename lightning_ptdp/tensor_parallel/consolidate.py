@@ -121,12 +121,16 @@ def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]]
 
 
 def global_grad_norm(
-    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, dp_group: Any = None
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, dp_group: Any = None,
+    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a single process would compute it.
 
-    Sharded parameters contribute their squares summed over the group; replicated ones (norms,
+    Sharded parameters contribute their squares summed over the tp group; replicated ones (norms,
     row biases, position embeddings) once; KV heads replicated over r ranks 1/r from each copy.
+    Under ZeRO each dp rank holds a slice of every gradient (summed over ``dp_group``); under
+    pipeline parallelism each stage its own layers (summed over ``pp_group``), a weight tied
+    across stages counted on one of them (the others pass its id in ``exclude``).
     """
     weight = {}
     for layer in model.modules():
@@ -138,7 +142,7 @@ def global_grad_norm(
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for param in parameters:
-        if param.grad is None:
+        if param.grad is None or id(param) in exclude:
             continue
         square = _local(param.grad.detach()).double().pow(2).sum().cpu()
         share = weight.get(id(param))
@@ -146,19 +150,23 @@ def global_grad_norm(
             replicated += square
         else:
             sharded += square * share
-    dist.all_reduce(sharded, group=tp.group)
-    if dp_group is not None:  # ZeRO: each dp rank holds a slice of every gradient
-        both = torch.stack((sharded, replicated))
-        dist.all_reduce(both, group=dp_group)
-        sharded, replicated = both[0], both[1]
-    return (sharded + replicated).sqrt()
+    device = parameters[0].device if parameters else torch.device("cpu")
+    if tp is not None:
+        sharded = sharded.to(device)
+        dist.all_reduce(sharded, group=tp.group)
+    total = (sharded.cpu() + replicated).to(device)
+    for group in (dp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt().cpu()
 
 
 def clip_grad_norm(
-    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup, max_norm: float, dp_group: Any = None
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, max_norm: float, dp_group: Any = None,
+    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole tensor-parallel model."""
-    total = global_grad_norm(parameters, model, tp, dp_group)
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole parallel model."""
+    total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude)
     scale = max_norm / (float(total) + 1e-6)
     if scale < 1.0:
         for param in parameters:

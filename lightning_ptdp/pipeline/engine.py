@@ -1,0 +1,395 @@
+"""Run one Lightning step as a pipeline schedule over microbatches.
+
+The user's own ``training_step`` (or validation/test/predict step) runs once per microbatch on
+every stage, with the model in that stage's chunk mode (see split.py): on the last chunk it
+computes the microbatch loss exactly as written; elsewhere it stops at the chunk's end and its
+activation is sent on. torch.distributed.pipelining's stages and schedules do the ordering and
+the point-to-point transfers. ``self.log`` calls made during the microbatches are collected and
+replayed once per step on every pipeline rank with the mean over microbatches, so loggers,
+the progress bar and checkpoint monitors see the global batch's value everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
+from lightning_ptdp.pipeline.split import PipelineSplit
+
+log = logging.getLogger(__name__)
+
+
+def split_microbatches(batch: Any, micro_batch_size: Optional[int]) -> tuple[list[Any], int]:
+    """Cut every tensor in ``batch`` along dim 0 into microbatches of ``micro_batch_size`` rows
+    (other leaves are shared). Returns (microbatches, rows per microbatch)."""
+    leaves, spec = tree_flatten(batch)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not tensors:
+        raise ValueError("pipeline parallelism splits the batch into microbatches along dim 0, but it holds no tensors")
+    rows = tensors[0].shape[0]
+    if any(t.shape[0] != rows for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"the batch's tensors {shapes} disagree on dim 0; pipeline microbatches split every tensor there")
+    size = micro_batch_size or rows
+    if rows % size:
+        fits = [k for k in range(1, rows + 1) if rows % k == 0]
+        raise ValueError(
+            f"micro_batch_size={size} does not divide the per-replica batch of {rows} samples; choose one of "
+            f"{fits}, or a batch size that is a multiple of {size} (DataLoader(drop_last=True) for a short last batch)"
+        )
+    count = rows // size
+    pieces = [leaf.split(size) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count for leaf in leaves]
+    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(count)], size
+
+
+@dataclass
+class Span:
+    """One forward (F), backward (B), input-backward (I) or weight-backward (W) of one microbatch."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepTimeline:
+    """This rank's measured schedule for one step: what ran when, between ``start`` and ``end``."""
+
+    rank: int
+    start: float
+    end: float
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def busy(self) -> float:
+        return sum(s.end - s.start for s in self.spans)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this rank spent not computing (waiting on other stages or transfers)."""
+        wall = self.end - self.start
+        return max(0.0, 1.0 - self.busy / wall) if wall > 0 else 0.0
+
+    def max_in_flight(self, stage: int) -> int:
+        """Most microbatches whose activations ``stage`` held at once (forwarded, not yet backwarded)."""
+        live, peak = 0, 0
+        for span in sorted((s for s in self.spans if s.stage == stage), key=lambda s: s.start):
+            live += 1 if span.kind == "F" else (-1 if span.kind in ("B", "I") else 0)
+            peak = max(peak, live)
+        return peak
+
+
+class _Chunk(nn.Module):
+    """What a torch PipelineStage runs: one chunk of the user's step, for the microbatch ``mb``."""
+
+    def __init__(self, engine: "PipelineEngine", chunk: int, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.params = nn.ParameterList(params)  # the same Parameter objects: what zero-bubble's W step updates
+        self.__dict__["engine"] = engine  # not a submodule
+
+    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        return self.engine._forward_chunk(self.chunk, received, int(mb))
+
+
+@dataclass
+class _Step:
+    step: Callable[..., Any]
+    microbatches: list[Any]
+    extra: tuple
+    training: bool
+    grad_scale: float
+    outputs: dict[int, Any] = field(default_factory=dict)
+    logs: list[tuple[int, str, Any, tuple, dict]] = field(default_factory=list)
+    current: int = 0
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise ValueError(
+        f"under pipeline parallelism training_step must return the loss tensor or a dict with 'loss'; it returned "
+        f"{type(output).__name__} (skipping a step by returning None is not supported: every stage has started it)"
+    )
+
+
+class PipelineEngine:
+    """Runs Lightning steps of ``module`` through torch pipeline schedules on this pipeline rank."""
+
+    def __init__(
+        self, module: nn.Module, split: PipelineSplit, *, schedule: str, micro_batch_size: Optional[int],
+        pp_group: Any, device: torch.device,
+    ) -> None:
+        self.module, self.split, self.schedule_name = module, split, schedule
+        self.micro_batch_size = micro_batch_size
+        self.pp_group, self.device = pp_group, device
+        self.pp = split.layout.pp
+        self.is_last = split.rank == self.pp - 1
+        self._last_global = dist.get_global_rank(pp_group, self.pp - 1)
+        self._schedules: dict[tuple, Any] = {}
+        self._run: Optional[_Step] = None
+        self._finished: Optional[_Step] = None
+        self.pending_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._metric_counts: dict[str, int] = {}
+        self._spans: list[Span] = []
+        self._input_shapes: Optional[list[tuple]] = None
+        self.timeline: Optional[StepTimeline] = None
+        """The last step's measured schedule on this rank."""
+
+    # ------------------------------------------------------------------ stages
+    def _stage_args(self, chunk: int, rows: int, training: bool) -> tuple[tuple, Any]:
+        layout, record = self.split.layout, self.split.record
+
+        def example(block: int) -> torch.Tensor:
+            meta = record.block_outputs[block]
+            grad = training and meta.dtype.is_floating_point
+            return torch.empty(meta.with_rows(rows, record.rows), dtype=meta.dtype, device=self.device, requires_grad=grad)
+
+        blocks = layout.blocks_of(chunk)
+        inputs = () if chunk == 0 else (example(blocks.start - 1),)
+        last = chunk == layout.num_chunks - 1
+        outputs = torch.empty((), device=self.device, requires_grad=training) if last else example(blocks.stop - 1)
+        return inputs, outputs
+
+    def _schedule(self, microbatches: int, rows: int, training: bool) -> Any:
+        key = (microbatches, rows, training)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = []
+            for chunk in self.split.local_chunks:
+                inputs, outputs = self._stage_args(chunk, rows, training)
+                stage = PipelineStage(
+                    _Chunk(self, chunk, self.split.chunk_params[chunk]), chunk, self.split.layout.num_chunks,
+                    self.device, input_args=inputs, output_args=outputs, group=self.pp_group,
+                )
+                self._time(stage)
+                stages.append(stage)
+            loss_fn = (lambda output, target: output) if training else None
+            self._schedules[key] = build_schedule(self.schedule_name, stages, microbatches, loss_fn)
+        return self._schedules[key]
+
+    def _time(self, stage: Any) -> None:
+        """Record every forward/backward the schedule runs on ``stage`` (a few appends per microbatch)."""
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            run = getattr(stage, attr)
+
+            def timed(mb: int, *args: Any, _run: Callable = run, _kind: str = kind, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                out = _run(mb, *args, **kwargs)
+                kind = "I" if _kind == "B" and kwargs.get("full_backward", True) is False else _kind
+                self._spans.append(Span(kind, stage.stage_index, mb, start, time.perf_counter()))
+                return out
+
+            setattr(stage, attr, timed)
+
+    # ------------------------------------------------------------------ one step
+    def _forward_chunk(self, chunk: int, received: tuple, index: int) -> torch.Tensor:
+        run = self._run
+        assert run is not None
+        run.current = index
+        finished, value = self.split.run_chunk(
+            chunk, received[0] if received else None, lambda: run.step(run.microbatches[index], *run.extra)
+        )
+        if not finished:
+            return value
+        if chunk != self.split.layout.num_chunks - 1:
+            raise RuntimeError(f"the step returned before the model's forward reached the end of pipeline chunk {chunk}")
+        run.outputs[index] = value
+        if run.training:
+            return loss_of(value) * run.grad_scale
+        return torch.zeros((), device=self.device)
+
+    def _check_shapes(self, microbatch: Any) -> None:
+        shapes = [tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if self._input_shapes is None:
+            self._input_shapes = shapes
+        elif shapes != self._input_shapes:
+            raise ValueError(
+                f"pipeline stages exchange fixed-shape activations, but this batch's tensors have per-sample shapes "
+                f"{shapes} where the first batch had {self._input_shapes}; pad or crop to a fixed sequence length"
+            )
+
+    def train_step(self, step: Callable[..., Any], batch: Any, extra: tuple, grad_scale: float) -> Any:
+        """Forward and backward of every microbatch; returns the mean loss (on every pipeline rank)
+        in the form the step returned it. ``grad_scale`` multiplies the gradients (1/accumulation).
+
+        Lightning zeroes gradients after training_step and before backward, but the schedule's
+        backward runs inside the step: the step's gradients are set aside (``pending_grads``) and
+        added by ``apply_pending_grads`` from the strategy's backward hook, so accumulation and
+        zero_grad behave as without a pipeline."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            outputs = self._run_schedule(step, batch, extra, training=True, grad_scale=grad_scale)
+        finally:
+            self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+            for p, grad in zip(params, before):
+                p.grad = grad
+        payload = self._payload(lambda: {"loss": sum(float(loss_of(o).detach()) for o in outputs) / len(outputs)})
+        loss = torch.tensor(payload["loss"], device=self.device)
+        return {"loss": loss} if payload["as_dict"] else loss
+
+    def apply_pending_grads(self) -> None:
+        """Add the last training step's gradients to ``.grad`` (after Lightning's zero_grad)."""
+        for param, grad in self.pending_grads:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self.pending_grads = []
+
+    def eval_step(self, step: Callable[..., Any], batch: Any, extra: tuple, *, collect: bool) -> Any:
+        """Forward of every microbatch; with ``collect`` the step outputs (predictions) of the last
+        stage, concatenated over microbatches, on every pipeline rank."""
+        outputs = self._run_schedule(step, batch, extra, training=False)
+        payload = self._payload(lambda: {"outputs": _merge([_to_cpu(o) for o in outputs]) if collect else None})
+        return _to_device(payload["outputs"], self.device)
+
+    def _payload(self, last_stage: Callable[[], dict]) -> dict:
+        """Results of the last stage shared with every pipeline rank, then its logs replayed."""
+        payload = None
+        if self.is_last:
+            run = self._finished
+            payload = {**last_stage(), "logs": self._mean_logs(run.logs), "metrics": self._metric_states()}
+            payload["as_dict"] = any(isinstance(o, dict) for o in run.outputs.values())
+        payload = self.share(payload)
+        self._apply_metric_states(payload["metrics"])
+        for name, value, args, kwargs in payload["logs"]:
+            if isinstance(value, str):  # a torchmetrics Metric, by its path in the module
+                value = self.module.get_submodule(value)
+            elif value is not None:
+                value = torch.tensor(value, device=self.device)
+            if value is not None:
+                self.module.log(name, value, *args, **kwargs)
+        return payload
+
+    def _run_schedule(
+        self, step: Callable[..., Any], batch: Any, extra: tuple, *, training: bool, grad_scale: float = 1.0
+    ) -> list[Any]:
+        """Run ``step(microbatch, *extra)`` over the microbatches of ``batch`` through the schedule;
+        returns the last stage's per-microbatch outputs (empty elsewhere)."""
+        self._metric_counts = self._update_counts()
+        microbatches, rows = self._split(batch, training)
+        schedule = self._schedule(len(microbatches), rows, training)
+        self._run = _Step(step, microbatches, extra, training, grad_scale / len(microbatches))
+        ids = torch.arange(len(microbatches))
+        self._spans = []
+        original_log = self.module.__dict__.get("log")
+        self.module.log = self._capture_log  # type: ignore[method-assign]
+        start = time.perf_counter()
+        try:
+            if training:
+                schedule.step(mb=ids, target=ids, return_outputs=False)
+            else:
+                schedule.step(mb=ids, return_outputs=False)
+        finally:
+            end = time.perf_counter()
+            if original_log is None:
+                del self.module.log
+            else:
+                self.module.log = original_log
+        self.timeline = StepTimeline(self.split.rank, start, end, self._spans)
+        self._finished, self._run = self._run, None
+        return [self._finished.outputs[i] for i in sorted(self._finished.outputs)]
+
+    def _split(self, batch: Any, training: bool) -> tuple[list[Any], int]:
+        size = self.micro_batch_size
+        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        rows = leaves[0].shape[0] if leaves else 0
+        if not training and size is not None and rows % size:
+            size = None  # a short evaluation batch runs as one microbatch
+        microbatches, size = split_microbatches(batch, size)
+        self._check_shapes(microbatches[0])
+        if training:
+            check_microbatches(self.schedule_name, len(microbatches), self.pp, rows, size)
+        return microbatches, size
+
+    def _capture_log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        run = self._run
+        assert run is not None
+        run.logs.append((run.current, name, value, args, kwargs))
+
+    # ------------------------------------------------------------------ results on every rank
+    def _metric_paths(self) -> dict[str, Any]:
+        from torchmetrics import Metric
+
+        return {name: m for name, m in self.module.named_modules() if isinstance(m, Metric)}
+
+    def _update_counts(self) -> dict[str, int]:
+        return {name: m._update_count for name, m in self._metric_paths().items()}
+
+    def _metric_states(self) -> dict[str, dict]:
+        """State of every torchmetrics Metric the step updated (only the last stage computes them)."""
+        states = {}
+        for name, metric in self._metric_paths().items():
+            if metric._update_count != self._metric_counts.get(name):
+                state = {key: _to_cpu(getattr(metric, key)) for key in metric._defaults}
+                states[name] = (state, metric._update_count, _to_cpu(metric._forward_cache))
+        return states
+
+    def _apply_metric_states(self, states: dict[str, dict]) -> None:
+        if self.is_last:
+            return
+        for name, (state, count, forward_cache) in states.items():
+            metric = self.module.get_submodule(name)
+            for key, value in state.items():
+                setattr(metric, key, _to_device(value, self.device))
+            metric._update_count, metric._computed = count, None
+            metric._forward_cache = _to_device(forward_cache, self.device)
+
+    def _mean_logs(self, logs: list[tuple[int, str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
+        """One entry per logged name: the mean over microbatches (a Metric is passed by its path)."""
+        from torchmetrics import Metric
+
+        paths = {id(m): name for name, m in self._metric_paths().items()}
+        values: dict[str, list] = {}
+        options: dict[str, tuple[tuple, dict]] = {}
+        for _, name, value, args, kwargs in logs:
+            values.setdefault(name, []).append(value)
+            options[name] = (args, kwargs)
+        reduced = []
+        for name, seen in values.items():
+            if isinstance(seen[-1], Metric):
+                value = paths.get(id(seen[-1]))
+                if value is None:
+                    raise ValueError(f"self.log({name!r}, metric): under pipeline parallelism a logged Metric must be "
+                                     "an attribute of the LightningModule so every stage can log it")
+            else:
+                value = sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in seen) / len(seen)
+            reduced.append((name, value, *options[name]))
+        return reduced
+
+    def share(self, payload: Any) -> Any:
+        """``payload`` from the last pipeline stage, on every rank of this pipeline."""
+        box = [payload if self.is_last else None]
+        dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
+        return box[0]
+
+
+def _to_cpu(value: Any) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def _merge(outputs: list[Any]) -> Any:
+    """Microbatch outputs back into one batch: tensors concatenated along dim 0, else a list."""
+    if outputs and all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outputs):
+        return torch.cat(outputs)
+    return outputs

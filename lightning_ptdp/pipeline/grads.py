@@ -1,0 +1,52 @@
+"""Gradient work a pipeline step leaves for the optimizer step: tied weights and data parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_ptdp.pipeline.split import PipelineSplit
+
+
+def _flat_all_reduce(grads: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
+    """All-reduce ``grads`` in one flat buffer per dtype (one collective instead of one per tensor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for grad in same:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def sum_tied_gradients(split: PipelineSplit, pp_group: Any, device: torch.device) -> None:
+    """Parameters used on several pipeline ranks (embedding tied to the LM head) get the sum of
+    their gradients on every holder, as Megatron does, so the copies stay equal. Every rank of
+    the pipeline group joins; ranks not holding a parameter add zeros."""
+    if not split.tied:
+        return
+    grads = []
+    for name, shape, dtype, held in split.tied:
+        param = split.tied_params.get(name)
+        if held and param is not None and param.grad is not None:
+            grads.append(param.grad)
+        else:
+            grads.append(torch.zeros(shape, dtype=dtype, device=device))
+    _flat_all_reduce(grads, pp_group)
+
+
+def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, dp_size: int) -> None:
+    """Mean of the gradients over the data-parallel replicas, once per optimizer step (not per
+    microbatch): one flat all-reduce per dtype, instead of DDP, whose hooks would fire in every
+    microbatch's backward unless each were wrapped in no_sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if dp_size > 1 and grads:
+        _flat_all_reduce(grads, dp_group, 1.0 / dp_size)

@@ -1,0 +1,364 @@
+"""Cut an ordinary model into p*v pipeline chunks by running its own forward.
+
+Nothing is traced symbolically. One recording forward (the probe, on one microbatch) notes the
+order in which the transformer blocks run, what each returns, and where every parameter outside
+the blocks is used: before the first block (chunk 0), after the last (the last chunk), or inside
+a block. Each rank then keeps only its chunks' parameters and gates the blocks and the
+parameter-holding modules outside them. During a pipeline step the model's own forward runs on
+every stage:
+  - a block of an earlier chunk hands over the activation received from the previous stage;
+  - the first block after the running chunk stops the forward and returns its input;
+  - a module owned by another chunk returns a zero stand-in of its recorded shape (no compute,
+    no collective).
+So Python control flow, shape checks and side inputs the forward computes (positions, rotary
+tables, masks) work as written; only the residual stream crosses a stage boundary.
+
+torch.distributed.pipelining's own splitter (``pipeline()``) exports the model with torch.export,
+which cannot trace our tensor-parallel blocks (process-group collectives in custom autograd
+functions) and turns user control flow into guards; hence this runtime split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+
+class PipelineSplitError(ValueError):
+    """The model cannot be cut into the requested pipeline chunks; the message says why and what to do."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Which blocks each of the p*v chunks holds and which pipeline rank runs it.
+
+    Chunk c holds blocks [c*L/(p*v), (c+1)*L/(p*v)); rank r runs chunks r, r+p, r+2p, ... (the
+    paper's interleaved assignment; v=1 is the plain one-chunk-per-rank pipeline).
+    """
+
+    num_layers: int
+    pp: int
+    vpp: int
+
+    def __post_init__(self) -> None:
+        chunks = self.pp * self.vpp
+        if self.num_layers % chunks:
+            fits = [k for k in _divisors(self.num_layers) if k > 1]
+            vs = [v for v in range(1, self.num_layers + 1) if self.num_layers % (self.pp * v) == 0]
+            hint = f"virtual_pipeline_size in {vs} works with pipeline_parallel_size={self.pp}; " if vs else ""
+            raise PipelineSplitError(
+                f"the model's {self.num_layers} transformer blocks cannot be cut into pipeline_parallel_size("
+                f"{self.pp}) * virtual_pipeline_size({self.vpp}) = {chunks} equal chunks; {hint}"
+                f"p*v must divide {self.num_layers}: one of {fits}"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def per_chunk(self) -> int:
+        return self.num_layers // self.num_chunks
+
+    def chunk_of_block(self, block: int) -> int:
+        return block // self.per_chunk
+
+    def blocks_of(self, chunk: int) -> range:
+        return range(chunk * self.per_chunk, (chunk + 1) * self.per_chunk)
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.pp
+
+    def local_chunks(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_chunks, self.pp))
+
+    def chunk_at(self, position: int) -> int:
+        """The chunk whose code runs after ``position`` blocks (0: before the first block)."""
+        return 0 if position == 0 else self.chunk_of_block(position - 1)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def with_rows(self, rows: int, probe_rows: int) -> tuple[int, ...]:
+        return (rows, *self.shape[1:]) if self.shape and self.shape[0] == probe_rows else self.shape
+
+
+@dataclass
+class ProbeRecord:
+    """What the recording forward saw (shapes are this rank's, at ``rows`` samples)."""
+
+    rows: int
+    block_outputs: list[TensorMeta] = field(default_factory=list)
+    module_outputs: dict[int, Optional[TensorMeta]] = field(default_factory=dict)  # id(module) -> stand-in shape
+    param_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(param) -> chunks that use it
+
+
+class _ParamUse(TorchFunctionMode):
+    """Notes which watched parameters each torch op receives, and in which chunk's code."""
+
+    def __init__(self, watched: set[int], where: Callable[[], int], seen: dict[int, set[int]]) -> None:
+        super().__init__()
+        self.watched, self.where, self.seen = watched, where, seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for leaf in tree_leaves((args, kwargs or {})):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
+                self.seen.setdefault(id(leaf), set()).add(self.where())
+        return func(*args, **(kwargs or {}))
+
+
+def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Module]:
+    """Modules outside the blocks that hold parameters themselves (embeddings, final norm, head)."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if id(module) not in inside and any(True for _ in module.parameters(recurse=False))
+    }
+
+
+def record_forward(
+    model: nn.Module, blocks: list[nn.Module], layout: ChunkLayout, probe: Callable[[], Any], rows: int
+) -> ProbeRecord:
+    """Run ``probe`` (one ordinary forward on ``rows`` samples) and record what the split needs.
+
+    Raises PipelineSplitError, naming the block or module, for a forward the split cannot cut:
+    blocks not each called once in order, a block whose output is not one tensor, or an
+    activation changed between two blocks."""
+    record = ProbeRecord(rows=rows)
+    outer = outer_modules(model, blocks)
+    state = {"position": 0, "inside": None, "last": None}
+    block_index = {id(b): i for i, b in enumerate(blocks)}
+
+    def where() -> int:
+        inside = state["inside"]
+        return layout.chunk_of_block(inside) if inside is not None else layout.chunk_at(state["position"])
+
+    def before_block(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        index = block_index[id(module)]
+        if index != state["position"]:
+            raise PipelineSplitError(
+                f"block {index} ran after {state['position']} blocks; the pipeline split needs the forward to "
+                "call every transformer block exactly once, in order"
+            )
+        if index > 0 and not (args and args[0] is state["last"]):
+            raise PipelineSplitError(
+                f"block {index} does not receive block {index - 1}'s output as its first argument; the "
+                "pipeline split cuts only where one block's output is the next block's input (move code "
+                "that changes the activation between blocks into a block)"
+            )
+        state["inside"] = index
+
+    def after_block(module: nn.Module, args: tuple, output: Any) -> None:
+        index = block_index[id(module)]
+        if not isinstance(output, torch.Tensor):
+            raise PipelineSplitError(
+                f"block {index} ({type(module).__name__}) returned {type(output).__name__}; the pipeline "
+                "split sends one activation tensor between stages, so each block must return one tensor"
+            )
+        if output.dim() == 0 or output.shape[0] != rows:
+            raise PipelineSplitError(
+                f"block {index} returned shape {tuple(output.shape)} for a microbatch of {rows} samples; "
+                "the pipeline split needs batch-first activations (batch, sequence, hidden)"
+            )
+        record.block_outputs.append(TensorMeta.of(output))
+        state.update(position=index + 1, inside=None, last=output)
+
+    def after_outer(module: nn.Module, args: tuple, output: Any) -> None:
+        chunk = where()
+        for param in module.parameters(recurse=False):
+            record.param_chunks.setdefault(id(param), set()).add(chunk)
+        record.module_outputs[id(module)] = TensorMeta.of(output) if type(output) is torch.Tensor else None
+
+    handles = []
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(before_block, with_kwargs=True))
+        handles.append(block.register_forward_hook(after_block))
+    for module in outer.values():
+        handles.append(module.register_forward_hook(after_outer))
+    watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
+    try:
+        with torch.no_grad(), _ParamUse(watched, where, record.param_chunks):
+            probe()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if state["position"] != len(blocks):
+        raise PipelineSplitError(
+            f"the probe forward ran {state['position']} of {len(blocks)} transformer blocks; the pipeline "
+            "split needs every block called once per forward"
+        )
+    return record
+
+
+class _ChunkDone(BaseException):
+    """Raised by the first block after the running chunk: carries the activation to send.
+    A BaseException, so a user's ``except Exception`` in the forward cannot swallow it."""
+
+    def __init__(self, activation: torch.Tensor) -> None:
+        super().__init__()
+        self.activation = activation
+
+
+@dataclass
+class StageContext:
+    """Which chunk the model's forward is running for, and the activation it received."""
+
+    active: Optional[int] = None
+    received: Optional[torch.Tensor] = None
+    position: int = 0
+
+
+_OUTSIDE = (
+    "pipeline_parallel_size > 1: this rank holds only chunks {chunks} of the model, so its forward runs "
+    "inside the pipeline schedule (training_step, validation_step, test_step, predict_step), not directly"
+)
+
+
+@dataclass
+class PipelineSplit:
+    """This rank's part of the model and how to run one chunk of it."""
+
+    layout: ChunkLayout
+    rank: int
+    record: ProbeRecord
+    context: StageContext
+    chunk_params: dict[int, list[nn.Parameter]]  # local chunk -> parameters it uses
+    tied: list[tuple[str, tuple[int, ...], torch.dtype, bool]]  # (name, shape, dtype, held here) of params used on several ranks
+    tied_params: dict[str, nn.Parameter]
+    norm_exclude: frozenset[int]  # ids of tied parameters whose gradient another rank counts in the norm
+    aliases: dict[str, list[str]]  # each name of a kept parameter -> all its names in the original model
+
+    @property
+    def local_chunks(self) -> list[int]:
+        return self.layout.local_chunks(self.rank)
+
+    def run_chunk(self, chunk: int, received: Optional[torch.Tensor], fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``fn`` (the user's step) with the model in ``chunk``'s mode. Returns (finished, value):
+        the step's output on the last chunk, else the activation to send on."""
+        ctx = self.context
+        ctx.active, ctx.received, ctx.position = chunk, received, 0
+        try:
+            return True, fn()
+        except _ChunkDone as done:
+            return False, done.activation
+        finally:
+            ctx.active, ctx.received = None, None
+
+
+def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
+    forward = block.forward
+    ctx, layout = split.context, split.layout
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        if ctx.active is None:
+            raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
+        own = layout.blocks_of(ctx.active)
+        if index >= own.stop:
+            raise _ChunkDone(args[0].contiguous())
+        ctx.position = index + 1
+        if index < own.start:
+            return ctx.received
+        return forward(*args, **kwargs)
+
+    block.forward = gated
+
+
+def _gate_outer(module: nn.Module, split: PipelineSplit) -> None:
+    forward = module.forward
+    ctx, layout, meta = split.context, split.layout, split.record.module_outputs.get(id(module))
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        if ctx.active is None:
+            raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
+        if layout.chunk_at(ctx.position) == ctx.active or meta is None:
+            return forward(*args, **kwargs)
+        # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores
+        return torch.zeros((), dtype=meta.dtype, device=_device_of(module)).expand(meta.shape)
+
+    module.forward = gated
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    for value in vars(module).values():
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def split_model(
+    model: nn.Module, blocks: list[nn.Module], layout: ChunkLayout, rank: int, record: ProbeRecord
+) -> PipelineSplit:
+    """Keep this pipeline rank's chunks of ``model`` (in place) and gate its forward.
+
+    Parameters no local chunk uses are dropped (replaced by a zero stand-in of their shape that
+    holds no memory), so optimizers and state dicts see only this rank's part. A parameter used by
+    chunks on several ranks (tied embedding and LM head) stays on each of them; ``tied`` lists
+    those, in the same order on every rank, for summing their gradients."""
+    local = set(layout.local_chunks(rank))
+    chunks_of: dict[int, set[int]] = dict(record.param_chunks)
+    for index, block in enumerate(blocks):
+        for param in block.parameters():
+            chunks_of.setdefault(id(param), set()).add(layout.chunk_of_block(index))
+    names: dict[int, list[str]] = {}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{module_name}.{attr}" if module_name else attr
+            if full not in names.setdefault(id(param), []):
+                names[id(param)].append(full)
+            owners.setdefault(id(param), []).append((module, attr))
+            params[id(param)] = param
+    tied, tied_params, aliases, norm_exclude = [], {}, {}, set()
+    chunk_params: dict[int, list[nn.Parameter]] = {c: [] for c in sorted(local)}
+    for pid, param in params.items():
+        chunks = chunks_of.get(pid, {0})  # a parameter the forward never used stays with chunk 0
+        ranks = {layout.rank_of(c) for c in chunks}
+        held = bool(chunks & local)
+        if len(ranks) > 1:
+            tied.append((names[pid][0], tuple(param.shape), param.dtype, held))
+            if held:
+                tied_params[names[pid][0]] = param
+                if layout.rank_of(min(chunks)) != rank:
+                    norm_exclude.add(pid)
+        if held:
+            for name in names[pid]:
+                aliases[name] = names[pid]
+            for c in sorted(chunks & local):
+                chunk_params[c].append(param)
+            continue
+        stand_in = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+        for module, attr in owners[pid]:
+            del module._parameters[attr]
+            setattr(module, attr, stand_in)
+    split = PipelineSplit(
+        layout=layout, rank=rank, record=record, context=StageContext(), chunk_params=chunk_params,
+        tied=tied, tied_params=tied_params, norm_exclude=frozenset(norm_exclude), aliases=aliases,
+    )
+    for index, block in enumerate(blocks):
+        _gate_block(block, index, split)
+    for module in outer_modules(model, blocks).values():
+        _gate_outer(module, split)
+    for module in model.modules():  # modules whose parameters all moved elsewhere are gated too
+        if id(module) in record.module_outputs and "forward" not in module.__dict__:
+            _gate_outer(module, split)
+    return split
