@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
 
@@ -294,6 +295,11 @@ class PipelineEngine:
                 schedule.step(mb=ids, target=ids, return_outputs=False)
             else:
                 schedule.step(mb=ids, return_outputs=False)
+        except BaseException as error:
+            failure = stop_pipeline(error, self.pp_group, dist.get_rank())
+            if failure is error:
+                raise
+            raise failure from error
         finally:
             end = time.perf_counter()
             if original_log is None:
