@@ -1,0 +1,41 @@
+"""A rank that raises inside a pipeline step: every rank exits, quickly, naming the failed rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each launch is ~10 s of startup and 2 steps; the collective timeout (10 min) is what a hang
+# would take, so finishing within 120 s shows the failure was propagated, not timed out.
+BOUND_S = 120
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1], ids=["first-stage-fails", "last-stage-fails"])
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_a_failing_rank_stops_the_whole_pipeline(fail_rank, launcher):
+    job = ["-m", "tests.integration.pipeline_failure_job", str(fail_rank)]
+    cmd = [sys.executable, *job]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *job]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S + 60)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < BOUND_S, f"took {elapsed:.0f}s"
+    assert f"ValueError: injected failure on rank {fail_rank} at batch 2" in output
+    if launcher == "lightning":  # torchrun may stop the survivor itself before it reports
+        survivor = 1 - fail_rank
+        assert (
+            f"[rank{survivor}]: lightning_ptdp.pipeline.failure.PipelinePeerFailure: pipeline step stopped: "
+            f"rank {fail_rank} failed with ValueError: injected failure on rank {fail_rank} at batch 2" in output
+        )
+    leftover = subprocess.run(["pgrep", "-f", "pipeline_failure_job"], capture_output=True, text=True).stdout.split()
+    assert leftover == [], "processes left behind"
