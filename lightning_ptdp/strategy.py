@@ -330,6 +330,11 @@ class PTDPStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     # ------------------------------------------------------------------ pipeline steps
+    @property
+    def pipeline(self) -> Optional[PipelineEngine]:
+        """This rank's pipeline engine (its chunks, the last step's measured timeline); None if p = 1."""
+        return self._pipeline()
+
     def _pipeline(self) -> Optional[PipelineEngine]:
         return self._parallelized.pipeline if self._parallelized is not None else None
 

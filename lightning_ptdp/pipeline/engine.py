@@ -70,6 +70,8 @@ class StepTimeline:
     start: float
     end: float
     spans: list[Span] = field(default_factory=list)
+    wall_offset: float = 0.0
+    """time.time() - time.perf_counter() at the start: spans + offset are comparable across hosts."""
 
     @property
     def busy(self) -> float:
@@ -290,6 +292,7 @@ class PipelineEngine:
         original_log = self.module.__dict__.get("log")
         self.module.log = self._capture_log  # type: ignore[method-assign]
         start = time.perf_counter()
+        wall_offset = time.time() - start
         try:
             if training:
                 schedule.step(mb=ids, target=ids, return_outputs=False)
@@ -306,7 +309,7 @@ class PipelineEngine:
                 del self.module.log
             else:
                 self.module.log = original_log
-        self.timeline = StepTimeline(self.split.rank, start, end, self._spans)
+        self.timeline = StepTimeline(self.split.rank, start, end, self._spans, wall_offset)
         self._finished, self._run = self._run, None
         return [self._finished.outputs[i] for i in sorted(self._finished.outputs)]
 

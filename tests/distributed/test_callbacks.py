@@ -213,3 +213,49 @@ def test_the_slow_rank_is_named_and_the_waiting_rank_is_not(dist_pool, where):
     host = results[0]["hosts"][1]
     assert warned[-1].startswith(f"straggler: rank 1 (host {host}) spent ")
     assert f"over the last {EVERY} steps" in warned[-1] and "seconds per step by rank: 0: " in warned[-1]
+
+
+def fit_with_timeline(dirpath: str) -> dict:
+    """p=2, v=2, m=4 interleaved 1F1B; the timeline of the second training step."""
+    import json as _json
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.callbacks import PipelineTimeline
+    from lightning_ptdp.callbacks.png import read_png
+    from tests.fit_utils import zoo_data
+
+    L.seed_everything(0, verbose=False)
+    callback = PipelineTimeline(step=1, dirpath=dirpath)
+    strategy = PTDPStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2, micro_batch_size=1)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=3, callbacks=[callback])
+    trainer.fit(build_model("gpt", num_layers=4), zoo_data(4, 4 * 4 * (SEQ + 1), SEQ + 1))
+    result = {"bubble": callback.bubble, "paths": [str(p) for p in callback.paths]}
+    if trainer.is_global_zero:
+        width, height, texts, rows = read_png(Path(dirpath, "pipeline_step1.png").read_bytes())
+        result.update(width=width, height=height, title=texts.get("Title"), rows=rows)
+        result["trace"] = _json.loads(Path(dirpath, "pipeline_step1.json").read_text())
+    return result
+
+
+@pytest.mark.world_size(2)
+def test_pipeline_timeline_draws_the_measured_schedule(dist_pool, tmp_path):
+    from lightning_ptdp.callbacks.timeline import _COLORS, _ROW, _TOP
+
+    results = dist_pool(2).run(fit_with_timeline, str(tmp_path))
+    assert results[0]["bubble"] == results[1]["bubble"] > 0.0  # tiny CPU model: overhead-dominated, can exceed 1
+    first = results[0]
+    assert first["title"] == f"step 1: bubble {first['bubble']:.1%} (idle/busy), p=2 v=2 m=4 interleaved_1f1b"
+    assert first["height"] == _TOP + 2 * _ROW + 16
+    for pp in range(2):  # each rank's row shows forwards and backwards of both its chunks
+        row = first["rows"][_TOP + pp * _ROW + _ROW // 2]
+        pixels = {tuple(row[i : i + 3]) for i in range(0, len(row), 3)}
+        assert {*_COLORS["F"], *_COLORS["B"]} <= pixels, f"rank {pp}'s row misses a kind of span"
+    events = [e for e in first["trace"]["traceEvents"] if e["ph"] == "X"]
+    for rank, stages in ((0, {0, 2}), (1, {1, 3})):
+        mine = [e for e in events if e["pid"] == rank]
+        assert {e["tid"] for e in mine} == stages
+        # 4 microbatches x 2 chunks, each one forward and one backward, none overlapping
+        assert sorted(e["name"] for e in mine if e["cat"] == "F") == sorted(f"F{m}" for m in range(4) for _ in range(2))
+        assert sum(e["cat"] == "B" for e in mine) == 8
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine)
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))

@@ -1,0 +1,108 @@
+"""PipelineTimeline: the measured schedule of one training step, as a picture and a trace.
+
+Every rank's pipeline engine records when each microbatch's forward (F), backward (B), or under
+zero-bubble input-backward (I) and weight-backward (W) ran. For the chosen step the callback
+gathers those spans from all ranks and rank 0 writes:
+  - ``<name>.png``: one row per pipeline rank (of data-parallel replica 0, tensor rank 0), time
+    left to right, like the paper's schedule figures but measured; the title (also stored in the
+    PNG's tEXt "Title") gives the measured bubble: idle / busy time, mean over pipeline ranks,
+    the quantity the paper's (p-1)/m estimates;
+  - ``<name>.json``: a Chrome trace (chrome://tracing, Perfetto) of every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_ptdp.callbacks.png import Canvas
+
+_COLORS = {"F": [(66, 110, 200), (120, 160, 235)], "B": [(60, 160, 90), (130, 205, 150)],
+           "I": [(60, 160, 90), (130, 205, 150)], "W": [(230, 150, 60), (245, 190, 120)]}
+_WIDTH, _LEFT, _TOP, _ROW = 1400, 80, 44, 34
+
+
+class PipelineTimeline(pl.Callback):
+    """Write the measured pipeline schedule of training batch ``step`` (0 = the first) to ``dirpath``."""
+
+    def __init__(self, *, step: int = 2, dirpath: Union[str, Path] = "pipeline_timeline", name: Optional[str] = None) -> None:
+        if step < 0:
+            raise ValueError(f"PipelineTimeline(step={step}) must be >= 0 (the index of a training batch)")
+        self.step, self.dirpath, self.name = step, Path(dirpath), name
+        self.bubble: Optional[float] = None
+        """The measured bubble (idle / busy, mean over pipeline ranks) once the step was recorded."""
+        self.paths: list[Path] = []
+        self._seen = 0
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        index, self._seen = self._seen, self._seen + 1
+        if index != self.step:
+            return
+        engine = getattr(trainer.strategy, "pipeline", None)
+        if engine is None or engine.timeline is None:
+            rank_zero_warn("PipelineTimeline records pipeline schedules: use PTDPStrategy(pipeline_parallel_size > 1)")
+            return
+        strategy = trainer.strategy
+        coords = strategy.parallel_dims.coordinates(trainer.global_rank)
+        timeline = engine.timeline
+        mine = {
+            "rank": trainer.global_rank, **coords, "start": timeline.start + timeline.wall_offset,
+            "end": timeline.end + timeline.wall_offset, "busy": timeline.busy,
+            "spans": [(s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
+                      for s in timeline.spans],
+        }
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        rows = sorted((r for r in everyone if r["dp"] == 0 and r["tp"] == 0), key=lambda r: r["pp"])
+        self.bubble = statistics.mean((r["end"] - r["start"] - r["busy"]) / r["busy"] for r in rows if r["busy"] > 0)
+        config = strategy.parallel_config
+        microbatches = max((s[2] for r in rows for s in r["spans"]), default=-1) + 1
+        title = (f"step {self.step}: bubble {self.bubble:.1%} (idle/busy), p={len(rows)} v={config.virtual_pipeline_size} "
+                 f"m={microbatches} {config.pipeline_schedule}")
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            stem = self.name or f"pipeline_step{self.step}"
+            png, trace = self.dirpath / f"{stem}.png", self.dirpath / f"{stem}.json"
+            png.write_bytes(draw(rows, title))
+            trace.write_text(json.dumps(chrome_trace(everyone, title)))
+            self.paths = [png, trace]
+
+
+def draw(rows: list[dict], title: str) -> bytes:
+    """PNG bytes: one row per pipeline rank; F blue, B green, W orange, later chunks lighter."""
+    t0 = min(r["start"] for r in rows)
+    span = max(r["end"] for r in rows) - t0 or 1.0
+    scale = (_WIDTH - _LEFT - 10) / span
+    canvas = Canvas(_WIDTH, _TOP + _ROW * len(rows) + 16)
+    canvas.text(8, 10, title, scale=2)
+    for row, record in enumerate(rows):
+        y = _TOP + row * _ROW
+        canvas.text(8, y + 10, f"rank {record['pp']}", scale=2)
+        canvas.rect(_LEFT + int((record["start"] - t0) * scale), y + 4, _LEFT + int((record["end"] - t0) * scale), y + _ROW - 4, (235, 235, 235))
+        stages = sorted({s[1] for s in record["spans"]})
+        for kind, stage, microbatch, start, end in record["spans"]:
+            shade = _COLORS[kind][min(stages.index(stage), 1)]
+            x0, x1 = _LEFT + int((start - t0) * scale), _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1)
+            canvas.rect(x0, y + 4, x1, y + _ROW - 4, shade)
+            label = f"{kind}{microbatch}"
+            if x1 - x0 >= 4 * 2 * len(label) + 4:
+                canvas.text(x0 + 3, y + 12, label, color=(255, 255, 255), scale=2)
+    canvas.text(_LEFT, _TOP + _ROW * len(rows) + 4, "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle", scale=1)
+    return canvas.png(title)
+
+
+def chrome_trace(records: list[dict], title: str) -> dict:
+    """Chrome trace events: process = global rank, thread = pipeline stage (chunk)."""
+    t0 = min(r["start"] for r in records)
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": r["rank"], "args": {"name": f"rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']})"}} for r in records]
+    for record in records:
+        for kind, stage, microbatch, start, end in record["spans"]:
+            events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": record["rank"], "tid": stage,
+                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"microbatch": microbatch, "stage": stage}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
