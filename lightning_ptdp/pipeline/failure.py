@@ -34,6 +34,11 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def _is_transport_error(error: BaseException) -> bool:
+    """A broken transfer (the peer is gone) rather than this rank's own failure."""
+    return isinstance(error, getattr(dist, "DistBackendError", ())) or "Connection closed by peer" in str(error)
+
+
 def stop_pipeline(error: BaseException, pp_group: Any, rank: int) -> BaseException:
     """What this rank should raise after ``error`` interrupted a pipeline step."""
     cause = _root_cause(error)
@@ -44,8 +49,13 @@ def stop_pipeline(error: BaseException, pp_group: Any, rank: int) -> BaseExcepti
                 f"pipeline step stopped: {store.get(FAILURE_KEY).decode()} (on this rank: {type(cause).__name__}: {cause})"
             )
         store.set(FAILURE_KEY, f"rank {rank} failed with {type(cause).__name__}: {cause}")
-    except Exception as store_error:  # the store itself may be gone with a dead rank
-        log.warning("could not record the pipeline failure in the store: %s", store_error)
+    except Exception as store_error:  # the store lives in global rank 0's process (Lightning's launcher)
+        log.warning("could not reach the job's store: %s", store_error)
+        if _is_transport_error(cause):
+            return PipelinePeerFailure(
+                "pipeline step stopped: the job's store on global rank 0 is unreachable, so rank 0 failed or "
+                f"exited; its own output has the error (on this rank: {type(cause).__name__}: {cause})"
+            )
     try:
         pp_group.abort() if hasattr(pp_group, "abort") else dist.destroy_process_group(pp_group)
     except Exception as abort_error:
