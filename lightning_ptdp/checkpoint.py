@@ -41,12 +41,12 @@ def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
 
 def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
-    state = _stage_model_state(module, tensor_parallel=tensor_parallel, zero=zero)
+    state = _stage_model_state(module, tensor_parallel=tensor_parallel, zero=zero, every_rank=pp_group is not None)
     return _gather_stages(state, pp_group) if pp_group is not None else state
 
 
-def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool) -> dict[str, Any]:
-    if zero and tensor_parallel:  # gather over dp on every rank, then over tp
+def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, every_rank: bool) -> dict[str, Any]:
+    if zero and (tensor_parallel or every_rank):  # gather over dp on every rank, then over tp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return full_state_dict(module, get_model_state_dict(module, options=_options()))
@@ -81,7 +81,8 @@ def optimizer_state(
     alone only rank 0 receives it)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    gathered = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=zero and not tensor_parallel))
+    rank0_only = zero and not tensor_parallel and pp_group is None
+    gathered = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
     state = map_optimizer_state_by_name(module, gathered, to_full=True) if tensor_parallel else gathered
     return _gather_optimizer_stages(state, pp_group) if pp_group is not None else state
 

@@ -32,24 +32,6 @@ from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_pla
 
 log = logging.getLogger(__name__)
 
-_NOT_YET = "is not implemented yet in lightning-ptdp {version}; {fix}"
-
-
-def check_implemented(config: ParallelConfig) -> None:
-    """Raise NotImplementedError for a valid setting whose implementation has not landed yet."""
-    from lightning_ptdp import __version__
-
-    pending = {
-        "zero_stage": (
-            config.zero_stage != 0 and config.pipeline_parallel_size > 1,
-            "with pipeline parallelism use zero_stage=0 for now",
-        ),
-    }
-    for name, (requested, fix) in pending.items():
-        if requested:
-            value = getattr(config, name)
-            raise NotImplementedError(f"{name}={value!r} " + _NOT_YET.format(version=__version__, fix=fix))
-
 
 @dataclass
 class Parallelized:
@@ -76,7 +58,6 @@ def parallelize(
     """Apply steps 1-5 above; ``probe`` runs one ordinary forward (tensor-parallel discovery
     traces the first transformer block on its real inputs); ``pipeline_probe`` gives a forward on
     one microbatch and its sample count. Data parallelism only when training."""
-    check_implemented(config)
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module)
     if dims.tp > 1:
@@ -102,7 +83,7 @@ def parallelize(
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
     if training and config.zero_stage > 0:
-        result.module = apply_zero(module, mesh["dp"], config.zero_stage)
+        result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result

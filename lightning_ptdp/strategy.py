@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
-from lightning_ptdp.parallelize import Parallelized, check_implemented, parallelize
+from lightning_ptdp.parallelize import Parallelized, parallelize
 from lightning_ptdp import checkpoint
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
@@ -98,7 +98,6 @@ class PTDPStrategy(ParallelStrategy):
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
         )
-        check_implemented(self.parallel_config)
         self.tp_plan = tp_plan
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip', 'ignore'; choose one of those")
@@ -244,7 +243,7 @@ class PTDPStrategy(ParallelStrategy):
             dp_group = self.device_mesh["dp"].get_group() if self.parallel_config.zero_stage > 0 else None
             pipeline = parallel.pipeline
             pp_group = pipeline.pp_group if pipeline is not None else None
-            exclude = pipeline.split.norm_exclude if pipeline is not None else frozenset()
+            exclude = pipeline.split.norm_exclude() if pipeline is not None else frozenset()
             clip_grad_norm(
                 params, self.lightning_module, parallel.tp_group, float(clip_val), dp_group, pp_group, exclude
             )
@@ -317,7 +316,9 @@ class PTDPStrategy(ParallelStrategy):
             output = closure()
             pipeline = parallel.pipeline if parallel is not None else None
             if pipeline is not None:
-                sum_tied_gradients(pipeline.split, pipeline.pp_group, self.root_device)
+                dp = self.device_mesh["dp"]
+                zero_dp = (dp.get_local_rank(), dp.size()) if self.parallel_config.zero_stage > 0 else None
+                sum_tied_gradients(pipeline.split, pipeline.pp_group, self.root_device, zero_dp)
             if parallel is not None and parallel.tp_report is not None:
                 sum_partial_gradients(self.lightning_module, parallel.tp_report.partial_grad_params, parallel.tp_group)
             if pipeline is not None and self.parallel_config.zero_stage == 0:

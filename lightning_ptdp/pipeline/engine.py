@@ -175,7 +175,7 @@ class PipelineEngine:
             for chunk in self.split.local_chunks:
                 inputs, outputs = self._stage_args(chunk, rows, training)
                 stage = PipelineStage(
-                    _Chunk(self, chunk, self.split.chunk_params[chunk]), chunk, self.split.layout.num_chunks,
+                    _Chunk(self, chunk, self.split.params_of_chunk(chunk)), chunk, self.split.layout.num_chunks,
                     self.device, input_args=inputs, output_args=outputs, group=self.pp_group,
                 )
                 self._time(stage)

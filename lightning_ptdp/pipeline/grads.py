@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,19 +27,33 @@ def _flat_all_reduce(grads: list[torch.Tensor], group: Any, scale: float = 1.0) 
             offset += grad.numel()
 
 
-def sum_tied_gradients(split: PipelineSplit, pp_group: Any, device: torch.device) -> None:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
+    """The rows of ``shape`` FSDP2 gives dp rank ``dp_rank`` (torch.chunk over dim 0)."""
+    rows = -(-shape[0] // dp_size)
+    return (max(0, min(rows, shape[0] - dp_rank * rows)), *shape[1:])
+
+
+def sum_tied_gradients(
+    split: PipelineSplit, pp_group: Any, device: torch.device, zero_dp: Optional[tuple[int, int]] = None
+) -> None:
     """Parameters used on several pipeline ranks (embedding tied to the LM head) get the sum of
     their gradients on every holder, as Megatron does, so the copies stay equal. Every rank of
-    the pipeline group joins; ranks not holding a parameter add zeros."""
+    the pipeline group joins; ranks not holding a parameter add zeros (of the dp shard's shape
+    under ZeRO, ``zero_dp`` = (dp rank, dp size): the holders share this rank's dp coordinate)."""
     if not split.tied:
         return
     grads = []
-    for name, shape, dtype, held in split.tied:
-        param = split.tied_params.get(name)
-        if held and param is not None and param.grad is not None:
-            grads.append(param.grad)
+    for _, shape, dtype, local_name in split.tied:
+        param = split.tied_param(local_name)
+        if param is not None and param.grad is not None:
+            grads.append(_local(param.grad))
         else:
-            grads.append(torch.zeros(shape, dtype=dtype, device=device))
+            local = _dp_shard_shape(shape, *zero_dp) if zero_dp is not None else shape
+            grads.append(torch.zeros(local, dtype=dtype, device=device))
     _flat_all_reduce(grads, pp_group)
 
 

@@ -106,6 +106,7 @@ class ProbeRecord:
     rows: int
     block_outputs: list[TensorMeta] = field(default_factory=list)
     module_outputs: dict[int, Optional[TensorMeta]] = field(default_factory=dict)  # id(module) -> stand-in shape
+    module_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks that call it
     param_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(param) -> chunks that use it
 
 
@@ -182,6 +183,7 @@ def record_forward(
 
     def after_outer(module: nn.Module, args: tuple, output: Any) -> None:
         chunk = where()
+        record.module_chunks.setdefault(id(module), set()).add(chunk)
         for param in module.parameters(recurse=False):
             record.param_chunks.setdefault(id(param), set()).add(chunk)
         record.module_outputs[id(module)] = TensorMeta.of(output) if type(output) is torch.Tensor else None
@@ -239,11 +241,23 @@ class PipelineSplit:
     rank: int
     record: ProbeRecord
     context: StageContext
-    chunk_params: dict[int, list[nn.Parameter]]  # local chunk -> parameters it uses
-    tied: list[tuple[str, tuple[int, ...], torch.dtype, bool]]  # (name, shape, dtype, held here) of params used on several ranks
-    tied_params: dict[str, nn.Parameter]
-    norm_exclude: frozenset[int]  # ids of tied parameters whose gradient another rank counts in the norm
+    model: nn.Module
+    chunk_param_names: dict[int, list[str]]  # local chunk -> names (on this rank) of the parameters it uses
+    tied: list[tuple[str, tuple[int, ...], torch.dtype, Optional[str]]]
+    """Parameters used on several ranks, same order everywhere: (original name, shape, dtype, its
+    name on this rank or None where not held)."""
+    norm_exclude_names: frozenset[str]  # tied parameters whose gradient another rank counts in the norm
     aliases: dict[str, list[str]]  # each name of a kept parameter -> all its names in the original model
+
+    # Parameters are looked up by name when used: FSDP (ZeRO) replaces the Parameter objects.
+    def params_of_chunk(self, chunk: int) -> list[nn.Parameter]:
+        return [self.model.get_parameter(name) for name in self.chunk_param_names[chunk]]
+
+    def tied_param(self, local_name: Optional[str]) -> Optional[nn.Parameter]:
+        return self.model.get_parameter(local_name) if local_name is not None else None
+
+    def norm_exclude(self) -> frozenset[int]:
+        return frozenset(id(self.model.get_parameter(name)) for name in self.norm_exclude_names)
 
     @property
     def local_chunks(self) -> list[int]:
@@ -262,11 +276,34 @@ class PipelineSplit:
             ctx.active, ctx.received = None, None
 
 
+_GATED_CLASSES: dict[type, type] = {}
+
+
+def _gated_class(cls: type) -> type:
+    """``cls`` with a ``__call__`` that asks the module's gate first. Gating ``__call__`` rather
+    than ``forward`` means a block or module another chunk runs is skipped with its hooks (FSDP's
+    unshard, sequence-parallel scatter, user hooks): they fire only where the module really runs.
+    One subclass per class, so repeated blocks keep one type (as FSDP2 does with its own)."""
+    if cls not in _GATED_CLASSES:
+
+        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self.__dict__["_ptdp_gate"](super(gated, self).__call__, args, kwargs)
+
+        gated = type(f"PipelineGated{cls.__name__}", (cls,), {"__call__": __call__})
+        _GATED_CLASSES[cls] = gated
+    return _GATED_CLASSES[cls]
+
+
+def _install_gate(module: nn.Module, gate: Callable[[Callable, tuple, dict], Any]) -> None:
+    module.__dict__["_ptdp_gate"] = gate
+    if not type(module).__name__.startswith("PipelineGated"):
+        module.__class__ = _gated_class(type(module))
+
+
 def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
-    forward = block.forward
     ctx, layout = split.context, split.layout
 
-    def gated(*args: Any, **kwargs: Any) -> Any:
+    def gate(call: Callable, args: tuple, kwargs: dict) -> Any:
         if ctx.active is None:
             raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
         own = layout.blocks_of(ctx.active)
@@ -275,24 +312,23 @@ def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
         ctx.position = index + 1
         if index < own.start:
             return ctx.received
-        return forward(*args, **kwargs)
+        return call(*args, **kwargs)
 
-    block.forward = gated
+    _install_gate(block, gate)
 
 
 def _gate_outer(module: nn.Module, split: PipelineSplit) -> None:
-    forward = module.forward
     ctx, layout, meta = split.context, split.layout, split.record.module_outputs.get(id(module))
 
-    def gated(*args: Any, **kwargs: Any) -> Any:
+    def gate(call: Callable, args: tuple, kwargs: dict) -> Any:
         if ctx.active is None:
             raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
         if layout.chunk_at(ctx.position) == ctx.active or meta is None:
-            return forward(*args, **kwargs)
+            return call(*args, **kwargs)
         # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores
         return torch.zeros((), dtype=meta.dtype, device=_device_of(module)).expand(meta.shape)
 
-    module.forward = gated
+    _install_gate(module, gate)
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -302,6 +338,22 @@ def _device_of(module: nn.Module) -> torch.device:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
+
+
+def _drop_idle_registrations(model: nn.Module, blocks: list[nn.Module], record: ProbeRecord, local: set[int]) -> None:
+    """A weight kept here but registered also in a module no local chunk calls (the last stage's
+    token embedding, tied to its LM head) is unregistered from that module, so each kept
+    parameter has one home on this rank (FSDP shards it once) and state_dict keys stay honest."""
+    outer = outer_modules(model, blocks)
+    idle = [m for m in outer.values() if not (record.module_chunks.get(id(m), {0}) & local)]
+    idle_ids = {id(m) for m in idle}
+    busy = {id(p) for m in outer.values() if id(m) not in idle_ids for p in m.parameters(recurse=False)}
+    busy |= {id(p) for block in blocks for p in block.parameters()}
+    for module in idle:
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if id(param) in busy:
+                del module._parameters[attr]
+                setattr(module, attr, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
 
 
 def split_model(
@@ -328,37 +380,37 @@ def split_model(
                 names[id(param)].append(full)
             owners.setdefault(id(param), []).append((module, attr))
             params[id(param)] = param
-    tied, tied_params, aliases, norm_exclude = [], {}, {}, set()
-    chunk_params: dict[int, list[nn.Parameter]] = {c: [] for c in sorted(local)}
+    aliases: dict[str, list[str]] = {}
     for pid, param in params.items():
-        chunks = chunks_of.get(pid, {0})  # a parameter the forward never used stays with chunk 0
-        ranks = {layout.rank_of(c) for c in chunks}
-        held = bool(chunks & local)
-        if len(ranks) > 1:
-            tied.append((names[pid][0], tuple(param.shape), param.dtype, held))
-            if held:
-                tied_params[names[pid][0]] = param
-                if layout.rank_of(min(chunks)) != rank:
-                    norm_exclude.add(pid)
-        if held:
+        if chunks_of.get(pid, {0}) & local:  # a parameter the forward never used stays with chunk 0
             for name in names[pid]:
                 aliases[name] = names[pid]
-            for c in sorted(chunks & local):
-                chunk_params[c].append(param)
             continue
         stand_in = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
         for module, attr in owners[pid]:
             del module._parameters[attr]
             setattr(module, attr, stand_in)
+    _drop_idle_registrations(model, blocks, record, local)
+    here = {id(p): name for name, p in model.named_parameters()}  # one name per kept parameter
+    tied, norm_exclude = [], set()
+    chunk_param_names: dict[int, list[str]] = {c: [] for c in sorted(local)}
+    for pid, param in params.items():
+        chunks = chunks_of.get(pid, {0})
+        if len({layout.rank_of(c) for c in chunks}) > 1:
+            tied.append((names[pid][0], tuple(param.shape), param.dtype, here.get(pid)))
+            if pid in here and layout.rank_of(min(chunks)) != rank:
+                norm_exclude.add(here[pid])
+        for c in sorted(chunks & local):
+            chunk_param_names[c].append(here[pid])
     split = PipelineSplit(
-        layout=layout, rank=rank, record=record, context=StageContext(), chunk_params=chunk_params,
-        tied=tied, tied_params=tied_params, norm_exclude=frozenset(norm_exclude), aliases=aliases,
+        layout=layout, rank=rank, record=record, context=StageContext(), model=model,
+        chunk_param_names=chunk_param_names, tied=tied, norm_exclude_names=frozenset(norm_exclude), aliases=aliases,
     )
     for index, block in enumerate(blocks):
         _gate_block(block, index, split)
     for module in outer_modules(model, blocks).values():
         _gate_outer(module, split)
     for module in model.modules():  # modules whose parameters all moved elsewhere are gated too
-        if id(module) in record.module_outputs and "forward" not in module.__dict__:
+        if id(module) in record.module_outputs and "_ptdp_gate" not in module.__dict__:
             _gate_outer(module, split)
     return split

@@ -16,14 +16,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.tensor_parallel.apply import find_block_lists
 
 
-def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> nn.Module:
-    """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place."""
+def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place.
+
+    Under pipeline parallelism the model's forward is cut short on every stage but the last, so
+    no module enclosing the blocks completes a forward: the modules outside the blocks (embedding,
+    final norm, head) become FSDP units of their own instead of one root around them."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
-    for _, blocks in find_block_lists(module):
-        for block in blocks:
+    blocks = [block for _, found in find_block_lists(module) for block in found]
+    for block in blocks:
+        if any(True for _ in block.parameters()):  # under PP, other stages' blocks hold none
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    if pipeline:
+        from lightning_ptdp.pipeline.split import outer_modules
+
+        for outer in outer_modules(module, blocks).values():
+            if outer is not module:
+                fully_shard(outer, mesh=dp_mesh, reshard_after_forward=False)
+        return module
     # Lightning calls training_step, not the LightningModule's __call__, so the FSDP root must be
     # a module whose __call__ runs: each child holding parameters (the user's network).
     if any(True for _ in module.parameters(recurse=False)):

@@ -243,3 +243,26 @@ def test_bad_pipeline_input_fails_before_any_transfer(dist_pool):
         assert "3 transformer blocks cannot be cut into pipeline_parallel_size(2) * virtual_pipeline_size(2) = 4" in messages[2]
         assert "virtual_pipeline_size in [] " not in messages[2] and "one of [3]" in messages[2]
         assert messages[3] == "good run: 1 step"
+
+
+ZERO_LAYOUTS = [
+    ("nanogpt", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 1}),
+    ("llama", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 2}),
+    ("nanogpt", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 1, "zero_stage": 3}),
+    ("gpt", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
+                "micro_batch_size": 2, "zero_stage": 1}),
+    ("llama", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "micro_batch_size": 1, "zero_stage": 3}),
+]
+
+
+@pytest.mark.parametrize(("family", "devices", "strategy_kwargs"), ZERO_LAYOUTS,
+                         ids=[f"{c[0]}-{_layout_id((c[0], c[1], 2, c[2]))}-zero{c[2]['zero_stage']}" for c in ZERO_LAYOUTS])
+def test_zero_composes_with_pipeline(dist_pool, family, devices, strategy_kwargs):
+    """ZeRO over d=2 inside each pipeline stage (FSDP2 on the stage's blocks), weights tied across
+    stages summed shard by shard; the same tolerances as without ZeRO (reduce-scatter sums in
+    another order than the reference, nothing else)."""
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, global_batch=GLOBAL_BATCH,
+    )
+    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
+    _check(results, ref)

@@ -63,17 +63,6 @@ def test_megatron_rank_order_tp_fastest():
     assert [c["pp"] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"zero_stage": 1, "pipeline_parallel_size": 2}, r"zero_stage=1 is not implemented yet"),
-    ],
-)
-def test_pending_features_say_so(kwargs, match):
-    with pytest.raises(NotImplementedError, match=match):
-        PTDPStrategy(**kwargs)
-
-
 def test_trainer_rejects_bad_world_before_launch():
     import lightning as L
 
