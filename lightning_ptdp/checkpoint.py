@@ -14,11 +14,13 @@ Every function here is a collective over the ranks that hold shards: call it on 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 
@@ -57,10 +59,37 @@ def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, 
     return full_state_dict(module) if tensor_parallel else module.state_dict()
 
 
+def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tensor_parallel: bool) -> None:
+    """Raise a ValueError saying how a checkpoint's weights differ from ``module``'s, if they do:
+    missing or unexpected keys (another model), or other shapes (another size of the model)."""
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [] if pipeline else [k for k in state if k not in expected]  # a stage knows its own keys only
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of this model's entries are missing (first: {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} entries are not in this model (first: {', '.join(unexpected[:3])})")
+    if not tensor_parallel:  # under TP the model holds shards; the checkpoint is always unsharded
+        shapes = [
+            f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+            if k in state and hasattr(state[k], "shape") and hasattr(v, "shape") and tuple(state[k].shape) != tuple(v.shape)
+        ]
+        if shapes:
+            problems.append(f"{len(shapes)} shapes differ, checkpoint vs model (first: {'; '.join(shapes[:3])})")
+    if problems:
+        raise ValueError(
+            "the checkpoint's weights do not fit this model: " + "; ".join(problems)
+            + ". It was saved from another model or configuration; build the same model (sizes, tying) to resume"
+        )
+
+
 def load_model_state(
     module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, zero: bool, strict: bool, pipeline: bool = False
 ) -> None:
-    if pipeline:  # this stage's entries only; a missing one is still an error under strict
+    if strict:
+        check_fits(module, state, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    if pipeline:  # this stage's entries only
         local = module.state_dict().keys()
         state = {k: v for k, v in state.items() if k in local}
     if zero:
@@ -137,3 +166,53 @@ def load_optimizer_state(
     if tensor_parallel:
         state = map_optimizer_state_by_name(module, state, to_full=False)
     set_optimizer_state_dict(module, optimizer, state, options=_options())
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed; the file it would have replaced is untouched."""
+
+
+class CheckedCheckpointIO(TorchCheckpointIO):
+    """Torch checkpoint files written so that a crash never leaves a partial file under the real
+    name, and read with an error that says so when a file is not a complete checkpoint.
+
+    A local file is written to ``.<name>.partial`` in the same directory, flushed to disk, then
+    renamed over the target (atomic on POSIX); the rename and the directory entry are synced.
+    Lightning's own writer stages through the system temp directory and moves the file, which is a
+    copy (not atomic) when that is another filesystem. Remote paths keep Lightning's writer."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        target = os.path.abspath(str(path))
+        folder = os.path.dirname(target)
+        os.makedirs(folder, exist_ok=True)
+        partial = os.path.join(folder, f".{os.path.basename(target)}.partial")
+        try:
+            with open(partial, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(partial, target)
+        except BaseException:
+            if os.path.exists(partial):
+                os.remove(partial)
+            raise
+        directory = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        try:
+            return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # torch reports a cut file as a zip, pickle or EOF error
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            raise ValueError(
+                f"checkpoint {str(path)!r} ({size} bytes) is truncated or not a torch checkpoint ({type(error).__name__}: "
+                f"{error}); it was not written completely. Resume from an earlier checkpoint"
+            ) from error

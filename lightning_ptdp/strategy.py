@@ -45,6 +45,32 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 turns into an error on the others within minutes instead of torch's 30."""
 
 
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _checked_tp_plan(plan: Optional[dict[str, str]], config: ParallelConfig) -> Optional[dict[str, str]]:
+    """An explicit tensor-parallel plan: {module path: style}, consistent with the layout."""
+    if plan is None:
+        return None
+    from lightning_ptdp.tensor_parallel.apply import EXPLICIT_STYLES
+
+    if not isinstance(plan, dict):
+        raise ValueError(f"tp_plan={plan!r} must be a dict of module path -> style, e.g. {{'blocks.0.attn.q': 'colwise'}}")
+    for path, style in plan.items():
+        kind, _, parts = str(style).partition(":")
+        fused = kind == "colwise_fused" and parts.isdigit() and int(parts) >= 1
+        if not isinstance(path, str) or not (fused or (style in EXPLICIT_STYLES)):
+            raise ValueError(
+                f"tp_plan[{path!r}]={style!r} is not a style: use one of "
+                f"{', '.join(repr(s) for s in EXPLICIT_STYLES)} or 'colwise_fused:K'"
+            )
+    if config.tensor_parallel_size == 1:
+        raise ValueError("tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1 or drop tp_plan")
+    if config.sequence_parallel:
+        raise ValueError("sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel")
+    return plan
+
+
 class PTDPStrategy(ParallelStrategy):
     """Pipeline x tensor x data parallelism (Narayanan et al. 2021) behind the standard Trainer.
 
@@ -83,7 +109,7 @@ class PTDPStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint.CheckedCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.parallel_config = ParallelConfig(
@@ -98,13 +124,22 @@ class PTDPStrategy(ParallelStrategy):
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
         )
-        self.tp_plan = tp_plan
+        self.tp_plan = _checked_tp_plan(tp_plan, self.parallel_config)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip', 'ignore'; choose one of those")
         self.on_nonfinite = on_nonfinite
         self._parallelized: Optional[Parallelized] = None
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
+        if process_group_backend not in (None, *PROCESS_GROUP_BACKENDS):
+            raise ValueError(
+                f"process_group_backend={process_group_backend!r} is not one of "
+                f"{', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)}; or None for gloo on CPU, nccl on GPU"
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=10)) or None")
+        if timeout is not None and timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={timeout} must be positive; a dead rank turns into an error after it")
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -438,6 +473,26 @@ class PTDPStrategy(ParallelStrategy):
                 aliases=engine.split.aliases if engine is not None else None,
             )
         _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, state: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Rank 0 writes; a failure (disk full, quota) is raised on every rank, so none waits in
+        the barrier that follows a save until the collective timeout."""
+        failure = None
+        if self.is_global_zero:
+            try:
+                self.checkpoint_io.save_checkpoint(state, filepath, storage_options=storage_options)
+            except Exception as error:  # reported to all ranks below, then raised here with its cause
+                cause = root = error
+                while root.__cause__ is not None or root.__context__ is not None:  # torch.save wraps OS errors
+                    root = root.__cause__ or root.__context__
+                failure = f"{type(root).__name__}: {root}"
+        failure = self.broadcast(failure, src=0)
+        if failure is not None:
+            message = f"saving checkpoint {str(filepath)!r} failed on rank 0 ({failure}); the previous checkpoint is untouched"
+            if self.is_global_zero:
+                raise checkpoint.CheckpointSaveError(message) from cause
+            raise checkpoint.CheckpointSaveError(message)
 
     # ------------------------------------------------------------------ collectives
     @override

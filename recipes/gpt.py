@@ -55,12 +55,19 @@ class GPTConfig:
                 f"GPTConfig.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
                 "choose a hidden size that is a multiple of the head count"
             )
+        if self.ffn_hidden_size is not None and (
+            isinstance(self.ffn_hidden_size, bool) or not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
+        ):
+            raise ValueError(f"GPTConfig.ffn_hidden_size={self.ffn_hidden_size!r} must be a positive integer or None (4 * hidden_size)")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
         if self.position_embedding not in ("learned", "rotary"):
             raise ValueError(f"GPTConfig.position_embedding={self.position_embedding!r}: use 'learned' or 'rotary'")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r} must be True or False")
+        _check_range("GPTConfig.init_std", self.init_std, low=0.0, low_open=True, fix="a small positive value such as 0.02")
         if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
             raise ValueError("rotary position embedding needs an even head size (hidden_size / num_heads)")
 
@@ -76,6 +83,34 @@ class OptimConfig:
     max_steps: int = 1000
     """Length of the cosine schedule; the LR stays at its minimum afterwards."""
     min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_range("OptimConfig.lr", self.lr, low=0.0, low_open=True, fix="a learning rate such as 3e-4")
+        _check_range("OptimConfig.weight_decay", self.weight_decay, low=0.0, fix="0 to switch weight decay off")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"OptimConfig.betas={self.betas!r} must be two numbers (beta1, beta2), e.g. (0.9, 0.95)")
+        for index, beta in enumerate(self.betas):
+            _check_range(f"OptimConfig.betas[{index}]", beta, low=0.0, high=1.0, fix="a value such as 0.9 or 0.95")
+        for name in ("warmup_steps", "max_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                least = 0 if name == "warmup_steps" else 1
+                raise ValueError(f"OptimConfig.{name}={value!r} must be an integer >= {least}")
+        _check_range("OptimConfig.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0, high_open=False,
+                     fix="the final LR as a fraction of lr, e.g. 0.1")
+
+
+def _check_range(
+    name: str, value: object, *, low: float, high: float = float("inf"), low_open: bool = False,
+    high_open: bool = True, fix: str,
+) -> None:
+    """Raise unless ``value`` is a real number in the interval (bounds open or closed as given)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name}={value!r} must be a number in {interval}; use {fix}")
 
 
 def rotary_tables(seq_length: int, head_size: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,6 +97,18 @@ def draw(rows: list[dict], title: str) -> bytes:
     return canvas.png(title)
 
 
+def idle_spans(record: dict) -> list[tuple[float, float]]:
+    """The gaps of the step in which this rank ran no forward or backward."""
+    gaps, cursor = [], record["start"]
+    for _, _, _, start, end in sorted(record["spans"], key=lambda s: s[3]):
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if record["end"] > cursor:
+        gaps.append((cursor, record["end"]))
+    return gaps
+
+
 def chrome_trace(records: list[dict], title: str) -> dict:
     """Chrome trace events: process = global rank, thread = pipeline stage (chunk)."""
     t0 = min(r["start"] for r in records)
@@ -105,4 +117,7 @@ def chrome_trace(records: list[dict], title: str) -> dict:
         for kind, stage, microbatch, start, end in record["spans"]:
             events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": record["rank"], "tid": stage,
                            "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"microbatch": microbatch, "stage": stage}})
+        for start, end in idle_spans(record):
+            events.append({"name": "idle", "cat": "idle", "ph": "X", "pid": record["rank"], "tid": "idle",
+                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}

@@ -253,9 +253,50 @@ def test_pipeline_timeline_draws_the_measured_schedule(dist_pool, tmp_path):
     events = [e for e in first["trace"]["traceEvents"] if e["ph"] == "X"]
     for rank, stages in ((0, {0, 2}), (1, {1, 3})):
         mine = [e for e in events if e["pid"] == rank]
-        assert {e["tid"] for e in mine} == stages
+        assert {e["tid"] for e in mine if e["cat"] != "idle"} == stages
         # 4 microbatches x 2 chunks, each one forward and one backward, none overlapping
         assert sorted(e["name"] for e in mine if e["cat"] == "F") == sorted(f"F{m}" for m in range(4) for _ in range(2))
         assert sum(e["cat"] == "B" for e in mine) == 8
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine)
-        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))  # compute and idle never overlap
+        assert any(e["cat"] == "idle" for e in mine)
+
+
+def fit_with_consistency(strategy_kwargs: dict, corrupt: str | None, corrupt_rank: int, family: str = "nanogpt") -> dict:
+    """Train 4 steps with the check every 2 steps; optionally nudge one parameter's last bit on
+    one rank after step 3, as a missed all-reduce or a flaky host would."""
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.callbacks import ReplicaConsistency, ReplicaDivergence
+    from tests.fit_utils import zoo_data
+
+    class Corrupt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if corrupt and trainer.global_step == 3 and trainer.global_rank == corrupt_rank:
+                param = dict(pl_module.named_parameters())[corrupt]
+                with torch.no_grad():
+                    flat = param.view(-1)
+                    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+
+    L.seed_everything(0, verbose=False)
+    check = ReplicaConsistency(every_n_steps=2)
+    trainer = quiet_trainer(devices=4, strategy=PTDPStrategy(**strategy_kwargs), max_steps=4, callbacks=[Corrupt(), check])
+    try:
+        trainer.fit(build_model(family), zoo_data(4, 5 * 8 * (SEQ + 1), SEQ + 1))
+    except ReplicaDivergence as error:
+        return {"error": str(error), "checks": check.checks}
+    return {"error": None, "checks": check.checks}
+
+
+@pytest.mark.world_size(4)
+def test_replica_consistency_names_the_first_diverged_parameter(dist_pool):
+    p2d2 = {"pipeline_parallel_size": 2, "micro_batch_size": 2}
+    clean = dist_pool(4).run(fit_with_consistency, p2d2, None, 0)
+    assert all(r == {"error": None, "checks": 2} for r in clean)  # replicas and tied copies agree
+    # rank 1 is dp replica 1 of stage 0: its copy of a block weight drifts by one ulp
+    drift = dist_pool(4).run(fit_with_consistency, p2d2, "net.h.0.c_fc.weight", 1)
+    for r in drift:  # every rank stops, naming it (not only the two that hold it)
+        assert r["error"] == ("step 4: data-parallel replicas: parameter 'net.h.0.c_fc.weight' differs between "
+                              "global ranks 0 and [1]")
+    # the last stage's copy of the tied embedding / LM head drifts: named across stages
+    tied = dist_pool(4).run(fit_with_consistency, p2d2, "net.lm_head.weight", 3)
+    assert "weights tied across pipeline stages: parameter 'net.wte.weight' differs between global ranks 1 and [3]" in tied[0]["error"]
