@@ -163,7 +163,8 @@ class PipelineEngine:
         blocks = layout.blocks_of(chunk)
         inputs = () if chunk == 0 else (example(blocks.start - 1),)
         last = chunk == layout.num_chunks - 1
-        outputs = torch.empty((), device=self.device, requires_grad=training) if last else example(blocks.stop - 1)
+        # the last stage returns its loss as shape (1,): torch merges last-stage outputs with cat
+        outputs = torch.empty(1, device=self.device, requires_grad=training) if last else example(blocks.stop - 1)
         return inputs, outputs
 
     def _schedule(self, microbatches: int, rows: int, training: bool) -> Any:
@@ -180,7 +181,7 @@ class PipelineEngine:
                 )
                 self._time(stage)
                 stages.append(stage)
-            loss_fn = (lambda output, target: output) if training else None
+            loss_fn = (lambda output, target: output.sum()) if training else None
             self._schedules[key] = build_schedule(self.schedule_name, stages, microbatches, loss_fn)
         return self._schedules[key]
 
@@ -212,8 +213,8 @@ class PipelineEngine:
             raise RuntimeError(f"the step returned before the model's forward reached the end of pipeline chunk {chunk}")
         run.outputs[index] = value
         if run.training:
-            return loss_of(value) * run.grad_scale
-        return torch.zeros((), device=self.device)
+            return (loss_of(value) * run.grad_scale).reshape(1)
+        return torch.zeros(1, device=self.device)
 
     def _check_shapes(self, microbatch: Any) -> None:
         shapes = [tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -295,9 +296,9 @@ class PipelineEngine:
         wall_offset = time.time() - start
         try:
             if training:
-                schedule.step(mb=ids, target=ids, return_outputs=False)
+                schedule.step(mb=ids, target=ids)
             else:
-                schedule.step(mb=ids, return_outputs=False)
+                schedule.step(mb=ids)
         except BaseException as error:
             failure = stop_pipeline(error, self.pp_group, dist.get_rank())
             if failure is error:
