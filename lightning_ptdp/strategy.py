@@ -35,6 +35,7 @@ from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite
 from lightning_ptdp.parallelize import Parallelized, parallelize
 from lightning_ptdp import checkpoint
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
+from lightning_ptdp.resume import resume_at
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
 from lightning_ptdp.tensor_parallel.consolidate import clip_grad_norm, sum_partial_gradients
 
@@ -364,6 +365,21 @@ class PTDPStrategy(ParallelStrategy):
             return output
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Resuming mid-epoch: start the training dataloader at the checkpoint's batch (resume.py)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not trainer.fit_loop.restarting:
+            return dataloader
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        try:
+            total = len(dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+        if total is not None and done >= total:
+            return dataloader
+        return resume_at(dataloader, done)
 
     # ------------------------------------------------------------------ pipeline steps
     @property

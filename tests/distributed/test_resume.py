@@ -76,3 +76,57 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
     resumed_from_pipeline = dist_pool(2).run(run_epochs, 2, None, 2, None, path, pipeline=p2v2, layers=4)
     for losses in resumed_from_pipeline:
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+def run_mid_epoch(root: str, *, crash_at_step: int | None = None, resume: str | None = None) -> dict:
+    """One epoch of 6 steps on d=2; checkpoint every 2 steps; optionally every rank stops at
+    ``crash_at_step`` (before it trains). Records each step's loss and the samples it trained on."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_ptdp import PTDPStrategy
+    from recipes.data import MarkovDataModule
+    from tests.fit_utils import LossRecorder, quiet_trainer
+    from tests.models import build_model
+
+    class Crash(Exception):
+        pass
+
+    class Samples(L.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if crash_at_step is not None and trainer.global_step == crash_at_step:
+                raise Crash
+            self.seen.append(tuple(tuple(row[:6].tolist()) for row in batch[0]))
+
+    L.seed_everything(0, verbose=False)
+    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=6 * 8 * 33 + 1, val_tokens=100)
+    recorder, samples = LossRecorder(), Samples()
+    checkpoints = ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(), max_epochs=1, callbacks=[samples, recorder, checkpoints],
+                            enable_checkpointing=True)
+    try:
+        trainer.fit(build_model("llama"), data, ckpt_path=resume)
+    except Crash:
+        pass
+    return {"losses": recorder.losses, "samples": samples.seen, "dataset": len(data.train_set)}
+
+
+@pytest.mark.world_size(2)
+def test_mid_epoch_resume_continues_at_the_checkpoints_sample(dist_pool, tmp_path):
+    """Killed after step 5 with the last checkpoint at step 4: the resumed run trains steps 5-6 on
+    exactly the samples the uninterrupted run did, with the same losses; over the interrupted and
+    resumed runs every sample of the epoch is trained on once (counted), none skipped."""
+    whole = dist_pool(2).run(run_mid_epoch, str(tmp_path / "whole"))
+    crashed = dist_pool(2).run(run_mid_epoch, str(tmp_path / "run"), crash_at_step=5)
+    resumed = dist_pool(2).run(run_mid_epoch, str(tmp_path / "run"), resume="last")
+    for rank in range(2):
+        assert len(whole[rank]["samples"]) == 6 and len(crashed[rank]["samples"]) == 5
+        kept = crashed[rank]["samples"][:4]  # step 5 ran after the step-4 checkpoint: lost, redone
+        assert kept + resumed[rank]["samples"] == whole[rank]["samples"]
+        assert resumed[rank]["losses"] == pytest.approx(whole[rank]["losses"][4:], rel=LOSS_RTOL)
+        sequences = [row for batch in kept + resumed[rank]["samples"] for row in batch]
+        assert len(sequences) == len(set(sequences)) == 24  # 6 steps x 4 sequences, none repeated
+    assert whole[0]["dataset"] == 49  # 2 ranks x 6 batches x 4 sequences trained per epoch (drop_last)
