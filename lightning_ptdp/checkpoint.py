@@ -15,6 +15,7 @@ Every function here is a collective over the ranks that hold shards: call it on 
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Optional
 
 import torch
@@ -168,6 +169,9 @@ def load_optimizer_state(
     set_optimizer_state_dict(module, optimizer, state, options=_options())
 
 
+_CUT_FILE = ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF")
+
+
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed; the file it would have replaced is untouched."""
 
@@ -198,19 +202,22 @@ class CheckedCheckpointIO(TorchCheckpointIO):
             if os.path.exists(partial):
                 os.remove(partial)
             raise
-        directory = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        try:  # make the rename itself durable; some filesystems cannot sync a directory
+            directory = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError:
+            pass
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}
         try:
             return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
-        except FileNotFoundError:
-            raise
-        except Exception as error:  # torch reports a cut file as a zip, pickle or EOF error
+        except (EOFError, pickle.UnpicklingError, RuntimeError) as error:  # how torch reports a cut file
+            if isinstance(error, RuntimeError) and not any(s in str(error) for s in _CUT_FILE):
+                raise
             size = os.path.getsize(path) if os.path.exists(path) else 0
             raise ValueError(
                 f"checkpoint {str(path)!r} ({size} bytes) is truncated or not a torch checkpoint ({type(error).__name__}: "

@@ -89,6 +89,11 @@ class ParallelConfig:
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline_parallel_size > 1 "
                 "(it interleaves chunks across pipeline ranks); set pipeline_parallel_size or use 1"
             )
+        if self.pipeline_schedule == "zero_bubble" and self.zero_stage > 0 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_schedule='zero_bubble' with zero_stage={self.zero_stage} is not supported yet (FSDP2 under "
+                "the deferred weight-gradient step is untested); use 'interleaved_1f1b' or zero_stage=0"
+            )
         if self.virtual_pipeline_size > 1 and self.pipeline_schedule == "1f1b":
             raise ValueError(
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs a schedule that runs several chunks per "

@@ -2,7 +2,7 @@
 
 The order is fixed, each step its own function:
   1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
-                      pipeline split moves modules between stages.
+                      pipeline split drops the other stages' parameters.
   2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                       sees its own heads and bias shard (DESIGN.md had kernels first).
   3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
@@ -82,6 +82,7 @@ def parallelize(
                 pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows,
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
+        result.pipeline.check_reusable(config, dims)
     if training and config.zero_stage > 0:
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:

@@ -269,9 +269,10 @@ class PTDPStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _clip_by_global_norm(self) -> None:
-        """Lightning clips by the norm of the gradients a rank holds; under tensor parallelism that
-        is a shard, so clipping would differ per rank and from a single process. Clip by the norm
-        of the whole model instead (the precision plugin's hook, so every precision gets it)."""
+        """Lightning clips by the norm of the gradients a rank holds; under tensor or pipeline
+        parallelism that is a part, so clipping would differ per rank and from a single process.
+        Clip by the norm of the whole model instead, over t, p and (ZeRO) d, a weight tied across
+        stages counted once (the precision plugin's hook, so every precision gets it)."""
         plugin, parallel = self.precision_plugin, self._parallelized
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
@@ -312,7 +313,9 @@ class PTDPStrategy(ParallelStrategy):
         """One ordinary step on the first microbatch of the stage's first batch (logging muted), for
         the pipeline split; returns it unrun with its sample count."""
         step, batch = self._stage_step(trainer)
-        microbatches, rows = split_microbatches(batch, self.parallel_config.micro_batch_size)
+        microbatches, rows = split_microbatches(
+            batch, self.parallel_config.micro_batch_size, strict=trainer.state.fn == TrainerFn.FITTING
+        )
         module = self.lightning_module
 
         def run() -> None:
@@ -342,9 +345,10 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Right after backward, before Lightning's clipping and the step: finish tensor-parallel
-        gradients (sequence-parallel norms, replicated KV heads), then check, on all ranks
-        together, that the loss and gradients are finite (``on_nonfinite``)."""
+        """Right after backward, before Lightning's clipping and the step: sum weights tied across
+        pipeline stages, finish tensor-parallel gradients (sequence-parallel norms, replicated KV
+        heads), average over dp under PP (no DDP there), then check, on all ranks together, that
+        the loss and gradients are finite (``on_nonfinite``)."""
         parallel = self._parallelized
         params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -455,7 +459,7 @@ class PTDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Unsharded weights; a collective under TP and ZeRO (every rank calls it)."""
+        """Unsharded weights; a collective under TP, PP and ZeRO (every rank calls it)."""
         assert self.lightning_module is not None
         return checkpoint.model_state(
             self.lightning_module, tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
@@ -473,7 +477,7 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Unsharded optimizer state; a collective under TP and ZeRO."""
+        """Unsharded optimizer state; a collective under TP, PP and ZeRO."""
         return checkpoint.optimizer_state(
             self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
             tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), pp_group=self._pp_group(),

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ptdp.tensor_parallel.consolidate import local_tensor
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -27,7 +29,7 @@ class ReplicaDivergence(RuntimeError):
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """(sum of raw bits, position-weighted sum) as int64: equal for bitwise-equal tensors."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_tensor(tensor)
     bits = local.detach().contiguous().view(-1).view(_BITS[local.element_size()]).to(torch.int64)
     weights = torch.arange(bits.numel(), device=bits.device) % 1021 + 1
     return torch.stack([bits.sum(), (bits * weights).sum()])
@@ -54,10 +56,13 @@ class ReplicaConsistency(pl.Callback):
             raise ValueError(f"ReplicaConsistency(on_divergence={on_divergence!r}) must be 'raise' or 'warn'")
         self.every_n_steps, self.on_divergence = every_n_steps, on_divergence
         self.checks = 0
+        self._last_step = -1
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == 0 or trainer.global_step % self.every_n_steps or not dist.is_initialized():
-            return
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_steps or step == self._last_step or not dist.is_initialized():
+            return  # (accumulated batches share a step: check it once)
+        self._last_step = step
         found: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(found, self.check(trainer, pl_module))  # every rank acts on every finding
         problems = list(dict.fromkeys(p for rank_problems in found for p in rank_problems))
@@ -77,7 +82,7 @@ class ReplicaConsistency(pl.Callback):
         if not zero:
             group = mesh["dp"].get_group() if mesh is not None else None
             named = sorted(pl_module.named_parameters())
-            found = self._compare([n for n, _ in named], [p for _, p in named], group)
+            found = self._compare([n for n, _ in named], [p for _, p in named], group, strategy.root_device)
             if found:
                 problems.append(f"data-parallel replicas: {found}")
         engine = getattr(strategy, "pipeline", None)
@@ -88,17 +93,18 @@ class ReplicaConsistency(pl.Callback):
                 names.append(original)
                 tensors.append(param if param is not None else torch.zeros(()))
                 held.append(param is not None)
-            found = self._compare(names, tensors, engine.pp_group, held)
+            found = self._compare(names, tensors, engine.pp_group, strategy.root_device, held)
             if found:
                 problems.append(f"weights tied across pipeline stages: {found}")
         return problems
 
     @staticmethod
-    def _compare(names: list[str], tensors: list[torch.Tensor], group: Any, held: Optional[list[bool]] = None) -> Optional[str]:
+    def _compare(
+        names: list[str], tensors: list[torch.Tensor], group: Any, device: torch.device, held: Optional[list[bool]] = None
+    ) -> Optional[str]:
         size = dist.get_world_size(group)
         if size == 1 or not names:
             return None
-        device = next((t.device for t in tensors if t.dim() > 0), torch.device("cpu"))
         mine = torch.stack([fingerprint(t).to(device) for t in tensors])  # (params, 2), on the group's device
         mask = torch.tensor(held if held is not None else [True] * len(names), dtype=torch.int64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(size)]

@@ -28,9 +28,10 @@ from lightning_ptdp.pipeline.split import PipelineSplit
 log = logging.getLogger(__name__)
 
 
-def split_microbatches(batch: Any, micro_batch_size: Optional[int]) -> tuple[list[Any], int]:
+def split_microbatches(batch: Any, micro_batch_size: Optional[int], *, strict: bool = True) -> tuple[list[Any], int]:
     """Cut every tensor in ``batch`` along dim 0 into microbatches of ``micro_batch_size`` rows
-    (other leaves are shared). Returns (microbatches, rows per microbatch)."""
+    (other leaves are shared). Returns (microbatches, rows per microbatch). Not ``strict``
+    (evaluation): a batch that ``micro_batch_size`` does not divide is one microbatch."""
     leaves, spec = tree_flatten(batch)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not tensors:
@@ -40,6 +41,8 @@ def split_microbatches(batch: Any, micro_batch_size: Optional[int]) -> tuple[lis
         shapes = [tuple(t.shape) for t in tensors]
         raise ValueError(f"the batch's tensors {shapes} disagree on dim 0; pipeline microbatches split every tensor there")
     size = micro_batch_size or rows
+    if rows % size and not strict:
+        size = rows
     if rows % size:
         fits = [k for k in range(1, rows + 1) if rows % k == 0]
         raise ValueError(
@@ -78,10 +81,10 @@ class StepTimeline:
         return sum(s.end - s.start for s in self.spans)
 
     @property
-    def bubble_fraction(self) -> float:
-        """Share of the step this rank spent not computing (waiting on other stages or transfers)."""
-        wall = self.end - self.start
-        return max(0.0, 1.0 - self.busy / wall) if wall > 0 else 0.0
+    def bubble(self) -> float:
+        """Time not computing (waiting on other stages or transfers) over time computing: what
+        the paper's (p-1)/m estimates."""
+        return (self.end - self.start - self.busy) / self.busy if self.busy > 0 else 0.0
 
     def max_in_flight(self, stage: int) -> int:
         """Most microbatches whose activations ``stage`` held at once (forwarded, not yet backwarded)."""
@@ -98,7 +101,7 @@ class _Chunk(nn.Module):
     def __init__(self, engine: "PipelineEngine", chunk: int, params: list[nn.Parameter]) -> None:
         super().__init__()
         self.chunk = chunk
-        self.params = nn.ParameterList(params)  # the same Parameter objects: what zero-bubble's W step updates
+        self.params = nn.ParameterList(params)  # the chunk's Parameters: what zero-bubble's W step differentiates
         self.__dict__["engine"] = engine  # not a submodule
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -115,6 +118,7 @@ class _Step:
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: list[tuple[int, str, Any, tuple, dict]] = field(default_factory=list)
     current: int = 0
+    as_dict: bool = False
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -151,6 +155,19 @@ class PipelineEngine:
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
 
+    def check_reusable(self, config: Any, dims: Any) -> None:
+        """A model already cut for one pipeline (an earlier fit) cannot be cut again for another."""
+        layout = self.split.layout
+        now = (dims.pp, config.virtual_pipeline_size)
+        if now != (layout.pp, layout.vpp):
+            raise ValueError(
+                f"this model was already split for pipeline_parallel_size={layout.pp}, virtual_pipeline_size="
+                f"{layout.vpp} (its other stages' parameters are gone); build the model again for p={now[0]}, v={now[1]}"
+            )
+        if (config.micro_batch_size, config.pipeline_schedule) != (self.micro_batch_size, self.schedule_name):
+            self.micro_batch_size, self.schedule_name = config.micro_batch_size, config.pipeline_schedule
+            self._schedules.clear()
+
     # ------------------------------------------------------------------ stages
     def _stage_args(self, chunk: int, rows: int, training: bool) -> tuple[tuple, Any]:
         layout, record = self.split.layout, self.split.record
@@ -176,7 +193,8 @@ class PipelineEngine:
             for chunk in self.split.local_chunks:
                 inputs, outputs = self._stage_args(chunk, rows, training)
                 stage = PipelineStage(
-                    _Chunk(self, chunk, self.split.params_of_chunk(chunk)), chunk, self.split.layout.num_chunks,
+                    _Chunk(self, chunk, self.split.params_of_chunk(chunk) if training else []), chunk,
+                    self.split.layout.num_chunks,
                     self.device, input_args=inputs, output_args=outputs, group=self.pp_group,
                 )
                 self._time(stage)
@@ -211,9 +229,11 @@ class PipelineEngine:
             return value
         if chunk != self.split.layout.num_chunks - 1:
             raise RuntimeError(f"the step returned before the model's forward reached the end of pipeline chunk {chunk}")
+        if run.training:  # keep only the loss: a returned logits tensor would outlive its microbatch
+            loss = loss_of(value)
+            run.outputs[index], run.as_dict = loss.detach(), isinstance(value, dict)
+            return (loss * run.grad_scale).reshape(1)
         run.outputs[index] = value
-        if run.training:
-            return (loss_of(value) * run.grad_scale).reshape(1)
         return torch.zeros(1, device=self.device)
 
     def _check_shapes(self, microbatch: Any) -> None:
@@ -227,8 +247,8 @@ class PipelineEngine:
             )
 
     def train_step(self, step: Callable[..., Any], batch: Any, extra: tuple, grad_scale: float) -> Any:
-        """Forward and backward of every microbatch; returns the mean loss (on every pipeline rank)
-        in the form the step returned it. ``grad_scale`` multiplies the gradients (1/accumulation).
+        """Forward and backward of every microbatch; returns the mean loss (on every pipeline rank),
+        as a tensor or as {"loss": ...} like the step returned it (other keys are not carried). ``grad_scale`` multiplies the gradients (1/accumulation).
 
         Lightning zeroes gradients after training_step and before backward, but the schedule's
         backward runs inside the step: the step's gradients are set aside (``pending_grads``) and
@@ -244,7 +264,7 @@ class PipelineEngine:
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, before):
                 p.grad = grad
-        payload = self._payload(lambda: {"loss": sum(float(loss_of(o).detach()) for o in outputs) / len(outputs)})
+        payload = self._payload(lambda: {"loss": sum(float(o) for o in outputs) / len(outputs)})
         loss = torch.tensor(payload["loss"], device=self.device)
         return {"loss": loss} if payload["as_dict"] else loss
 
@@ -266,9 +286,14 @@ class PipelineEngine:
         payload = None
         if self.is_last:
             run = self._finished
-            payload = {**last_stage(), "logs": self._mean_logs(run.logs), "metrics": self._metric_states()}
-            payload["as_dict"] = any(isinstance(o, dict) for o in run.outputs.values())
+            try:
+                payload = {**last_stage(), "logs": self._mean_logs(run.logs), "metrics": self._metric_states()}
+                payload["as_dict"] = run.as_dict
+            except Exception as error:  # shared below, so no other stage waits for a result that never comes
+                payload = {"error": f"{type(error).__name__}: {error}"}
         payload = self.share(payload)
+        if "error" in payload:
+            raise RuntimeError(f"the last pipeline stage could not finish the step: {payload['error']}")
         self._apply_metric_states(payload["metrics"])
         for name, value, args, kwargs in payload["logs"]:
             if isinstance(value, str):  # a torchmetrics Metric, by its path in the module
@@ -315,15 +340,10 @@ class PipelineEngine:
         return [self._finished.outputs[i] for i in sorted(self._finished.outputs)]
 
     def _split(self, batch: Any, training: bool) -> tuple[list[Any], int]:
-        size = self.micro_batch_size
-        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-        rows = leaves[0].shape[0] if leaves else 0
-        if not training and size is not None and rows % size:
-            size = None  # a short evaluation batch runs as one microbatch
-        microbatches, size = split_microbatches(batch, size)
+        microbatches, size = split_microbatches(batch, self.micro_batch_size, strict=training)
         self._check_shapes(microbatches[0])
         if training:
-            check_microbatches(self.schedule_name, len(microbatches), self.pp, rows, size)
+            check_microbatches(self.schedule_name, len(microbatches), self.pp, size * len(microbatches), size)
         return microbatches, size
 
     def _capture_log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:

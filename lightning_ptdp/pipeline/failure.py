@@ -42,13 +42,14 @@ def _is_transport_error(error: BaseException) -> bool:
 def stop_pipeline(error: BaseException, pp_group: Any, rank: int) -> BaseException:
     """What this rank should raise after ``error`` interrupted a pipeline step."""
     cause = _root_cause(error)
+    key = f"{FAILURE_KEY}/{'-'.join(map(str, dist.get_process_group_ranks(pp_group)))}"  # this pipeline's own
     try:
         store = _store()
-        if store.check([FAILURE_KEY]):
+        if store.check([key]):
             return PipelinePeerFailure(
-                f"pipeline step stopped: {store.get(FAILURE_KEY).decode()} (on this rank: {type(cause).__name__}: {cause})"
+                f"pipeline step stopped: {store.get(key).decode()} (on this rank: {type(cause).__name__}: {cause})"
             )
-        store.set(FAILURE_KEY, f"rank {rank} failed with {type(cause).__name__}: {cause}")
+        store.set(key, f"rank {rank} failed with {type(cause).__name__}: {cause}")
     except Exception as store_error:  # the store lives in global rank 0's process (Lightning's launcher)
         log.warning("could not reach the job's store: %s", store_error)
         if _is_transport_error(cause):

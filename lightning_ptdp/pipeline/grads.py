@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.pipeline.split import PipelineSplit
+from lightning_ptdp.tensor_parallel.consolidate import local_tensor
 
 
 def _flat_all_reduce(grads: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
@@ -25,10 +26,6 @@ def _flat_all_reduce(grads: list[torch.Tensor], group: Any, scale: float = 1.0) 
         for grad in same:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
@@ -49,8 +46,10 @@ def sum_tied_gradients(
     grads = []
     for _, shape, dtype, local_name in split.tied:
         param = split.tied_param(local_name)
-        if param is not None and param.grad is not None:
-            grads.append(_local(param.grad))
+        if param is not None and param.grad is None:  # this copy saw no gradient: it still takes the sum
+            param.grad = torch.zeros_like(param)
+        if param is not None:
+            grads.append(local_tensor(param.grad))
         else:
             local = _dp_shard_shape(shape, *zero_dp) if zero_dp is not None else shape
             grads.append(torch.zeros(local, dtype=dtype, device=device))
@@ -61,6 +60,11 @@ def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, d
     """Mean of the gradients over the data-parallel replicas, once per optimizer step (not per
     microbatch): one flat all-reduce per dtype, instead of DDP, whose hooks would fire in every
     microbatch's backward unless each were wrapped in no_sync."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if dp_size > 1 and grads:
+    if dp_size == 1:
+        return
+    for param in params:  # every replica reduces the same buffer, whatever its forward touched
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params if p.requires_grad]
+    if grads:
         _flat_all_reduce(grads, dp_group, 1.0 / dp_size)

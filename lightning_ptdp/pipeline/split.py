@@ -378,7 +378,8 @@ def split_model(
             full = f"{module_name}.{attr}" if module_name else attr
             if full not in names.setdefault(id(param), []):
                 names[id(param)].append(full)
-            owners.setdefault(id(param), []).append((module, attr))
+            if not any(m is module and a == attr for m, a in owners.get(id(param), [])):  # a module reached twice
+                owners.setdefault(id(param), []).append((module, attr))
             params[id(param)] = param
     aliases: dict[str, list[str]] = {}
     for pid, param in params.items():

@@ -1,4 +1,5 @@
-"""ZeRO on the dp axis with FSDP2 (``fully_shard``), one unit per transformer block plus a root.
+"""ZeRO on the dp axis with FSDP2 (``fully_shard``), one unit per transformer block plus a root
+(under pipeline parallelism: plus one per module outside the blocks, see ``apply_zero``).
 
 Stages map onto FSDP2 as follows:
   1, 2  parameters stay whole between forward and backward (``reshard_after_forward=False``);
@@ -24,6 +25,13 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
     final norm, head) become FSDP units of their own instead of one root around them."""
     from torch.distributed.fsdp import fully_shard
 
+    # Lightning calls training_step, not the LightningModule's __call__, so the FSDP root must be
+    # a module whose __call__ runs: each child holding parameters (the user's network).
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"zero_stage={zero_stage} needs the parameters of {type(module).__name__} inside submodules "
+            "(FSDP shards submodules that the forward calls); move direct nn.Parameters into a submodule"
+        )
     reshard = zero_stage == 3
     blocks = [block for _, found in find_block_lists(module) for block in found]
     for block in blocks:
@@ -32,17 +40,16 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
     if pipeline:
         from lightning_ptdp.pipeline.split import outer_modules
 
-        for outer in outer_modules(module, blocks).values():
-            if outer is not module:
-                fully_shard(outer, mesh=dp_mesh, reshard_after_forward=False)
+        inside = {id(m) for block in blocks for m in block.modules()}
+        for name, outer in outer_modules(module, blocks).items():
+            if any(id(m) in inside for m in outer.modules()):
+                raise ValueError(
+                    f"zero_stage={zero_stage} with pipeline parallelism: '{name}' holds parameters of its own and "
+                    "encloses the transformer blocks, whose forward stops early on all stages but the last; move "
+                    "its parameters into a submodule (as an nn.Embedding or norm) or use zero_stage=0"
+                )
+            fully_shard(outer, mesh=dp_mesh, reshard_after_forward=False)
         return module
-    # Lightning calls training_step, not the LightningModule's __call__, so the FSDP root must be
-    # a module whose __call__ runs: each child holding parameters (the user's network).
-    if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(
-            f"zero_stage={zero_stage} needs the parameters of {type(module).__name__} inside submodules "
-            "(FSDP shards submodules that the forward calls); move direct nn.Parameters into a submodule"
-        )
     # The root keeps its (embedding, head, final norm) parameters gathered until backward, which
     # starts right after its forward anyway; this also keeps backward independent of whether FSDP
     # can hook the root's output (tensor-parallel logits are a tensor subclass).

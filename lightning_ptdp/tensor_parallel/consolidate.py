@@ -81,7 +81,7 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's data of a tensor that ZeRO may have sharded into a DTensor (a view, writable)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -95,7 +95,7 @@ def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]]
       query heads: sum the copies (scatter into the full tensor, all-reduce, take own rows).
     """
     params = [getattr(module, name) for module, name in partial]
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=tp.group)
@@ -144,7 +144,7 @@ def global_grad_norm(
     for param in parameters:
         if param.grad is None or id(param) in exclude:
             continue
-        square = _local(param.grad.detach()).double().pow(2).sum().cpu()
+        square = local_tensor(param.grad.detach()).double().pow(2).sum().cpu()
         share = weight.get(id(param))
         if share is None:
             replicated += square
@@ -171,7 +171,7 @@ def clip_grad_norm(
     if scale < 1.0:
         for param in parameters:
             if param.grad is not None:
-                _local(param.grad).mul_(scale)
+                local_tensor(param.grad).mul_(scale)
     return total
 
 

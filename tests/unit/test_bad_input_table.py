@@ -45,6 +45,8 @@ STRATEGY = [
     ({"tensor_parallel_size": 2, "sequence_parallel": True, "tp_plan": {"blocks.0.q": "colwise"}},
      r"sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel"),
     ({"tp_plan": {"blocks.0.q": "colwise"}}, r"tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1"),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble", "zero_stage": 1},
+     r"pipeline_schedule='zero_bubble' with zero_stage=1 is not supported yet"),
 ]
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
