@@ -32,7 +32,7 @@ class TimelineRecorder(L.Callback):
         self.steps: list[tuple[float, float]] = []  # (busy, wall) per step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        timeline = trainer.strategy._pipeline().timeline
+        timeline = trainer.strategy.pipeline.timeline
         self.steps.append((timeline.busy, timeline.end - timeline.start))
 
 

@@ -34,8 +34,7 @@ def _options(**kwargs: Any):
 
 def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
     parts: list[Optional[dict]] = [None] * dist.get_world_size(pp_group)
-    local = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    dist.all_gather_object(parts, local, group=pp_group)
+    dist.all_gather_object(parts, detached_cpu(state), group=pp_group)
     merged: dict[str, Any] = {}
     for part in parts:
         merged.update(part or {})
@@ -120,7 +119,7 @@ def optimizer_state(
 def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
     """Every stage's per-parameter state in one dict; param groups joined group by group."""
     parts: list[Optional[dict]] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(parts, _cpu(state), group=pp_group)
+    dist.all_gather_object(parts, detached_cpu(state), group=pp_group)
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for part in parts:
         merged["state"].update(part["state"])
@@ -131,14 +130,11 @@ def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, 
     return merged
 
 
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_cpu(v) for v in value]
-    return value
+def detached_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it detached and copied to CPU (for pickling across ranks)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
 
 
 def stage_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], aliases: dict[str, list[str]]) -> dict[str, Any]:

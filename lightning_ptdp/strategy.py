@@ -389,16 +389,13 @@ class PTDPStrategy(ParallelStrategy):
     @property
     def pipeline(self) -> Optional[PipelineEngine]:
         """This rank's pipeline engine (its chunks, the last step's measured timeline); None if p = 1."""
-        return self._pipeline()
-
-    def _pipeline(self) -> Optional[PipelineEngine]:
         return self._parallelized.pipeline if self._parallelized is not None else None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under PP: the whole global batch through the pipeline schedule (forward and backward of
         every microbatch); returns the mean loss on every rank. Otherwise Lightning's own step."""
-        engine = self._pipeline()
+        engine = self.pipeline
         if engine is None:
             return super().training_step(*args, **kwargs)
         module = self.lightning_module
@@ -410,7 +407,7 @@ class PTDPStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Under PP the schedule already ran backward inside training_step: its gradients are
         added here (after Lightning's zero_grad), between the usual hooks."""
-        engine = self._pipeline()
+        engine = self.pipeline
         if engine is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
@@ -421,7 +418,7 @@ class PTDPStrategy(ParallelStrategy):
         return closure_loss
 
     def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
-        engine = self._pipeline()
+        engine = self.pipeline
         if engine is None:
             return getattr(super(), name)(*args, **kwargs)
         step = functools.partial(getattr(self.lightning_module, name), **kwargs)
@@ -445,7 +442,7 @@ class PTDPStrategy(ParallelStrategy):
         return self._parallelized is not None and self._parallelized.tp_report is not None
 
     def _pp_group(self) -> Any:
-        engine = self._pipeline()
+        engine = self.pipeline
         return engine.pp_group if engine is not None else None
 
     def _sharded_by_zero(self) -> bool:
@@ -485,7 +482,7 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, state: Any) -> None:
-        engine = self._pipeline()
+        engine = self.pipeline
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
             checkpoint.load_optimizer_state(
                 self.lightning_module, getattr(optimizer, "_optimizer", optimizer), optimizer_state,

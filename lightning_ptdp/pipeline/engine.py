@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_ptdp.checkpoint import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
@@ -150,6 +151,7 @@ class PipelineEngine:
         self._finished: Optional[_Step] = None
         self.pending_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._metric_counts: dict[str, int] = {}
+        self._metrics: Optional[dict[str, Any]] = None
         self._spans: list[Span] = []
         self._input_shapes: Optional[list[tuple]] = None
         self.timeline: Optional[StepTimeline] = None
@@ -278,7 +280,7 @@ class PipelineEngine:
         """Forward of every microbatch; with ``collect`` the step outputs (predictions) of the last
         stage, concatenated over microbatches, on every pipeline rank."""
         outputs = self._run_schedule(step, batch, extra, training=False)
-        payload = self._payload(lambda: {"outputs": _merge([_to_cpu(o) for o in outputs]) if collect else None})
+        payload = self._payload(lambda: {"outputs": _merge([detached_cpu(o) for o in outputs]) if collect else None})
         return _to_device(payload["outputs"], self.device)
 
     def _payload(self, last_stage: Callable[[], dict]) -> dict:
@@ -353,9 +355,12 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ results on every rank
     def _metric_paths(self) -> dict[str, Any]:
-        from torchmetrics import Metric
+        """The module's torchmetrics Metrics by path, found once (setup fixed the module tree)."""
+        if self._metrics is None:
+            from torchmetrics import Metric
 
-        return {name: m for name, m in self.module.named_modules() if isinstance(m, Metric)}
+            self._metrics = {name: m for name, m in self.module.named_modules() if isinstance(m, Metric)}
+        return self._metrics
 
     def _update_counts(self) -> dict[str, int]:
         return {name: m._update_count for name, m in self._metric_paths().items()}
@@ -365,8 +370,8 @@ class PipelineEngine:
         states = {}
         for name, metric in self._metric_paths().items():
             if metric._update_count != self._metric_counts.get(name):
-                state = {key: _to_cpu(getattr(metric, key)) for key in metric._defaults}
-                states[name] = (state, metric._update_count, _to_cpu(metric._forward_cache))
+                state = {key: detached_cpu(getattr(metric, key)) for key in metric._defaults}
+                states[name] = (state, metric._update_count, detached_cpu(metric._forward_cache))
         return states
 
     def _apply_metric_states(self, states: dict[str, dict]) -> None:
@@ -406,11 +411,6 @@ class PipelineEngine:
         box = [payload if self.is_last else None]
         dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
         return box[0]
-
-
-def _to_cpu(value: Any) -> Any:
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten([v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -5,27 +5,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.pipeline.split import PipelineSplit
-from lightning_ptdp.tensor_parallel.consolidate import local_tensor
-
-
-def _flat_all_reduce(grads: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
-    """All-reduce ``grads`` in one flat buffer per dtype (one collective instead of one per tensor)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for grad in same:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+from lightning_ptdp.tensor_parallel.consolidate import flat_all_reduce, local_tensor
 
 
 def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
@@ -53,7 +36,7 @@ def sum_tied_gradients(
         else:
             local = _dp_shard_shape(shape, *zero_dp) if zero_dp is not None else shape
             grads.append(torch.zeros(local, dtype=dtype, device=device))
-    _flat_all_reduce(grads, pp_group)
+    flat_all_reduce(grads, pp_group)
 
 
 def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, dp_size: int) -> None:
@@ -67,4 +50,4 @@ def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, d
             param.grad = torch.zeros_like(param)
     grads = [p.grad for p in params if p.requires_grad]
     if grads:
-        _flat_all_reduce(grads, dp_group, 1.0 / dp_size)
+        flat_all_reduce(grads, dp_group, 1.0 / dp_size)

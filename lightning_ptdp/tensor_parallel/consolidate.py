@@ -86,6 +86,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def flat_all_reduce(tensors: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
+    """All-reduce ``tensors`` in place through one flat buffer per dtype (one collective each)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
 def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]], tp: TPGroup) -> None:
     """Finish the gradients TP leaves partial, once per optimizer step:
 
@@ -97,12 +113,7 @@ def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]]
     params = [getattr(module, name) for module, name in partial]
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        flat_all_reduce(grads, tp.group)
     for layer in model.modules():
         if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1:
             for param in (layer.weight, layer.bias):

@@ -177,7 +177,7 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
         trainer.fit(build_model(family, num_layers=2), zoo_data(GLOBAL_BATCH, 2 * GLOBAL_BATCH * 33, 33))
     finally:
         torch_stage._PipelineStageBase.get_fwd_send_ops = original
-    engine = trainer.strategy._pipeline()
+    engine = trainer.strategy.pipeline
     timeline = engine.timeline
     return {
         "sent": [b for b in sent if b], "rank": engine.split.rank,
