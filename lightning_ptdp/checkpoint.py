@@ -59,29 +59,47 @@ def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, 
     return full_state_dict(module) if tensor_parallel else module.state_dict()
 
 
-def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tensor_parallel: bool) -> None:
-    """Raise a ValueError saying how a checkpoint's weights differ from ``module``'s, if they do:
-    missing or unexpected keys (another model), or other shapes (another size of the model)."""
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [] if pipeline else [k for k in state if k not in expected]  # a stage knows its own keys only
+def describe_mismatch(
+    expected: dict[str, Optional[tuple[int, ...]]], saved: dict[str, Optional[tuple[int, ...]]], *,
+    check_unexpected: bool = True, check_shapes: bool = True,
+) -> Optional[str]:
+    """How a checkpoint's weights (name -> shape) differ from a model's, or None: missing or
+    unexpected keys (another model), other shapes (another size of the model)."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected] if check_unexpected else []
     problems = []
     if missing:
         problems.append(f"{len(missing)} of this model's entries are missing (first: {', '.join(missing[:3])})")
     if unexpected:
         problems.append(f"{len(unexpected)} entries are not in this model (first: {', '.join(unexpected[:3])})")
-    if not tensor_parallel:  # under TP the model holds shards; the checkpoint is always unsharded
+    if check_shapes:
         shapes = [
-            f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-            if k in state and hasattr(state[k], "shape") and hasattr(v, "shape") and tuple(state[k].shape) != tuple(v.shape)
+            f"{k} {saved[k]} vs {shape}" for k, shape in expected.items()
+            if k in saved and saved[k] is not None and shape is not None and tuple(saved[k]) != tuple(shape)
         ]
         if shapes:
             problems.append(f"{len(shapes)} shapes differ, checkpoint vs model (first: {'; '.join(shapes[:3])})")
-    if problems:
-        raise ValueError(
-            "the checkpoint's weights do not fit this model: " + "; ".join(problems)
-            + ". It was saved from another model or configuration; build the same model (sizes, tying) to resume"
-        )
+    if not problems:
+        return None
+    return (
+        "; ".join(problems)
+        + ". It was saved from another model or configuration; build the same model (sizes, tying) to resume"
+    )
+
+
+def _shape(value: Any) -> Optional[tuple[int, ...]]:
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tensor_parallel: bool) -> None:
+    """Raise a ValueError saying how a checkpoint's weights differ from ``module``'s, if they do.
+    A pipeline stage knows only its own keys; under TP the model holds shards (checkpoints never)."""
+    problem = describe_mismatch(
+        {k: _shape(v) for k, v in module.state_dict().items()}, {k: _shape(v) for k, v in state.items()},
+        check_unexpected=not pipeline, check_shapes=not tensor_parallel,
+    )
+    if problem:
+        raise ValueError(f"the checkpoint's weights do not fit this model: {problem}")
 
 
 def load_model_state(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -33,7 +34,7 @@ from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, parallelize
-from lightning_ptdp import checkpoint
+from lightning_ptdp import checkpoint, distcp
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.resume import resume_at
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
@@ -47,6 +48,7 @@ turns into an error on the others within minutes instead of torch's 30."""
 
 
 PROCESS_GROUP_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+CHECKPOINT_FORMATS = ("sharded", "full")
 
 
 def _checked_tp_plan(plan: Optional[dict[str, str]], config: ParallelConfig) -> Optional[dict[str, str]]:
@@ -97,6 +99,7 @@ class PTDPStrategy(ParallelStrategy):
         kernels: Literal["auto", "triton", "torch"] = "auto",
         tp_plan: Optional[dict[str, str]] = None,
         on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -129,6 +132,12 @@ class PTDPStrategy(ParallelStrategy):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip', 'ignore'; choose one of those")
         self.on_nonfinite = on_nonfinite
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format={checkpoint_format!r} is not one of 'sharded' (each rank writes its pieces, a folder) "
+                "or 'full' (rank 0 writes one file of unsharded tensors); choose one of those"
+            )
+        self.checkpoint_format = checkpoint_format
         self._parallelized: Optional[Parallelized] = None
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
@@ -454,10 +463,24 @@ class PTDPStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
+    # Sharded (default): every rank writes its pieces of the original tensors (distcp.py), nothing
+    # is gathered. Full: rank 0 writes one file of unsharded tensors (checkpoint.py). Either loads
+    # on any layout; loading happens after setup, into the parallelized model.
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def _aliases(self) -> Optional[dict[str, list[str]]]:
+        engine = self.pipeline
+        return engine.split.aliases if engine is not None else None
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Unsharded weights; a collective under TP, PP and ZeRO (every rank calls it)."""
+        """Sharded: this rank's pieces. Full: unsharded weights; a collective under TP, PP and ZeRO."""
         assert self.lightning_module is not None
+        if self.checkpoint_format == "sharded":
+            return distcp.model_pieces(self.lightning_module, self._aliases())
         return checkpoint.model_state(
             self.lightning_module, tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
             pp_group=self._pp_group(),
@@ -467,6 +490,8 @@ class PTDPStrategy(ParallelStrategy):
     def load_model_state_dict(self, state: Any, strict: bool = True) -> None:
         """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
         assert self.lightning_module is not None
+        if state.get(distcp.LOADED_IN_PLACE):
+            return
         checkpoint.load_model_state(
             self.lightning_module, state["state_dict"], strict=strict,
             tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), pipeline=self._pp_group() is not None,
@@ -474,27 +499,54 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Unsharded optimizer state; a collective under TP, PP and ZeRO."""
+        """Sharded: this rank's pieces. Full: unsharded, a collective under TP, PP and ZeRO."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.checkpoint_format == "sharded":
+            return distcp.optimizer_pieces(self.lightning_module, optimizer, self._aliases())
         return checkpoint.optimizer_state(
-            self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
+            self.lightning_module, optimizer,
             tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), pp_group=self._pp_group(),
         )
 
     @override
     def load_optimizer_state_dict(self, state: Any) -> None:
-        engine = self.pipeline
+        if state.get(distcp.LOADED_IN_PLACE):
+            return
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
             checkpoint.load_optimizer_state(
                 self.lightning_module, getattr(optimizer, "_optimizer", optimizer), optimizer_state,
-                tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(),
-                aliases=engine.split.aliases if engine is not None else None,
+                tensor_parallel=self._tensor_parallel(), zero=self._sharded_by_zero(), aliases=self._aliases(),
             )
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A folder is a sharded checkpoint: loaded here, in place, on every rank; a file is full."""
+        path = self.broadcast(str(checkpoint_path))
+        if not os.path.isdir(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        return distcp.load(
+            path, module=self.lightning_module, optimizers=[getattr(o, "_optimizer", o) for o in self.optimizers],
+            aliases=self._aliases(), rank=self.global_rank, world_size=self.world_size,
+            strict=self.lightning_module.strict_loading, pipeline=self._pp_group() is not None,
+            describe_mismatch=checkpoint.describe_mismatch,
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            if os.path.islink(str(filepath)) or os.path.isdir(str(filepath)):
+                distcp.remove(str(filepath))
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    @override
     def save_checkpoint(self, state: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Rank 0 writes; a failure (disk full, quota) is raised on every rank, so none waits in
-        the barrier that follows a save until the collective timeout."""
+        """A failure (disk full, quota) is raised on every rank, so none waits in the barrier that
+        follows a save until the collective timeout; the previous checkpoint stays as it was."""
+        if self.checkpoint_format == "sharded":
+            return self._save_sharded(state, filepath, storage_options)
         failure = None
         if self.is_global_zero:
             try:
@@ -510,6 +562,27 @@ class PTDPStrategy(ParallelStrategy):
             if self.is_global_zero:
                 raise checkpoint.CheckpointSaveError(message) from cause
             raise checkpoint.CheckpointSaveError(message)
+
+    def _save_sharded(self, state: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        if storage_options is not None or "://" in str(filepath):
+            raise ValueError(
+                f"checkpoint_format='sharded' writes to a local or mounted shared folder; {str(filepath)!r} with "
+                f"storage_options={storage_options!r} is not one. Use checkpoint_format='full' for remote storage"
+            )
+        dims = self.parallel_dims
+        layout = dict(t=dims.tp, p=dims.pp, d=dims.dp, v=self.parallel_config.virtual_pipeline_size,
+                      zero=self.parallel_config.zero_stage, world_size=self.world_size)
+        flat = distcp.flat_state(state, self.global_rank, layout)
+        try:
+            distcp.save(flat, self.broadcast(str(filepath)), is_rank_zero=self.is_global_zero,
+                        broadcast=self.broadcast, barrier=self.barrier)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # DCP's CheckpointException (a BaseException) carries every rank's outcome
+            raise checkpoint.CheckpointSaveError(
+                f"saving checkpoint {str(filepath)!r} failed ({distcp.describe_failure(error)}); the previous "
+                "checkpoint is untouched"
+            ) from error
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -12,9 +12,12 @@ LOSS_RTOL = 1e-5  # fp32, same layout: the resumed run repeats the same arithmet
 
 
 def train(root: str, epochs: int, *, resume: str | None = None, model_overrides: dict | None = None,
-          fail_save_at_epoch: int | None = None, family: str = "gpt") -> dict:
+          fail_save_at_epoch: int | None = None, family: str = "gpt", fmt: str = "full") -> dict:
     """Train with a ModelCheckpoint saving every epoch (and last.ckpt); optionally make the disk
-    fail half-way through writing the checkpoint of one epoch."""
+    fail half-way through writing the checkpoint of one epoch (full: rank 0's file after 100 kB;
+    sharded: rank 1's shard file, while rank 0 writes its own)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -46,17 +49,25 @@ def train(root: str, epochs: int, *, resume: str | None = None, model_overrides:
         def __exit__(self, *exc):
             self.file.close()
 
+    def full_shard_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
     class FailingDisk(L.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
-            if fail_save_at_epoch is not None and trainer.current_epoch == fail_save_at_epoch:
+            if fail_save_at_epoch is None or trainer.current_epoch != fail_save_at_epoch:
+                return
+            if fmt == "full":
                 checkpoint_module.open = FullDisk  # the module's own open(), seen by CheckedCheckpointIO
+            elif dist.get_rank() == 1:
+                FileSystemWriter.write_data = full_shard_disk
 
     L.seed_everything(0, verbose=False)
     data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1, val_tokens=100)
     recorder = LossRecorder()
     # the failing callback runs before ModelCheckpoint's save in the same hook
     callbacks = [FailingDisk(), ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1, every_n_epochs=1), recorder]
-    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(), max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True)
+    write_data = FileSystemWriter.write_data
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(checkpoint_format=fmt), max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True)
     try:
         trainer.fit(build_model(family, **(model_overrides or {})), data, ckpt_path=resume)
         error = None
@@ -64,19 +75,24 @@ def train(root: str, epochs: int, *, resume: str | None = None, model_overrides:
         error = f"{type(caught).__name__}: {caught}"
     finally:
         checkpoint_module.__dict__.pop("open", None)
+        FileSystemWriter.write_data = write_data
     return {"losses": recorder.losses, "error": error, "files": sorted(p.name for p in Path(root).iterdir()) if Path(root).is_dir() else []}
 
 
 @pytest.mark.world_size(2)
-def test_a_crash_while_saving_keeps_the_last_good_checkpoint(dist_pool, tmp_path):
-    uninterrupted = dist_pool(2).run(train, str(tmp_path / "a"), 4)[0]
-    crashed = dist_pool(2).run(train, str(tmp_path / "b"), 4, fail_save_at_epoch=2)
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_crash_while_saving_keeps_the_last_good_checkpoint(dist_pool, tmp_path, fmt):
+    uninterrupted = dist_pool(2).run(train, str(tmp_path / "a"), 4, fmt=fmt)[0]
+    crashed = dist_pool(2).run(train, str(tmp_path / "b"), 4, fail_save_at_epoch=2, fmt=fmt)
     for r in crashed:  # every rank stops with the reason, none waits in the barrier after the save
         assert r["error"].startswith(f"CheckpointSaveError: saving checkpoint '{tmp_path / 'b'}/epoch=2-step=6.ckpt' failed")
-        assert "(OSError: [Errno 28] No space left on device); the previous checkpoint is untouched" in r["error"]
-    # epochs 0 and 1 saved whole; the partly written epoch-2 file was removed, never renamed into place
-    assert crashed[0]["files"] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
-    resumed = dist_pool(2).run(train, str(tmp_path / "b"), 4, resume="last")
+        assert "the previous checkpoint is untouched" in r["error"]
+        failed = "rank 0 (OSError" if fmt == "full" else "(on rank 1: OSError"  # sharded: rank 1's own shard
+        assert f"{failed}: [Errno 28] No space left on device)" in r["error"], r["error"]
+    # epochs 0 and 1 saved whole; the partly written epoch-2 file or folder never took the name
+    names = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    assert crashed[0]["files"] == (names if fmt == "full" else [".ptdp", *names])
+    resumed = dist_pool(2).run(train, str(tmp_path / "b"), 4, resume="last", fmt=fmt)
     for r in resumed:
         assert r["error"] is None
         assert r["losses"] == pytest.approx(uninterrupted["losses"][2 * STEPS_PER_EPOCH:], rel=LOSS_RTOL)
