@@ -207,16 +207,19 @@ def _publish(version: str, target: str) -> None:
 
 
 def save(
-    flat: dict[str, Any], target: str, *, is_rank_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[], None]
+    flat: dict[str, Any], target: str, *, is_rank_zero: bool, broadcast: Callable[[Any], Any],
+    barrier: Callable[[], None], no_dist: bool = False,
 ) -> None:
-    """Write ``flat`` as a sharded checkpoint named ``target``; a collective over all ranks.
-    Raises on every rank if any rank failed to write (DCP gathers the outcome)."""
+    """Write ``flat`` as a sharded checkpoint named ``target``; a collective over all ranks (unless
+    ``no_dist``: one process writing everything). Raises on every rank if any rank failed to write
+    (DCP gathers the outcome)."""
     import torch.distributed.checkpoint as dcp
 
     save_planner, _ = _planners()
     target = os.path.abspath(target)
     version = _on_rank_zero(lambda: _version_dir(target), is_rank_zero, broadcast)
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(version, sync_files=True), planner=save_planner())
+    writer = dcp.FileSystemWriter(version, sync_files=True)
+    dcp.save(flat, storage_writer=writer, planner=save_planner(), no_dist=no_dist)
     barrier()
     _on_rank_zero(lambda: _publish(version, target), is_rank_zero, broadcast)
 
@@ -252,7 +255,7 @@ def remove(target: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- loading
-def _reader(path: str) -> tuple[Any, Any]:
+def open_checkpoint(path: str) -> tuple[Any, Any]:
     """DCP's reader and metadata for ``path``, after checking every data file is there whole."""
     import torch.distributed.checkpoint as dcp
 
@@ -324,7 +327,7 @@ def load(
     from lightning.fabric.utilities.seed import _set_rng_states
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    reader, metadata = _reader(path)
+    reader, metadata = open_checkpoint(path)
     model = {f"{MODEL}{k}": v for k, v in model_pieces(module).items()}
     expected = {k[len(MODEL):]: _full_shape(v) for k, v in model.items() if _full_shape(v) is not None}
     problem = describe_mismatch(expected, _saved_shapes(metadata, MODEL), check_unexpected=not pipeline)

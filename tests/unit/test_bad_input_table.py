@@ -33,6 +33,7 @@ STRATEGY = [
     ({"tp_plan": {"blocks.0.q": "columnwise"}}, r"tp_plan\['blocks.0.q'\]='columnwise' is not a style: use one of 'colwise', 'rowwise'"),
     ({"tp_plan": ["blocks.0.q"]}, r"tp_plan=\['blocks.0.q'\] must be a dict of module path -> style"),
     ({"on_nonfinite": "stop"}, r"on_nonfinite='stop' is not one of 'raise', 'skip', 'ignore'"),
+    ({"checkpoint_format": "dcp"}, r"checkpoint_format='dcp' is not one of 'sharded' \(each rank writes its pieces"),
     ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not one of 'gloo', 'nccl'"),
     ({"timeout": 30}, r"timeout=30 must be a datetime.timedelta \(e.g. timedelta\(minutes=10\)\) or None"),
     ({"timeout": timedelta(seconds=0)}, r"timeout=0:00:00 must be positive"),

@@ -1,0 +1,126 @@
+"""Sharded checkpoint <-> one file, on one machine, with no process group.
+
+    ptdp-checkpoint consolidate CKPT_DIR OUT.pt           the model's plain state_dict
+    ptdp-checkpoint consolidate CKPT_DIR OUT.ckpt --full  the whole checkpoint, as checkpoint_format="full" writes it
+    ptdp-checkpoint shard IN.pt CKPT_DIR                  a plain state_dict or a full checkpoint, as a sharded one
+
+A plain state_dict loads with ``module.load_state_dict`` on one device. A sharded checkpoint made
+from a full one resumes training (``ckpt_path=``) on any layout; one made from a plain state_dict
+holds weights only (``trainer.validate/test/predict(ckpt_path=...)``, or load it before ``fit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lightning_ptdp.distcp import MODEL, FORMAT_VERSION, open_checkpoint, save
+
+_OPTIMIZER = "optimizer_states."
+
+
+def _read(path: str, keep: Any = lambda key: True) -> dict[str, Any]:
+    """Every entry of a sharded checkpoint whose key ``keep`` accepts, whole, on this process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    reader, metadata = open_checkpoint(os.path.realpath(path))
+    targets = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
+        for key, md in metadata.state_dict_metadata.items() if keep(key)
+    }
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.state_dict
+
+
+def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The single-process model's state_dict from a sharded checkpoint saved on any layout."""
+    entries = _read(path, lambda key: key.startswith(MODEL))
+    return {key[len(MODEL):]: value for key, value in entries.items()}
+
+
+def consolidate(path: str) -> dict[str, Any]:
+    """The whole checkpoint in the full format: unsharded weights, optimizer state keyed by
+    parameter name, Lightning's loops, callbacks, schedulers and hyperparameters."""
+    entries = _read(path, lambda key: not key.startswith("rng."))
+    checkpoint = dict(entries.pop("lightning"))
+    entries.pop("ptdp", None)
+    checkpoint["state_dict"] = {k[len(MODEL):]: v for k, v in entries.items() if k.startswith(MODEL)}
+    optimizers: dict[int, dict[str, Any]] = {}
+    for key, value in entries.items():
+        if not key.startswith(_OPTIMIZER):
+            continue
+        index, rest = key[len(_OPTIMIZER):].split(".", 1)
+        optimizer = optimizers.setdefault(int(index), {"state": {}, "param_groups": []})
+        if rest.startswith("state."):
+            name, field = rest[len("state."):].rsplit(".", 1)
+            optimizer["state"].setdefault(name, {})[field] = value
+        else:  # param_groups.<rank>: join the stages' parameter lists group by group
+            for number, group in enumerate(value):
+                if number == len(optimizer["param_groups"]):
+                    optimizer["param_groups"].append({**group, "params": []})
+                merged = optimizer["param_groups"][number]["params"]
+                merged += [p for p in group["params"] if p not in merged]
+    checkpoint["optimizer_states"] = [optimizers[i] for i in sorted(optimizers)]
+    return checkpoint
+
+
+def shard(source: dict[str, Any], target: str) -> None:
+    """Write ``source`` (a plain state_dict, or a full checkpoint with "state_dict") as a sharded
+    checkpoint at ``target`` that any layout loads."""
+    if "state_dict" in source:
+        checkpoint = dict(source)
+    else:  # weights only; Lightning reads its version from every checkpoint
+        from lightning.pytorch import __version__
+
+        checkpoint = {"state_dict": source, "pytorch-lightning_version": __version__}
+    flat: dict[str, Any] = {f"{MODEL}{k}": v for k, v in checkpoint.pop("state_dict").items()}
+    for index, optimizer in enumerate(checkpoint.pop("optimizer_states", [])):
+        names = [name for name in optimizer["state"] if not isinstance(name, str)]
+        if names:
+            raise ValueError(
+                f"optimizer {index}'s state is keyed by parameter index ({names[:3]}...), as torch's "
+                "optimizer.state_dict() writes it; ptdp needs parameter names to place it on another layout. Save it "
+                "with PTDPStrategy(checkpoint_format='full') or convert the weights alone (pass --weights-only)"
+            )
+        for name, values in optimizer["state"].items():
+            flat.update({f"{_OPTIMIZER}{index}.state.{name}.{k}": v for k, v in values.items()})
+        flat[f"{_OPTIMIZER}{index}.param_groups.0"] = optimizer["param_groups"]
+    flat["ptdp"] = {"format": FORMAT_VERSION, "world_size": 1, "converted": True}
+    flat["lightning"] = checkpoint
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        save(flat, target, is_rank_zero=True, broadcast=lambda value: value, barrier=lambda: None, no_dist=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="ptdp-checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("consolidate", help="a sharded checkpoint as one file")
+    merge.add_argument("checkpoint", help="the sharded checkpoint's folder (or its name)")
+    merge.add_argument("output", help="the file to write")
+    merge.add_argument("--full", action="store_true", help="the whole checkpoint, not only the model's state_dict")
+    split = commands.add_parser("shard", help="a file as a sharded checkpoint")
+    split.add_argument("input", help="a plain state_dict or a full checkpoint (torch.save file)")
+    split.add_argument("output", help="the checkpoint name to write (a folder link)")
+    split.add_argument("--weights-only", action="store_true", help="convert the model's weights alone")
+    args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        result = consolidate(args.checkpoint) if args.full else consolidated_state_dict(args.checkpoint)
+        torch.save(result, args.output)
+        return
+    source = torch.load(args.input, map_location="cpu", weights_only=False)
+    if args.weights_only and "state_dict" in source:
+        source = source["state_dict"]
+    shard(source, args.output)
+
+
+if __name__ == "__main__":
+    main()
