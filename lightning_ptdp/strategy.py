@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.failure import FAILURE_TIMEOUT, FailureRecords, check_timeout
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, parallelize
@@ -102,6 +103,7 @@ class PTDPStrategy(ParallelStrategy):
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        failure_timeout: timedelta = FAILURE_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -152,6 +154,8 @@ class PTDPStrategy(ParallelStrategy):
             raise ValueError(f"timeout={timeout} must be positive; a dead rank turns into an error after it")
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.failure_timeout = check_timeout(failure_timeout)
+        self._failures: Optional[FailureRecords] = None
         self._start_method = start_method
         self._forward_redirection = _DDPForwardRedirection()
         self._dims: Optional[ParallelDims] = None
@@ -221,6 +225,7 @@ class PTDPStrategy(ParallelStrategy):
         """Called on every rank before the model is set up: process group, then the 3D mesh."""
         super().setup_environment()
         self._setup_distributed()
+        self._failures = FailureRecords.open(self.global_rank, self.world_size, self.failure_timeout)
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         coords = self._dims.coordinates(self.global_rank)
@@ -269,6 +274,8 @@ class PTDPStrategy(ParallelStrategy):
             device=self.root_device,
         )
         self.model = self._parallelized.module
+        if self.pipeline is not None:
+            self.pipeline.failures = self._failures
         if self._parallelized.tp_report is not None or self._parallelized.pipeline is not None:
             self._clip_by_global_norm()
         if fitting:
@@ -612,6 +619,15 @@ class PTDPStrategy(ParallelStrategy):
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
+
+    # ------------------------------------------------------------------ failures
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Called by Lightning on every rank whose fit/validate/test/predict raised, before its
+        teardown: this rank's own error is recorded for its peers; a collective that broke because
+        a peer stopped gets a message naming that rank and its error (failure.py)."""
+        if self._failures is not None:
+            self._failures.on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ptdp.checkpoint import detached_cpu
+from lightning_ptdp.failure import FailureRecords
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
@@ -156,6 +157,8 @@ class PipelineEngine:
         self._input_shapes: Optional[list[tuple]] = None
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
+        self.failures: Optional[FailureRecords] = None
+        """Where a stage's error is recorded for the other ranks (set by the strategy each run)."""
 
     def check_reusable(self, config: Any, dims: Any) -> None:
         """A model already cut for one pipeline (an earlier fit) cannot be cut again for another."""
@@ -327,10 +330,8 @@ class PipelineEngine:
             else:
                 schedule.step(mb=ids)
         except BaseException as error:
-            failure = stop_pipeline(error, self.pp_group, dist.get_rank())
-            if failure is error:
-                raise
-            raise failure from error
+            stop_pipeline(error, self.pp_group, self.failures)
+            raise
         finally:
             end = time.perf_counter()
             if original_log is None:

@@ -1,8 +1,9 @@
 """A p=2 pipeline job in which one rank raises in its training_step (for test_pipeline_failure).
 
-Usage: python -m tests.integration.pipeline_failure_job FAIL_RANK [raise|kill] (Lightning's
-launcher) or the same under torchrun. "kill" ends the rank with SIGKILL instead of an exception.
-The run must end non-zero on every rank, quickly, naming the failed rank.
+Usage: python -m tests.integration.pipeline_failure_job FAIL_RANK [raise|kill] [TAG] (Lightning's
+launcher) or the same under torchrun. "kill" ends the rank with SIGKILL instead of an exception;
+TAG is ignored (it marks the job's processes). The run must end non-zero on every rank, quickly,
+naming the failed rank.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import lightning as L
 import torch.distributed as dist
@@ -28,6 +30,7 @@ class FailingLM(CausalLM):
 
     def training_step(self, batch, batch_idx):
         if batch_idx == FAIL_AT_BATCH and dist.get_rank() == self.fail_rank:
+            print(f"fault-injected at {time.time():.3f}", file=sys.stderr, flush=True)
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError(f"injected failure on rank {self.fail_rank} at batch {batch_idx}")

@@ -1,20 +1,16 @@
-"""A rank that raises or is killed inside a pipeline step: every rank exits, quickly, naming the
-failed rank (or, when it could not report, the broken connection and the peers to look at)."""
+"""A rank that raises or is killed inside a pipeline step (forward): every rank exits, quickly,
+naming the failed rank (or, when it could not report, the broken connection and the rank that
+did not report). Other layouts and phases: test_faults.py, whose checks these share."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# Each launch is ~10 s of startup and 2 steps; the collective timeout (10 min) is what a hang
-# would take, so finishing within 120 s shows the failure was propagated, not timed out.
-BOUND_S = 120
+from tests.integration.launch import run_job
+from tests.integration.test_faults import FAULT_TO_EXIT_S, LAUNCH_LIMIT_S, survivor_reports
+
+STORE_GONE = ("the job's store is unreachable: it lives in global rank 0's process (Lightning's launcher), so rank 0 "
+              "failed or was killed; its own output has the error")
 
 
 @pytest.mark.parametrize("fail_rank", [0, 1], ids=["first-stage-fails", "last-stage-fails"])
@@ -22,16 +18,14 @@ BOUND_S = 120
 def test_a_failing_rank_stops_the_whole_pipeline(fail_rank, launcher):
     output = _run_job(fail_rank, launcher, "raise")
     assert f"ValueError: injected failure on rank {fail_rank} at batch 2" in output
+    reports = survivor_reports(output, 1 - fail_rank)
+    named = f"rank {fail_rank} failed with ValueError: injected failure on rank {fail_rank} at batch 2"
     if launcher == "lightning":  # torchrun may stop the survivor itself before it reports
-        survivor = 1 - fail_rank
-        named = (
-            f"[rank{survivor}]: lightning_ptdp.pipeline.failure.PipelinePeerFailure: pipeline step stopped: "
-            f"rank {fail_rank} failed with ValueError: injected failure on rank {fail_rank} at batch 2"
-        )
-        # rank 0 hosts the job's store under Lightning's launcher; if it is already gone, the
-        # survivor names it from that instead of reading its error
-        store_gone = f"[rank{survivor}]: lightning_ptdp.pipeline.failure.PipelinePeerFailure: pipeline step stopped: the job's store on global rank 0 is unreachable, so rank 0 failed"
-        assert named in output or (fail_rank == 0 and store_gone in output), output[-3000:]
+        assert reports, output[-3000:]
+    # rank 0 hosts the job's store under Lightning's launcher; if it is already gone, the
+    # survivor names it from that instead of reading its error
+    for report in reports:
+        assert report.startswith(named) or (fail_rank == 0 and launcher == "lightning" and report.startswith(STORE_GONE)), report
 
 
 @pytest.mark.parametrize("fail_rank", [0, 1], ids=["first-stage-killed", "last-stage-killed"])
@@ -39,30 +33,21 @@ def test_a_failing_rank_stops_the_whole_pipeline(fail_rank, launcher):
 def test_a_killed_rank_stops_the_whole_pipeline(fail_rank, launcher):
     """SIGKILL: the rank cannot report; its peer sees the broken connection and says so."""
     output = _run_job(fail_rank, launcher, "kill")
+    reports = survivor_reports(output, 1 - fail_rank)
     if launcher == "torchrun":
         assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-3000:]
     elif fail_rank == 1:
-        assert ("[rank0]: lightning_ptdp.pipeline.failure.PipelinePeerFailure: pipeline step stopped on rank 0: a peer "
-                "closed its connection without reporting an error (killed? out of memory?); this rank's pipeline "
-                "peers are global ranks [1]") in output, output[-3000:]
+        assert reports and reports[-1].startswith(
+            "no rank recorded an error, so a rank was killed or ran out of memory (SIGKILL, the OOM killer); global "
+            "ranks that had not reported when rank 0 stopped: [1]"
+        ), output[-3000:]
     else:  # the launcher's own process was killed, and with it the job's store
-        assert ("[rank1]: lightning_ptdp.pipeline.failure.PipelinePeerFailure: pipeline step stopped: the job's store "
-                "on global rank 0 is unreachable, so rank 0 failed or exited") in output, output[-3000:]
+        assert reports and reports[-1].startswith(STORE_GONE), output[-3000:]
 
 
 def _run_job(fail_rank: int, launcher: str, mode: str) -> str:
-    job = ["-m", "tests.integration.pipeline_failure_job", str(fail_rank), mode]
-    cmd = [sys.executable, *job]
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *job]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S + 60)
-    elapsed = time.monotonic() - start
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert elapsed < BOUND_S, f"took {elapsed:.0f}s"
-    time.sleep(2)  # a survivor may still be printing its error
-    leftover = subprocess.run(["pgrep", "-f", "pipeline_failure_job"], capture_output=True, text=True).stdout.split()
-    assert leftover == [], "processes left behind"
-    return output
+    end = run_job("tests.integration.pipeline_failure_job", [str(fail_rank), mode], launcher, limit_s=LAUNCH_LIMIT_S)
+    assert end.returncode != 0
+    assert end.fault_to_exit_s < FAULT_TO_EXIT_S, f"took {end.fault_to_exit_s:.0f}s after the fault"
+    assert end.left_behind == [], "processes left behind"
+    return end.output

@@ -37,6 +37,8 @@ STRATEGY = [
     ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not one of 'gloo', 'nccl'"),
     ({"timeout": 30}, r"timeout=30 must be a datetime.timedelta \(e.g. timedelta\(minutes=10\)\) or None"),
     ({"timeout": timedelta(seconds=0)}, r"timeout=0:00:00 must be positive"),
+    ({"failure_timeout": 10}, r"failure_timeout=10 must be a datetime.timedelta \(e.g. timedelta\(seconds=10\)\)"),
+    ({"failure_timeout": timedelta(seconds=-1)}, r"failure_timeout=-1 day, 23:59:59 must be positive; it bounds how long"),
     ({"start_method": "thread"}, r"start_method='thread' must be 'popen', 'spawn', 'fork' or 'forkserver'"),
     # inconsistent combinations
     ({"sequence_parallel": True}, r"sequence_parallel=True needs tensor_parallel_size > 1"),

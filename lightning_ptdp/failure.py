@@ -1,0 +1,163 @@
+"""When one rank fails, the others stop soon after and say which rank it was.
+
+Lightning calls ``Strategy.on_exception`` on every rank whose fit (validate, test, predict)
+raised. There, through ``FailureRecords``:
+
+* a rank that raised its own error records it in the job's key-value store (the rendezvous store
+  every rank already shares); the first record of a run wins, being the root cause;
+* a rank whose collective broke under it (gloo: "Connection closed by peer" once the failed rank's
+  process is gone) reads that record and rewrites its own error's message to lead with it: which
+  rank failed, with what. The exception keeps its type and traceback, as Lightning's own
+  ``DDPStrategy.on_exception`` does it; raising a new one from the hook would skip the Trainer's
+  teardown (``_call_and_handle_interrupt`` calls the hook, then ``trainer._teardown()``);
+* if no rank recorded anything, one was killed (SIGKILL, the out-of-memory killer): the message
+  names the ranks that had not reported when this one stopped.
+
+Under Lightning's launcher the store lives in global rank 0's process, so when rank 0 is the one
+that failed it takes the store with it, and the others say that instead. Every store operation
+here waits at most ``failure_timeout`` (a strategy argument). The pipeline engine records a
+stage's error from inside its schedule, before it aborts the pipeline group (``pipeline/failure.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FAILURE_TIMEOUT = timedelta(seconds=10)
+"""How long a stopping rank waits on the job's store: it answers in milliseconds while it is up;
+when it died with rank 0, connecting retries until this runs out, and then the rank says so."""
+
+KEY_PREFIX = "ptdp/failure"
+_SHOWN_RANKS = 16  # a list of silent ranks longer than this is cut, with the count
+
+
+def check_timeout(timeout: Any, name: str = "failure_timeout") -> timedelta:
+    if not isinstance(timeout, timedelta):
+        raise ValueError(f"{name}={timeout!r} must be a datetime.timedelta (e.g. timedelta(seconds=10))")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(
+            f"{name}={timeout} must be positive; it bounds how long a stopping rank waits on the job's store"
+        )
+    return timeout
+
+
+def job_store() -> Any:
+    # torch has no public accessor for the default group's store; the rendezvous store is it
+    return dist.distributed_c10d._get_default_store()
+
+
+def store_host() -> str:
+    """Where the job's store lives, for a message saying it is unreachable."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "torchrun's agent, so the launcher itself stopped"
+    return (
+        "global rank 0's process (Lightning's launcher), so rank 0 failed or was killed; its own output has the error"
+    )
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """torch's pipeline schedule wraps a stage's exception in a RuntimeError; report the original."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """A broken transfer or collective (the peer is gone) rather than this rank's own failure."""
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistBackendError", ())) or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+@contextmanager
+def store_timeout(store: Any, timeout: timedelta) -> Iterator[Any]:
+    """The store with a short timeout: it may have died with rank 0, do not wait minutes."""
+    previous = store.timeout
+    store.set_timeout(timeout)
+    try:
+        yield store
+    finally:
+        store.set_timeout(previous)
+
+
+class FailureRecords:
+    """One run's failure records in the job's store: the first error, and which ranks stopped."""
+
+    def __init__(self, store: Any, run: int, rank: int, world_size: int, timeout: timedelta = FAILURE_TIMEOUT) -> None:
+        self.store, self.run, self.rank, self.world_size, self.timeout = store, run, rank, world_size, timeout
+
+    @classmethod
+    def open(cls, rank: int, world_size: int, timeout: timedelta = FAILURE_TIMEOUT) -> "FailureRecords":
+        """Called on every rank once the process group is up and before the run's first collective,
+        so the counts of one run's ranks fall together: an earlier fit's records in the same processes
+        (same store) are not read as this one's."""
+        store = job_store()
+        with store_timeout(store, timeout):
+            opened = store.add(f"{KEY_PREFIX}/opened", 1)
+        return cls(store, (opened - 1) // world_size, rank, world_size, timeout)
+
+    def _key(self, name: str) -> str:
+        return f"{KEY_PREFIX}/{self.run}/{name}"
+
+    def record(self, error: BaseException) -> None:
+        """Record this rank's own error for its peers (the first of the run is kept)."""
+        try:
+            with store_timeout(self.store, self.timeout):
+                self._record_first(root_cause(error))
+        except Exception as store_error:  # noqa: BLE001 - the peers then say the store is unreachable
+            log.warning("rank %d could not record its error in the job's store: %s", self.rank, store_error)
+
+    def _record_first(self, cause: BaseException) -> None:
+        self.store.compare_set(self._key("first"), "", f"rank {self.rank} failed with {describe(cause)}")
+
+    def on_exception(self, error: BaseException) -> None:
+        """Record this rank's own error; or, when a collective broke under this rank because a peer
+        stopped, make ``error``'s message lead with which rank failed and why."""
+        cause = root_cause(error)
+        broken = is_transport_error(cause)
+        try:
+            with store_timeout(self.store, self.timeout):
+                if not broken:
+                    self._record_first(cause)
+                self.store.append(self._key("stopped"), f"{self.rank},")
+                explanation = self._explain() if broken else None
+        except Exception as store_error:  # noqa: BLE001 - the store died with its host; say so
+            if not broken:
+                log.warning("rank %d could not record its error in the job's store: %s", self.rank, store_error)
+                return
+            explanation = f"the job's store is unreachable: it lives in {store_host()}"
+        if explanation is None:
+            return
+        message = f"{explanation} (rank {self.rank} stopped because its collective broke: {describe(cause)})"
+        log.error("%s", message)  # now, in case the launcher kills this process before the traceback prints
+        if len(error.args) <= 1:
+            error.args = (message,)
+
+    def _explain(self) -> str:
+        first = self._key("first")
+        if self.store.check([first]):
+            return self.store.get(first).decode()
+        stopped = {int(r) for r in self.store.get(self._key("stopped")).decode().split(",") if r}
+        silent = [r for r in range(self.world_size) if r not in stopped]
+        shown = ", ".join(map(str, silent[:_SHOWN_RANKS]))
+        if len(silent) > _SHOWN_RANKS:
+            shown += f", ... ({len(silent)} in all)"
+        return (
+            "no rank recorded an error, so a rank was killed or ran out of memory (SIGKILL, the OOM killer); "
+            f"global ranks that had not reported when rank {self.rank} stopped: [{shown}]; "
+            "their exit codes and logs say which"
+        )
