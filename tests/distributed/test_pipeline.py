@@ -113,7 +113,7 @@ def fit_validate_predict(strategy_kwargs: dict | None, devices: int, ckpt: str |
 @pytest.mark.world_size(2)
 def test_lightning_features_hold_under_pipeline(dist_pool, tmp_path):
     ckpt = str(tmp_path / "pipeline.ckpt")
-    kwargs = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2}
+    kwargs = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2, "checkpoint_format": "full"}
     results = dist_pool(2).run(fit_validate_predict, kwargs, 2, ckpt)
     ref = fit_validate_predict(None, 1)
     assert len(ref["losses"]) == 12  # 6 optimizer steps of 2 accumulated batches

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 STEPS_PER_EPOCH = 5
 # fp32; a resumed run repeats the same arithmetic from the same weights, Adam moments, LR schedule
@@ -40,11 +39,13 @@ def run_epochs(
 
 @pytest.mark.world_size(2)
 def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
+    from lightning_ptdp.checkpoint_tool import consolidate
+
     path = str(tmp_path / "epoch1.ckpt")
     uninterrupted = dist_pool(2).run(run_epochs, 2, 2, 2, None, None)[0]
     first = dist_pool(2).run(run_epochs, 2, 2, 1, path, None)[0]
     assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
-    checkpoint = torch.load(path, weights_only=False)
+    checkpoint = consolidate(path)  # the sharded checkpoint put together, no process group
     moments = checkpoint["optimizer_states"][0]["state"]["net.tok_embeddings.weight"]["exp_avg"]
     assert moments.shape == checkpoint["state_dict"]["net.tok_embeddings.weight"].shape  # unsharded
     resumed_same = dist_pool(2).run(run_epochs, 2, 2, 2, None, path)[0]
@@ -58,8 +59,9 @@ def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
 
 @pytest.mark.world_size(4)
 def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
-    """Saved at (t2, p2, d1), resumed at (t1, p1, d4) and at (t1, p2 with v=2, d1); and a
-    single-layout checkpoint resumed under a pipeline: losses continue as uninterrupted."""
+    """Sharded checkpoints saved at (t2, p2, d1), resumed at (t1, p1, d4), (t4, p1, d1) and
+    (t1, p2 with v=2, d1); and one saved by ZeRO-3 at d4 resumed under a pipeline: losses
+    continue as uninterrupted."""
     path, flat = str(tmp_path / "t2p2.ckpt"), str(tmp_path / "d4.ckpt")
     t2p2 = {"pipeline_parallel_size": 2, "micro_batch_size": 2}
     p2v2 = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 1}
@@ -69,7 +71,9 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
         assert losses == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     resumed_d4 = dist_pool(4).run(run_epochs, 4, None, 2, None, path, layers=4)[0]
     assert resumed_d4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
-    dist_pool(4).run(run_epochs, 4, None, 1, flat, None, layers=4)
+    resumed_t4 = dist_pool(4).run(run_epochs, 4, 4, 2, None, path, layers=4)[0]
+    assert resumed_t4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    dist_pool(4).run(run_epochs, 4, None, 1, flat, None, 3, layers=4)  # saved sharded by ZeRO-3 over d=4
     resumed_p2v2 = dist_pool(2).run(run_epochs, 2, None, 2, None, flat, pipeline=p2v2, layers=4)
     for losses in resumed_p2v2:
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)

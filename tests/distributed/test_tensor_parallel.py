@@ -147,7 +147,8 @@ def test_gradient_clipping_uses_the_global_norm(dist_pool, family, devices, stra
 
 
 def fit_and_save(path: str) -> dict:
-    """Train the GPT at t=2 for a few steps and save a checkpoint (rank 0 writes it)."""
+    """Train the GPT at t=2 for a few steps and save a full checkpoint (rank 0 writes it; the
+    sharded default is tested in test_sharded_checkpoint.py against this format)."""
     from lightning_ptdp import PTDPStrategy
     from tests.fit_utils import quiet_trainer
     from tests.models import build_model
@@ -157,7 +158,7 @@ def fit_and_save(path: str) -> dict:
     L.seed_everything(0, verbose=False)
     model = build_model("gpt")
     data = zoo_data(4, 5000, 1000)
-    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(tensor_parallel_size=2), max_steps=3)
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(tensor_parallel_size=2, checkpoint_format="full"), max_steps=3)
     trainer.fit(model, data)
     trainer.save_checkpoint(path)
     return {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
