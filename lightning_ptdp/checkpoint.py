@@ -183,6 +183,38 @@ def load_optimizer_state(
     set_optimizer_state_dict(module, optimizer, state, options=_options())
 
 
+RNG_KEY = "ptdp_rng_states"  # full format: every rank's generator states, in rank order
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """This rank's torch/CUDA/numpy/python generator states (Lightning's own collector)."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    if "numpy" in states:  # its key array as a tensor, so torch.load(weights_only=True) accepts it
+        name, keys, *rest = states["numpy"]
+        states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), *rest)
+    return states
+
+
+def restore_rng_states(states: Optional[list], rank: int) -> bool:
+    """Continue this rank's random streams where the checkpoint left them, if it was saved on as
+    many ranks (on another layout the streams are used differently anyway: start from the seed)."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not states or len(states) != world:
+        return False
+    mine = dict(states[rank])
+    if "numpy" in mine:
+        import numpy as np
+
+        name, keys, *rest = mine["numpy"]
+        mine["numpy"] = (name, np.asarray(keys.numpy(), dtype=np.uint32), *rest)
+    _set_rng_states(mine)
+    return True
+
+
 _CUT_FILE = ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF")
 
 

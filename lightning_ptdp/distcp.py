@@ -149,7 +149,7 @@ def optimizer_pieces(module: nn.Module, optimizer: Any, aliases: Optional[dict[s
 
 def flat_state(checkpoint: dict[str, Any], rank: int, layout: dict[str, Any]) -> dict[str, Any]:
     """Lightning's checkpoint dict (with ``model_pieces``/``optimizer_pieces`` in it) as DCP entries."""
-    from lightning.fabric.utilities.seed import _collect_rng_states
+    from lightning_ptdp.checkpoint import collect_rng_states
 
     rest = dict(checkpoint)
     flat: dict[str, Any] = {f"{MODEL}{k}": v for k, v in rest.pop("state_dict", {}).items()}
@@ -157,7 +157,7 @@ def flat_state(checkpoint: dict[str, Any], rank: int, layout: dict[str, Any]) ->
         for name, values in optimizer["state"].items():
             flat.update({f"optimizer_states.{index}.state.{name}.{k}": v for k, v in values.items()})
         flat[f"optimizer_states.{index}.param_groups.{rank}"] = optimizer["param_groups"]
-    flat[f"rng.{rank}"] = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    flat[f"rng.{rank}"] = collect_rng_states()
     flat["ptdp"] = {"format": FORMAT_VERSION, **layout}
     flat["lightning"] = rest
     return flat
@@ -324,8 +324,9 @@ def load(
     """Load a sharded checkpoint into ``module`` and ``optimizers`` in place (any saved layout);
     return the rest of Lightning's checkpoint. A collective over all ranks."""
     import torch.distributed.checkpoint as dcp
-    from lightning.fabric.utilities.seed import _set_rng_states
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from lightning_ptdp.checkpoint import restore_rng_states
 
     reader, metadata = open_checkpoint(path)
     model = {f"{MODEL}{k}": v for k, v in model_pieces(module).items()}
@@ -360,8 +361,8 @@ def load(
     for optimizer, state, keys, groups in optimizer_states:
         _restore_optimizer(optimizer, state, keys, loaded, loaded[groups])
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=False))
-    if loaded["ptdp"].get("world_size") == world_size and rng_key in loaded:
-        _set_rng_states(loaded[rng_key])  # same layout: continue each rank's random stream exactly
+    if loaded["ptdp"].get("world_size") == world_size and rng_key in loaded:  # same number of ranks
+        restore_rng_states([loaded[rng_key] if r == rank else None for r in range(world_size)], rank)
     return {**loaded["lightning"], "state_dict": {}, "optimizer_states": [{} for _ in optimizers], LOADED_IN_PLACE: True}
 
 

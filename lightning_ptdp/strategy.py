@@ -531,7 +531,9 @@ class PTDPStrategy(ParallelStrategy):
         """A folder is a sharded checkpoint: loaded here, in place, on every rank; a file is full."""
         path = self.broadcast(str(checkpoint_path))
         if not os.path.isdir(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
+            loaded = super().load_checkpoint(path, weights_only=weights_only)
+            checkpoint.restore_rng_states(loaded.pop(checkpoint.RNG_KEY, None), self.global_rank)
+            return loaded
         assert self.lightning_module is not None
         return distcp.load(
             path, module=self.lightning_module, optimizers=[getattr(o, "_optimizer", o) for o in self.optimizers],
@@ -554,6 +556,12 @@ class PTDPStrategy(ParallelStrategy):
         follows a save until the collective timeout; the previous checkpoint stays as it was."""
         if self.checkpoint_format == "sharded":
             return self._save_sharded(state, filepath, storage_options)
+        rng: list[Any] = [None] * self.world_size
+        if _distributed_is_initialized():
+            dist.all_gather_object(rng, checkpoint.collect_rng_states())
+        else:
+            rng = [checkpoint.collect_rng_states()]
+        state = {**state, checkpoint.RNG_KEY: rng}
         failure = None
         if self.is_global_zero:
             try:
