@@ -1,8 +1,8 @@
 """Sharded checkpoint <-> one file, on one machine, with no process group.
 
-    ptdp-checkpoint consolidate CKPT_DIR OUT.pt           the model's plain state_dict
-    ptdp-checkpoint consolidate CKPT_DIR OUT.ckpt --full  the whole checkpoint, as checkpoint_format="full" writes it
-    ptdp-checkpoint shard IN.pt CKPT_DIR                  a plain state_dict or a full checkpoint, as a sharded one
+    ptdp checkpoint consolidate CKPT OUT.pt           the model's plain state_dict
+    ptdp checkpoint consolidate CKPT OUT.ckpt --full  the whole checkpoint, as checkpoint_format="full" writes it
+    ptdp checkpoint shard IN.pt CKPT                  a plain state_dict or a full checkpoint, as a sharded one
 
 A plain state_dict loads with ``module.load_state_dict`` on one device. A sharded checkpoint made
 from a full one resumes training (``ckpt_path=``) on any layout; one made from a plain state_dict
@@ -100,8 +100,8 @@ def shard(source: dict[str, Any], target: str) -> None:
         save(flat, target, is_rank_zero=True, broadcast=lambda value: value, barrier=lambda: None, no_dist=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="ptdp-checkpoint", description=__doc__.split("\n\n")[0])
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ptdp checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="a sharded checkpoint as one file")
     merge.add_argument("checkpoint", help="the sharded checkpoint's folder (or its name)")
@@ -115,12 +115,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.command == "consolidate":
         result = consolidate(args.checkpoint) if args.full else consolidated_state_dict(args.checkpoint)
         torch.save(result, args.output)
-        return
+        return 0
     source = torch.load(args.input, map_location="cpu", weights_only=False)
     if args.weights_only and "state_dict" in source:
         source = source["state_dict"]
     shard(source, args.output)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -30,6 +30,7 @@ DEFAULT_DATA = "recipes.data.MarkovDataModule"
 TOOL_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_ptdp.planner", "main"),
     "doctor": ("lightning_ptdp.doctor", "main"),
+    "checkpoint": ("lightning_ptdp.checkpoint_tool", "main"),
 }
 """Subcommand -> (module, function): ``function(argv) -> exit code``, run without LightningCLI."""
 

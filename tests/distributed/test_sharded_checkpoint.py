@@ -125,15 +125,18 @@ def _tensor_bytes_per_file(checkpoint: Path) -> dict[str, int]:
 def test_converted_checkpoints_load_and_resume_on_other_layouts(dist_pool, tmp_path):
     """A plain state_dict made sharded evaluates like the original on t=4; a full checkpoint made
     sharded resumes at (t1, p1, d4) exactly like the sharded checkpoint of the same state."""
-    from lightning_ptdp.checkpoint_tool import consolidated_state_dict, main
+    from lightning_ptdp.checkpoint_tool import consolidated_state_dict
+    from lightning_ptdp.cli import main
 
     t2p2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2}
     sharded, full = str(tmp_path / "s.ckpt"), str(tmp_path / "f.ckpt")
     dist_pool(4).run(fit, "gpt", 4, t2p2, saves={sharded: "sharded", full: "full"})
     plain = tmp_path / "plain.pt"
-    main(["consolidate", sharded, str(plain)])  # the CLI (ptdp-checkpoint), both ways
-    main(["shard", str(plain), str(tmp_path / "from_plain.ckpt")])
-    main(["shard", full, str(tmp_path / "from_full.ckpt")])
+    for command in (["consolidate", sharded, str(plain)], ["shard", str(plain), str(tmp_path / "from_plain.ckpt")],
+                    ["shard", full, str(tmp_path / "from_full.ckpt")]):  # `ptdp checkpoint ...`, both ways
+        with pytest.raises(SystemExit) as exit_info:
+            main(["checkpoint", *command])
+        assert exit_info.value.code == 0
     _assert_same(consolidated_state_dict(str(tmp_path / "from_plain.ckpt")), torch.load(plain))
     original, converted = dist_pool(4).run(validate, 4, {"tensor_parallel_size": 4}, [sharded, str(tmp_path / "from_plain.ckpt")])[0]
     assert converted == pytest.approx(original, rel=VAL_RTOL)
