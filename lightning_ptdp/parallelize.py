@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.activation_checkpoint import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.init import is_on_meta, materialize
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
@@ -83,11 +84,30 @@ def parallelize(
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
         result.pipeline.check_reusable(config, dims)
+    if is_on_meta(module):
+        # built on the meta device (configure_model): allocate and initialise only what TP and the
+        # pipeline split left this rank, before data parallelism wraps or shards it
+        materialize_shards(module, device, result.pipeline)
     if training and config.zero_stage > 0:
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result
+
+
+def materialize_shards(module: torch.nn.Module, device: torch.device, pipeline: Optional[PipelineEngine]) -> None:
+    """Step 4b: this rank's parameters get storage and their single-process values. The seeds
+    come from rank 0, so ranks that were never seeded alike still build one consistent model."""
+    owners = [m for _, m in module.named_modules() if callable(getattr(m, "init_rule", None))]
+    seeds = [getattr(m, "init_seed", 0) for m in owners]
+    if dist.is_initialized():
+        box = [seeds]
+        dist.broadcast_object_list(box, src=0)
+        seeds = box[0]
+    for owner, seed in zip(owners, seeds):
+        owner.init_seed = seed
+    count = materialize(module, device, pipeline.split.aliases if pipeline is not None else None)
+    log.info("materialised %d parameter elements on %s from the meta device", count, device)
 
 
 def apply_tensor_parallelism(

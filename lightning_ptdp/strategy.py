@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Generator, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +20,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -36,6 +38,7 @@ from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, parallelize
 from lightning_ptdp import checkpoint, distcp
+from lightning_ptdp import init as ptdp_init
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.resume import resume_at
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
@@ -73,6 +76,28 @@ def _checked_tp_plan(plan: Optional[dict[str, str]], config: ParallelConfig) -> 
     if config.sequence_parallel:
         raise ValueError("sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel")
     return plan
+
+
+@contextmanager
+def _side_effects_muted(module: "pl.LightningModule") -> Generator[None, None, None]:
+    """A setup probe runs the user's step once: its ``self.log`` calls and torchmetrics updates
+    must not count (and on a model built on the meta device they could not: values are unknown)."""
+    from torchmetrics import Metric
+
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    updates = [m.__dict__.get("update") for m in metrics]
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    for metric in metrics:
+        metric.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+        for metric, update in zip(metrics, updates):
+            if update is None:
+                del metric.update
+            else:
+                metric.update = update
 
 
 class PTDPStrategy(ParallelStrategy):
@@ -323,7 +348,13 @@ class PTDPStrategy(ParallelStrategy):
         loader = loop._data_source.dataloader()  # Lightning has no public "the stage's dataloader" hook
         if isinstance(loader, (list, tuple)):
             loader = loader[0]
-        return step, self.batch_to_device(next(iter(loader)))
+        return step, self._probe_batch(next(iter(loader)))
+
+    def _probe_batch(self, batch: Any) -> Any:
+        """A batch for the setup probes: on the meta device while the model is (shapes only)."""
+        if self.model is not None and ptdp_init.is_on_meta(self.model):
+            return apply_to_collection(batch, torch.Tensor, lambda t: t.to("meta"))
+        return self.batch_to_device(batch)
 
     def _microbatch_probe(self, trainer: "pl.Trainer") -> tuple[Any, int]:
         """One ordinary step on the first microbatch of the stage's first batch (logging muted), for
@@ -335,12 +366,8 @@ class PTDPStrategy(ParallelStrategy):
         module = self.lightning_module
 
         def run() -> None:
-            module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-            try:
-                with self.precision_plugin.forward_context():
-                    step(microbatches[0], 0)
-            finally:
-                del module.log
+            with _side_effects_muted(module), self.precision_plugin.forward_context():
+                step(microbatches[0], 0)
 
         return run, rows
 
@@ -353,11 +380,12 @@ class PTDPStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if module.example_input_array is not None:
-            example = self.batch_to_device(module.example_input_array)
+            example = self._probe_batch(module.example_input_array)
             module(*example) if isinstance(example, tuple) else module(example)
             return
         step, batch = self._stage_step(trainer)
-        step(batch, 0)
+        with _side_effects_muted(module):
+            step(batch, 0)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -466,8 +494,22 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Tensors built on the meta device stay there: parallelize materialises this rank's shards."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        if ptdp_init.is_on_meta(self.model):
+            self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))  # what Module.to does, meta kept
+        else:
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device (no memory); after tensor and pipeline
+        parallelism cut the model, each rank allocates and initialises only what it holds, with
+        the values the single-process model has (lightning_ptdp.init). ``empty_init=False``: real tensors."""
+        device = self.root_device if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ checkpoints
     # Sharded (default): every rank writes its pieces of the original tensors (distcp.py), nothing

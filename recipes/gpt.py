@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 
+from lightning_ptdp.init import Constant, Init, Normal, initialize, is_on_meta
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -44,6 +46,9 @@ class GPTConfig:
     """Share the token embedding with the LM head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
+    init_seed: int | None = None
+    """Seed of the initialisation (lightning_ptdp.init: the same values on any layout); None takes
+    torch's seed at construction (``L.seed_everything``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_length", "num_layers", "num_heads", "hidden_size"):
@@ -68,6 +73,8 @@ class GPTConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r} must be True or False")
         _check_range("GPTConfig.init_std", self.init_std, low=0.0, low_open=True, fix="a small positive value such as 0.02")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
+            raise ValueError(f"GPTConfig.init_seed={self.init_seed!r} must be an integer or None (torch's seed)")
         if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
             raise ValueError("rotary position embedding needs an even head size (hidden_size / num_heads)")
 
@@ -113,10 +120,12 @@ def _check_range(
         raise ValueError(f"{name}={value!r} must be a number in {interval}; use {fix}")
 
 
-def rotary_tables(seq_length: int, head_size: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_length: int, head_size: int, base: float = 10000.0, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (T, hs/2) for rotary position embedding."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.float32, device=device) / head_size)
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -189,30 +198,40 @@ class GPT(nn.Module):
         if config.position_embedding == "learned":
             self.position_embedding = nn.Embedding(config.seq_length, config.hidden_size)
         else:
-            cos, sin = rotary_tables(config.seq_length, config.hidden_size // config.num_heads)
+            # on the CPU even under a meta-device context: a table cannot be recomputed from nothing
+            cos, sin = rotary_tables(config.seq_length, config.hidden_size // config.num_heads, device="cpu")
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_final = nn.LayerNorm(config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.token_embedding.weight
+        self.init_seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
+        self._init_plan = self._plan_init()
+        if not is_on_meta(self):  # on the meta device (configure_model under ptdp) each rank fills its shards
+            initialize(self)
 
-    def reset_parameters(self) -> None:
+    def _plan_init(self) -> dict[str, Init]:
         """Normal(0, init_std) weights, zero biases, unit norms; output projections get
         std / sqrt(2 * num_layers) as in GPT-2, so the residual stream does not grow with depth."""
-        std = self.config.init_std
+        std, plan = self.config.init_std, {}
         for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_output_projection = name.endswith(("attn.proj", "mlp.fc_out"))
                 scale = 1.0 / math.sqrt(2 * self.config.num_layers) if is_output_projection else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+                plan.setdefault(f"{prefix}weight", Normal(std * scale))
+                if getattr(module, "bias", None) is not None:
+                    plan[f"{prefix}bias"] = Constant(0.0)
             elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+                plan[f"{prefix}weight"], plan[f"{prefix}bias"] = Constant(1.0), Constant(0.0)
+        return plan
+
+    def init_rule(self, name: str) -> Init:
+        """How parameter ``name`` starts (lightning_ptdp.init: equal values on every layout)."""
+        return self._init_plan[name]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
@@ -241,13 +260,19 @@ def cosine_with_warmup(step: int, *, warmup_steps: int, max_steps: int, min_lr_r
 class GPTLightningModule(L.LightningModule):
     """Next-token prediction on batches of (input ids, target ids), each (B, T)."""
 
-    def __init__(self, model: GPTConfig | None = None, optim: OptimConfig | None = None) -> None:
+    def __init__(self, model: GPTConfig | None = None, optim: OptimConfig | None = None, *, deferred_init: bool = False) -> None:
+        """``deferred_init``: build the GPT in ``configure_model``, where a strategy may place it on the
+        meta device (ptdp then materialises only each rank's shards: models too big for one rank)."""
         super().__init__()
         self.model_config = model or GPTConfig()
         self.optim_config = optim or OptimConfig()
         self.save_hyperparameters({"model": asdict(self.model_config), "optim": asdict(self.optim_config)})
-        self.gpt = GPT(self.model_config)
+        self.gpt = None if deferred_init else GPT(self.model_config)
         self.val_nll = torchmetrics.MeanMetric()
+
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            self.gpt = GPT(self.model_config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)

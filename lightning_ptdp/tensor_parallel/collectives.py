@@ -37,14 +37,16 @@ class TPGroup:
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, op=op, group=tp.group)
+    if not x.is_meta:  # meta: a setup probe of a model built on the meta device, shapes only
+        dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 
 def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     x = x.movedim(SEQ_DIM, 0).contiguous()
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=tp.group)
+    if not x.is_meta:
+        dist.all_gather_into_tensor(out, x, group=tp.group)
     return out.movedim(0, SEQ_DIM)
 
 
@@ -52,7 +54,8 @@ def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     check_sequence_divisible(x.shape[SEQ_DIM], tp)
     x = x.movedim(SEQ_DIM, 0).contiguous()
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=tp.group)
+    if not x.is_meta:
+        dist.reduce_scatter_tensor(out, x, group=tp.group)
     return out.movedim(0, SEQ_DIM)
 
 

@@ -65,6 +65,7 @@ RECIPES = [
     (GPTConfig, {"position_embedding": "rotary", "hidden_size": 12, "num_heads": 4}, r"rotary position embedding needs an even head size"),
     (GPTConfig, {"tie_embeddings": "yes"}, r"GPTConfig.tie_embeddings='yes' must be True or False"),
     (GPTConfig, {"init_std": 0}, r"GPTConfig.init_std=0 must be a number in \(0.0, inf\)"),
+    (GPTConfig, {"init_seed": "7"}, r"GPTConfig.init_seed='7' must be an integer or None"),
     (OptimConfig, {"lr": -1e-3}, r"OptimConfig.lr=-0.001 must be a number in \(0.0, inf\)"),
     (OptimConfig, {"weight_decay": -0.1}, r"OptimConfig.weight_decay=-0.1 must be a number in \[0.0, inf\)"),
     (OptimConfig, {"betas": (0.9,)}, r"OptimConfig.betas=\(0.9,\) must be two numbers"),
