@@ -4,7 +4,8 @@
   ``triton_kernels.flash_attention`` when it can run them (no mask, no dropout, supported head
   dim and dtype, CUDA or the interpreter) and to torch otherwise.
 * Bias + GeLU: a Linear whose output feeds only a GeLU (``nn.GELU`` or ``F.gelu``), found by
-  torch.fx tracing each module's own forward, computes ``x @ W^T`` without its bias and the GeLU
+  torch.fx tracing each module's own forward, computes ``x @ W^T`` without its bias (``F.linear``,
+  or ``sequence_parallel_linear`` for a column shard under sequence parallelism) and the GeLU
   becomes ``bias_gelu(x, linear.bias)``, as Megatron fuses them. The bias stays a parameter of
   the same Linear: parameters, optimizer groups and state_dict keys do not change.
 
@@ -35,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_ptdp.config import KERNEL_MODES
 from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
+from lightning_ptdp.tensor_parallel.sequence_linear import sequence_parallel_linear
 
 log = logging.getLogger(__name__)
 _FIX = "use kernels='auto' (Triton only where it can run, torch elsewhere) or kernels='torch'"
@@ -220,8 +222,8 @@ def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-def _linear_args(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter names
-    return input, weight, bias
+def _linear_args(input, weight, bias=None, **extra):  # noqa: A002 - F.linear's own parameter names
+    return input, weight, bias, extra  # extra: sequence_parallel_linear's shard
 
 
 def _gelu_args(input, approximate="none"):  # noqa: A002
@@ -300,7 +302,7 @@ class _KernelRouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(func, args, kwargs)
-        if func is F.linear:
+        if func is F.linear or func is sequence_parallel_linear:
             return self._linear(func, args, kwargs)
         if func is F.gelu:
             return self._gelu(func, args, kwargs)
@@ -330,11 +332,11 @@ class _KernelRouter(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _linear(self, func, args, kwargs):
-        x, weight, bias = _linear_args(*args, **kwargs)
+        x, weight, bias, extra = _linear_args(*args, **kwargs)
         entry = self._state().biases.get(id(bias)) if bias is not None else None
         if entry is None or entry[0] is not bias:
             return func(*args, **kwargs)
-        out = func(x, weight)
+        out = func(x, weight, **extra)
         self._state().pending[_storage_key(out)] = (out, bias, entry[1])  # strong ref until its GeLU
         return out
 

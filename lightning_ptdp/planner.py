@@ -10,7 +10,8 @@ num_gpus``, ``t | heads``, ``t | hidden``, ``p*v | layers``, ``b*d | B`` (and ``
   the CUDA context, NCCL buffers and fragmentation).
 * Step time: ``compute * (1 + (p-1)/(v*m)) + TP + PP + DP``. Compute: the slowest stage's FLOPs
   (``l/p`` layers + the logit layer on the last stage) at ``peak * achievable_fraction``. TP: 4
-  ring all-reduces of ``2bsh`` bytes per layer and microbatch (6 with full recompute). PP: a
+  ring all-reduces of ``2bsh`` bytes per layer and microbatch (6 with full recompute; SP adds
+  backward's 2 all-gathers of its saved 1/t region inputs, one all-reduce's bytes). PP: a
   ``2bsh/t`` send each way per microbatch and chunk (scatter/gather over the t links) + the tied
   embedding's gradient. DP: a ring all-reduce of the bf16 gradients. A ring over n ranks sends
   ``2(n-1)/n`` of the buffer per rank; groups tiling a node use NVLink, others the network.
@@ -226,6 +227,8 @@ def _estimate(model: ModelSize, cluster: Cluster, batch: int, shape: tuple[int, 
     tp = pp = dp = 0.0
     if t > 1:
         all_reduces = 6 if recompute == "full" else 4
+        if opts.sequence_parallel:  # + backward's 2 all-gathers of the saved 1/t inputs: one all-reduce's bytes
+            all_reduces += 1
         tp = m * model.num_layers / p * all_reduces * _ring_seconds(activation, t, _link(t, cluster))
     if p > 1:  # activations forward, gradients backward, then the tied embedding's gradient
         pipeline_link = _link(t * d * p, cluster)

@@ -99,7 +99,8 @@ def fit_and_record(
     if strategy_kwargs is not None:
         config = ParallelConfig(**strategy_kwargs)
         replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
-        strategy = PTDPStrategy(**strategy_kwargs, tp_plan=tp_plan)
+        # full: "state" is compared with the whole single-process model, not this rank's pieces
+        strategy = PTDPStrategy(**{"checkpoint_format": "full", **strategy_kwargs}, tp_plan=tp_plan)
     datamodule = zoo_data(global_batch // replicas, (steps + 1) * global_batch * (SEQ + 1), 4 * (SEQ + 1))
     if strategy_kwargs is None:
         use_distributed_order(datamodule, seed)

@@ -7,7 +7,8 @@
      at each region's input and one at its output (Megatron's f and g);
   3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
   4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
-     is split, the last block's output gathered, region inputs all-gathered and region outputs
+     is split, the last block's output gathered, region inputs all-gathered (the column Linears
+     keep only the 1/t shard for backward and gather again there) and region outputs
      reduce-scattered; parameters replicated inside the blocks then get partial gradients,
      listed in the report for the strategy to sum over the group.
 """
@@ -34,6 +35,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
+from lightning_ptdp.tensor_parallel.sequence_linear import KeepSequenceShard
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,12 @@ def _insert_collectives(
         for user in list(source.users):
             if user is not enter and user in inside:
                 user.replace_input_with(source, enter)
+        if sp:  # the columns save the input's 1/t shard for backward, not the gathered whole
+            modules[f"_ptdp_shard_{k}"] = KeepSequenceShard(tp)
+            with graph.inserting_after(enter):
+                shard = graph.call_module(f"_ptdp_shard_{k}", (source,))
+            for col in region.columns:
+                calls[col].kwargs = {**calls[col].kwargs, "shard": shard}
         modules[f"_ptdp_exit_{k}"] = _Collective(C.reduce_scatter_sequence if sp else C.reduce_from_tp, tp)
         with graph.inserting_after(row):
             out = graph.call_module(f"_ptdp_exit_{k}", (row,))

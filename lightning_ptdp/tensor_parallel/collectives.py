@@ -47,7 +47,8 @@ def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
     if not x.is_meta:
         dist.all_gather_into_tensor(out, x, group=tp.group)
-    return out.movedim(0, SEQ_DIM)
+    # contiguous (B, T, C), not a movedim view: several Linears reading a view would each copy it
+    return out.movedim(0, SEQ_DIM).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -107,3 +108,8 @@ def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def all_reduce_sum(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Non-differentiable sum over the group."""
     return _all_reduce(x.detach().clone(), tp)
+
+
+def all_gather_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Non-differentiable all-gather along the sequence (SP: a saved shard made whole in backward)."""
+    return _all_gather_seq(x.detach(), tp)

@@ -5,7 +5,8 @@ q, k, v blocks split by heads" (fused QKV) nor "KV heads replicated across rank 
 t > n_kv_heads), and plain tensors keep per-op dispatch cost off the step. Each layer keeps a
 ``ShardLayout`` that maps its shard back to the original tensor, for consolidation.
 Communication is not inside these layers: the block rewrite (apply.py) places it at region
-boundaries, exactly once per region.
+boundaries, exactly once per region (under sequence parallelism a column layer also gets the
+region's ``SequenceShard``, to save 1/t of its input: sequence_linear.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
+from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard, sequence_parallel_linear
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _param(linear.bias[self._rows], linear.bias)
         self.out_features = self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        """``x`` whole; under sequence parallelism ``shard`` is this rank's 1/t of it (saved instead)."""
         if self.comm:
             x = copy_to_tp(x, self.tp)
+        if shard is not None:
+            return sequence_parallel_linear(x, self.weight, self.bias, shard=shard)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
