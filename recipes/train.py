@@ -59,6 +59,9 @@ def devices_for_layout(t: int, p: int, d: Union[int, str], num_nodes: int) -> Un
 OmegaConf.register_new_resolver("ptdp_devices", devices_for_layout, replace=True)
 
 
+DEFERRED_INIT_PARAMS = 100_000_000
+
+
 def checked_kwargs(target: Callable, node: Any, group: str) -> dict[str, Any]:
     """The config group as keyword arguments of ``target``; unknown keys name the valid ones."""
     kwargs = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
@@ -78,7 +81,11 @@ def build_module(cfg: DictConfig):
 
     optim = checked_kwargs(OptimConfig, cfg.optim, "optim")
     optim["betas"] = tuple(optim["betas"])
-    return GPTLightningModule(GPTConfig(**checked_kwargs(GPTConfig, cfg.model, "model")), OptimConfig(**optim))
+    model = GPTConfig(**checked_kwargs(GPTConfig, cfg.model, "model"))
+    # above ~1e8 parameters build in configure_model: under ptdp on the meta device, then each
+    # rank materialises only its shards (no rank ever holds the whole model)
+    deferred = 12 * model.num_layers * model.hidden_size**2 + model.vocab_size * model.hidden_size > DEFERRED_INIT_PARAMS
+    return GPTLightningModule(model, OptimConfig(**optim), deferred_init=deferred)
 
 
 def build_datamodule(cfg: DictConfig):
