@@ -218,6 +218,18 @@ def restore_rng_states(states: Optional[list], rank: int) -> bool:
 _CUT_FILE = ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF")
 
 
+def fsync_dir(folder: str) -> None:
+    """Sync a directory's entries (a rename into it); some filesystems cannot, which is fine."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed; the file it would have replaced is untouched."""
 
@@ -248,14 +260,7 @@ class CheckedCheckpointIO(TorchCheckpointIO):
             if os.path.exists(partial):
                 os.remove(partial)
             raise
-        try:  # make the rename itself durable; some filesystems cannot sync a directory
-            directory = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
-        except OSError:
-            pass
+        fsync_dir(folder)  # make the rename itself durable
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.checkpoint import fsync_dir
 from lightning_ptdp.shards import Piece, Pieces, pieces, tp_cuts
 
 MODEL = "state_dict."
@@ -175,17 +176,6 @@ def _version_dir(target: str) -> str:
     return path
 
 
-def _fsync_dir(folder: str) -> None:
-    try:  # some filesystems cannot sync a directory
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def _publish(version: str, target: str) -> None:
     """Point ``target`` at ``version`` with one atomic rename, then delete the versions of this
     name no checkpoint name points at any more (the one replaced, any left by a crash mid-save)."""
@@ -197,7 +187,7 @@ def _publish(version: str, target: str) -> None:
         os.remove(link)
     os.symlink(os.path.relpath(version, folder), link)
     os.replace(link, target)
-    _fsync_dir(folder)
+    fsync_dir(folder)
     linked = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))}
     versions = os.path.dirname(version)
     for name in os.listdir(versions):

@@ -252,6 +252,7 @@ ZERO_LAYOUTS = [
     ("gpt", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
                 "micro_batch_size": 2, "zero_stage": 1}),
     ("llama", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "micro_batch_size": 1, "zero_stage": 3}),
+    ("gpt", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 2}),
 ]
 
 

@@ -217,10 +217,20 @@ def test_triton_kernels_run_on_each_ranks_heads_and_bias_shard(dist_pool):
 BF16_LOSS_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: partial sums rounded per rank differ at ~1e-2
 
 
+BF16_LAYOUTS = {
+    "t2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+    "d2-zero3": {"zero_stage": 3},  # FSDP2 shards the fp32 master weights (mixed) or the bf16 ones (true)
+    "p2": {"pipeline_parallel_size": 2, "micro_batch_size": 2},  # bf16 activations cross the stages
+}
+
+
 @pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_under_tp(dist_pool, precision):
-    kwargs = {"tensor_parallel_size": 2, "sequence_parallel": True}
+def test_bf16_precisions_under_tp_zero_and_pp(dist_pool, precision, layout):
+    """bf16-mixed keeps fp32 master weights (and reduces fp32 gradients: DDP, FSDP2 and the pipeline's
+    dp average all see the fp32 .grad); bf16-true trains bf16 weights. Losses follow the single process."""
+    kwargs = BF16_LAYOUTS[layout]
     trainer_kwargs = {"precision": precision}
     results = dist_pool(2).run(
         fit_and_record, "gpt", strategy_kwargs=kwargs, devices=2, steps=5, global_batch=GLOBAL_BATCH,
