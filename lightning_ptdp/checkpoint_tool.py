@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_ptdp.distcp import MODEL, FORMAT_VERSION, open_checkpoint, save
+from lightning_ptdp.distcp import FORMAT_VERSION, MODEL, save
+from lightning_ptdp.distcp_load import open_checkpoint
 
 _OPTIMIZER = "optimizer_states."
 

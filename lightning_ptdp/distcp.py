@@ -29,90 +29,104 @@ import shutil
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlan, ReadItem, SavePlan, TensorProperties, TensorWriteData, WriteItem, WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_ptdp.checkpoint import fsync_dir
 from lightning_ptdp.shards import Piece, Pieces, pieces, tp_cuts
 
 MODEL = "state_dict."
+OPTIMIZER = "optimizer_states."
 VERSIONS = ".ptdp"  # hidden folder beside the checkpoints holding their versions
 FORMAT_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------- planners
-def _planners() -> tuple[type, type]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-    from torch.distributed.checkpoint.planner import TensorProperties, TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+def _split(state: dict[str, Any]) -> tuple[dict[str, Pieces], dict[str, Any]]:
+    ours = {k: v for k, v in state.items() if isinstance(v, Pieces)}
+    return ours, {k: v for k, v in state.items() if k not in ours}
 
-    def split(state: dict[str, Any]) -> tuple[dict[str, Pieces], dict[str, Any]]:
-        ours = {k: v for k, v in state.items() if isinstance(v, Pieces)}
-        return ours, {k: v for k, v in state.items() if k not in ours}
 
-    def find(entry: Pieces, offsets: torch.Size) -> Piece:
-        return next(p for p in entry.items if torch.Size(p.offsets) == offsets)
+def _piece_at(entry: Pieces, offsets: torch.Size) -> Piece:
+    return next(p for p in entry.items if torch.Size(p.offsets) == offsets)
 
-    class PiecesSavePlanner(DefaultSavePlanner):
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def set_up_planner(self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-            self._pieces, rest = split(state_dict)
-            super().set_up_planner(rest, storage_meta, is_coordinator)
+class PiecesSavePlanner(DefaultSavePlanner):
+    """DCP's planner, plus one write item per piece: its offsets and sizes in the original tensor."""
 
-        def create_local_plan(self) -> Any:
-            plan = super().create_local_plan()
-            items = [
-                WriteItem(
-                    index=MetadataIndex(fqn, torch.Size(piece.offsets)),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.local.shape),
-                        properties=TensorProperties.create_from_tensor(piece.local),
-                        size=torch.Size(entry.full_shape),
-                    ),
-                )
-                for fqn, entry in self._pieces.items() for piece in entry.items
-            ]
-            self.plan = dataclasses.replace(plan, items=plan.items + items)
-            return self.plan
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def resolve_data(self, write_item: Any) -> Any:
-            entry = self._pieces.get(write_item.index.fqn)
-            if entry is None:
-                return super().resolve_data(write_item)
-            return find(entry, write_item.index.offset).local.detach().cpu().clone()  # a view would save its base
+    def set_up_planner(self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self._pieces, rest = _split(state_dict)
+        super().set_up_planner(rest, storage_meta, is_coordinator)
 
-    class PiecesLoadPlanner(DefaultLoadPlanner):
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(piece.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.local.shape),
+                    properties=TensorProperties.create_from_tensor(piece.local),
+                    size=torch.Size(entry.full_shape),
+                ),
+            )
+            for fqn, entry in self._pieces.items() for piece in entry.items
+        ]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
 
-        def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
-            self._pieces, rest = split(state_dict)
-            super().set_up_planner(rest, metadata, is_coordinator)
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        entry = self._pieces.get(write_item.index.fqn)
+        if entry is None:
+            return super().resolve_data(write_item)
+        return _piece_at(entry, write_item.index.offset).local.detach().cpu().clone()  # a view would save its base
 
-        def create_local_plan(self) -> Any:
-            plan = super().create_local_plan()
-            items = []
-            for fqn, entry in self._pieces.items():
-                chunks = [ChunkStorageMetadata(torch.Size(p.offsets), p.local.shape) for p in entry.items]
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
-            return dataclasses.replace(plan, items=plan.items + items)
 
-        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
-            entry = self._pieces.get(read_item.dest_index.fqn)
-            if entry is None:
-                return super().resolve_tensor(read_item)
-            local = find(entry, read_item.dest_index.offset).local
-            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                local = local.narrow(dim, start, length)
-            return local
+class PiecesLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, plus read items for this rank's pieces: DCP's resharding finds the saved
+    pieces that overlap each, and the reads land in the piece's view of the live tensor."""
 
-    return PiecesSavePlanner, PiecesLoadPlanner
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        self._pieces, rest = _split(state_dict)
+        super().set_up_planner(rest, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = []
+        for fqn, entry in self._pieces.items():
+            chunks = [ChunkStorageMetadata(torch.Size(p.offsets), p.local.shape) for p in entry.items]
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+        return dataclasses.replace(plan, items=plan.items + items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        entry = self._pieces.get(read_item.dest_index.fqn)
+        if entry is None:
+            return super().resolve_tensor(read_item)
+        local = _piece_at(entry, read_item.dest_index.offset).local
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            local = local.narrow(dim, start, length)
+        return local
 
 
 # ----------------------------------------------------------------------------- what ranks hold
+def canonical(name: str, aliases: Optional[dict[str, list[str]]]) -> str:
+    """The single-process name of a parameter (a weight tied across stages: its first name)."""
+    return (aliases or {}).get(name, [name])[0]
+
+
 def model_pieces(module: nn.Module, aliases: Optional[dict[str, list[str]]] = None) -> dict[str, Any]:
     """This rank's part of the model's state, under every name the single-process model gives it."""
     cuts = tp_cuts(module)
@@ -124,43 +138,57 @@ def model_pieces(module: nn.Module, aliases: Optional[dict[str, list[str]]] = No
     return out
 
 
+def optimizer_state_pieces(module: nn.Module, state: dict[str, Any], name: str) -> dict[str, Any]:
+    """One parameter's optimizer state with its parameter-shaped tensors as pieces."""
+    param = module.get_parameter(name)
+    cut = tp_cuts(module).get(name)
+    out = {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"optimizer state {name}.{key} has shape {tuple(value.shape)}, not its parameter's "
+                    f"{tuple(param.shape)}: a sharded checkpoint cannot say which part of the model it belongs to "
+                    "(a factored optimizer?). Use PTDPStrategy(checkpoint_format='full') with this optimizer"
+                )
+            value = pieces(value, cut)
+        out[key] = value
+    return out
+
+
 def optimizer_pieces(module: nn.Module, optimizer: Any, aliases: Optional[dict[str, list[str]]] = None) -> dict[str, Any]:
-    """This rank's part of an optimizer's state keyed by the single-process parameter names (a
-    weight tied across stages by its first name), and the groups' hyperparameters."""
+    """This rank's part of an optimizer's state keyed by the single-process parameter names, and
+    its groups (hyperparameters and the names of this rank's parameters in each)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))
-    cuts, shapes = tp_cuts(module), {n: tuple(p.shape) for n, p in module.named_parameters()}
-
-    def convert(name: str, value: Any) -> Any:
-        if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == shapes.get(name):
-            return pieces(value, cuts.get(name))
-        return value
-
     return {
         "state": {
-            (aliases or {}).get(name, [name])[0]: {k: convert(name, v) for k, v in values.items()}
+            canonical(name, aliases): optimizer_state_pieces(module, values, name)
             for name, values in state["state"].items()
         },
-        "param_groups": [  # a stage's own parameters per group; consolidation joins the stages'
-            {**group, "params": [(aliases or {}).get(n, [n])[0] for n in group["params"]]} for group in state["param_groups"]
+        "param_groups": [
+            {**group, "params": [canonical(n, aliases) for n in group["params"]]} for group in state["param_groups"]
         ],
     }
 
 
 def flat_state(checkpoint: dict[str, Any], rank: int, layout: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint dict (with ``model_pieces``/``optimizer_pieces`` in it) as DCP entries."""
+    """Lightning's checkpoint dict (with ``model_pieces``/``optimizer_pieces`` in it) as DCP entries.
+    Entries every rank holds alike are written once, by whichever rank DCP picks; Lightning's dict
+    and the layout are rank 0's alone (callback state may differ on other ranks)."""
     from lightning_ptdp.checkpoint import collect_rng_states
 
     rest = dict(checkpoint)
     flat: dict[str, Any] = {f"{MODEL}{k}": v for k, v in rest.pop("state_dict", {}).items()}
     for index, optimizer in enumerate(rest.pop("optimizer_states", [])):
         for name, values in optimizer["state"].items():
-            flat.update({f"optimizer_states.{index}.state.{name}.{k}": v for k, v in values.items()})
-        flat[f"optimizer_states.{index}.param_groups.{rank}"] = optimizer["param_groups"]
+            flat.update({f"{OPTIMIZER}{index}.state.{name}.{k}": v for k, v in values.items()})
+        flat[f"{OPTIMIZER}{index}.param_groups.{rank}"] = optimizer["param_groups"]
     flat[f"rng.{rank}"] = collect_rng_states()
-    flat["ptdp"] = {"format": FORMAT_VERSION, **layout}
-    flat["lightning"] = rest
+    if rank == 0:
+        flat["ptdp"] = {"format": FORMAT_VERSION, **layout}
+        flat["lightning"] = rest
     return flat
 
 
@@ -176,10 +204,25 @@ def _version_dir(target: str) -> str:
     return path
 
 
+def _collect_garbage(folder: str) -> None:
+    """Delete the version folders no checkpoint name in ``folder`` points at (directly or through
+    other links): replaced ones, removed ones, and those a crash left unpublished."""
+    versions = os.path.join(folder, VERSIONS)
+    if not os.path.isdir(versions):
+        return
+    linked = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))}
+    for name in os.listdir(versions):
+        path = os.path.join(versions, name)
+        if os.path.realpath(path) not in linked:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _publish(version: str, target: str) -> None:
-    """Point ``target`` at ``version`` with one atomic rename, then delete the versions of this
-    name no checkpoint name points at any more (the one replaced, any left by a crash mid-save)."""
-    folder, base = os.path.dirname(target), os.path.basename(target)
+    """Point ``target`` at ``version`` with one atomic rename (after syncing the new folder's
+    entries), then delete the versions no name points at any more."""
+    folder = os.path.dirname(target)
+    fsync_dir(version)
+    fsync_dir(os.path.dirname(version))
     if os.path.isdir(target) and not os.path.islink(target):  # a plain folder (another writer's): set aside
         os.replace(target, f"{version}-replaced")
     link = f"{target}.ptdp-link"
@@ -188,12 +231,7 @@ def _publish(version: str, target: str) -> None:
     os.symlink(os.path.relpath(version, folder), link)
     os.replace(link, target)
     fsync_dir(folder)
-    linked = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))}
-    versions = os.path.dirname(version)
-    for name in os.listdir(versions):
-        path = os.path.join(versions, name)
-        if name.startswith(f"{base}.v") and os.path.realpath(path) not in linked:
-            shutil.rmtree(path, ignore_errors=True)
+    _collect_garbage(folder)
 
 
 def save(
@@ -203,15 +241,26 @@ def save(
     """Write ``flat`` as a sharded checkpoint named ``target``; a collective over all ranks (unless
     ``no_dist``: one process writing everything). Raises on every rank if any rank failed to write
     (DCP gathers the outcome)."""
-    import torch.distributed.checkpoint as dcp
-
-    save_planner, _ = _planners()
     target = os.path.abspath(target)
     version = _on_rank_zero(lambda: _version_dir(target), is_rank_zero, broadcast)
     writer = dcp.FileSystemWriter(version, sync_files=True)
-    dcp.save(flat, storage_writer=writer, planner=save_planner(), no_dist=no_dist)
+    dcp.save(flat, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=no_dist)
     barrier()
+    if not no_dist and dist.is_initialized():
+        _check_shared(version)
     _on_rank_zero(lambda: _publish(version, target), is_rank_zero, broadcast)
+
+
+def _check_shared(version: str) -> None:
+    """Every rank must see the finished checkpoint: a folder on each node's own disk is not one."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.exists(os.path.join(version, ".metadata")))
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    if blind:
+        raise OSError(
+            f"ranks {blind} do not see {version}/.metadata that rank 0 wrote: the checkpoint folder is not on "
+            "storage every node shares, so no rank could load it whole. Save to a shared filesystem"
+        )
 
 
 def _on_rank_zero(fn: Callable[[], Any], is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
@@ -237,138 +286,9 @@ def describe_failure(error: BaseException) -> str:
 
 
 def remove(target: str) -> None:
-    """Delete a checkpoint: its name and the version it points at."""
-    real = os.path.realpath(target)
+    """Delete a checkpoint name; its data goes once no other name points at it."""
     if os.path.islink(target):
         os.remove(target)
-    shutil.rmtree(real, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------- loading
-def open_checkpoint(path: str) -> tuple[Any, Any]:
-    """DCP's reader and metadata for ``path``, after checking every data file is there whole."""
-    import torch.distributed.checkpoint as dcp
-
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(
-            f"{path!r} is not a complete sharded checkpoint: it has no .metadata file (written last, after every "
-            "rank's data). The save that made it did not finish; resume from an earlier checkpoint"
-        )
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata()
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    missing = sorted(f for f in ends if not os.path.exists(os.path.join(path, f)))
-    short = sorted(f for f in ends if f not in missing and os.path.getsize(os.path.join(path, f)) < ends[f])
-    if missing or short:
-        what = [f"missing shard file(s) {', '.join(missing)}"] if missing else []
-        what += [f"truncated shard file(s) {', '.join(short)}"] if short else []
-        raise ValueError(
-            f"checkpoint {path!r} is incomplete: {'; '.join(what)} (each rank writes its own __<rank>_*.distcp). "
-            "It was damaged or copied partially after it was saved; copy it again whole or resume from another one"
-        )
-    return reader, metadata
-
-
-def _full_shape(value: Any) -> Optional[tuple[int, ...]]:
-    if isinstance(value, Pieces):
-        return value.full_shape
-    return tuple(value.shape) if torch.is_tensor(value) else None
-
-
-def _saved_shapes(metadata: Any, prefix: str) -> dict[str, Optional[tuple[int, ...]]]:
-    return {
-        k[len(prefix):]: tuple(md.size) if hasattr(md, "size") else None
-        for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)
-    }
-
-
-def _optimizer_targets(
-    module: nn.Module, optimizer: Any, index: int, saved: set[str], aliases: Optional[dict[str, list[str]]]
-) -> tuple[dict, dict, list, dict]:
-    """The optimizer's state (its tensors are what is loaded into), the DCP entries pointing at them,
-    the parameters the checkpoint has no state for, and (name, key) -> DCP entry."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))  # creates it
-    cuts, shapes = tp_cuts(module), {n: tuple(p.shape) for n, p in module.named_parameters()}
-    targets, missing, keys = {}, [], {}
-    for name, values in state["state"].items():
-        prefix = f"optimizer_states.{index}.state."
-        found = [a for a in (aliases or {}).get(name, [name]) if any(k.startswith(f"{prefix}{a}.") for k in saved)]
-        if not found:
-            missing.append(name)
-            continue
-        for k, v in values.items():
-            keys[name, k] = key = f"{prefix}{found[0]}.{k}"
-            tensor = torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == shapes.get(name)
-            targets[key] = pieces(v, cuts.get(name)) if tensor else v
-    return state, targets, missing, keys
-
-
-def load(
-    path: str, *, module: nn.Module, optimizers: list[Any], aliases: Optional[dict[str, list[str]]], rank: int,
-    world_size: int, strict: bool, pipeline: bool, describe_mismatch: Callable[..., Optional[str]],
-) -> dict[str, Any]:
-    """Load a sharded checkpoint into ``module`` and ``optimizers`` in place (any saved layout);
-    return the rest of Lightning's checkpoint. A collective over all ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    from lightning_ptdp.checkpoint import restore_rng_states
-
-    reader, metadata = open_checkpoint(path)
-    model = {f"{MODEL}{k}": v for k, v in model_pieces(module).items()}
-    expected = {k[len(MODEL):]: _full_shape(v) for k, v in model.items() if _full_shape(v) is not None}
-    problem = describe_mismatch(expected, _saved_shapes(metadata, MODEL), check_unexpected=not pipeline)
-    if problem and strict:
-        raise ValueError(f"the checkpoint's weights do not fit this model: {problem} (checkpoint {path!r})")
-    targets = {k: v for k, v in model.items() if k in metadata.state_dict_metadata}
-    saved = set(metadata.state_dict_metadata)
-    optimizer_states = []
-    for index, optimizer in enumerate(optimizers):
-        if not any(k.startswith(f"optimizer_states.{index}.") for k in saved):
-            raise ValueError(
-                f"checkpoint {path!r} holds no state for optimizer {index}: it was saved with weights only "
-                "(ModelCheckpoint(save_weights_only=True)) or with fewer optimizers; it cannot resume training"
-            )
-        state, entries, missing, keys = _optimizer_targets(module, optimizer, index, saved, aliases)
-        if missing:
-            raise ValueError(
-                f"checkpoint {path!r} has no optimizer state for {len(missing)} parameter(s) of this model "
-                f"(first: {', '.join(missing[:3])}); it was saved from another model"
-            )
-        groups = f"optimizer_states.{index}.param_groups.{min(int(k.rsplit('.', 1)[1]) for k in saved if k.startswith(f'optimizer_states.{index}.param_groups.'))}"
-        targets |= entries | {groups: None}
-        optimizer_states.append((optimizer, state, keys, groups))
-    rng_key = f"rng.{rank}"
-    targets |= {"lightning": None, "ptdp": None} | ({rng_key: None} if rng_key in saved else {})
-    _, load_planner = _planners()
-    planner = load_planner()
-    dcp.load(targets, storage_reader=reader, planner=planner)
-    loaded = planner.state_dict  # the bytes entries, filled in by the planner
-    for optimizer, state, keys, groups in optimizer_states:
-        _restore_optimizer(optimizer, state, keys, loaded, loaded[groups])
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=False))
-    if loaded["ptdp"].get("world_size") == world_size and rng_key in loaded:  # same number of ranks
-        restore_rng_states([loaded[rng_key] if r == rank else None for r in range(world_size)], rank)
-    return {**loaded["lightning"], "state_dict": {}, "optimizer_states": [{} for _ in optimizers], LOADED_IN_PLACE: True}
-
-
-LOADED_IN_PLACE = "ptdp_loaded_in_place"
-
-
-def _restore_optimizer(optimizer: Any, state: dict, keys: dict, loaded: dict, groups: list) -> None:
-    """Put the saved hyperparameters and non-tensor values into ``state`` (tensors are loaded in place)."""
-    if len(groups) != len(state["param_groups"]):
-        raise ValueError(
-            f"the checkpoint's optimizer has {len(groups)} parameter groups, this one {len(state['param_groups'])}; "
-            "configure_optimizers must build the same groups to resume"
-        )
-    for group, saved in zip(state["param_groups"], groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    for name, values in state["state"].items():
-        for k, v in values.items():
-            if not torch.is_tensor(v) and keys.get((name, k)) in loaded:
-                values[k] = loaded[keys[name, k]]
+        _collect_garbage(os.path.dirname(os.path.abspath(target)))
+    else:
+        shutil.rmtree(target, ignore_errors=True)

@@ -2,7 +2,8 @@
 meta device can be materialised shard by shard and still equal the single-process model.
 
 A model says how each parameter starts with ``init_rule(name) -> Normal | Constant`` (names
-relative to the module defining it) and ``init_seed``. A Normal tensor is drawn in blocks of
+relative to the module defining it, which also seed the draws: define it on the module that builds
+the whole model, not on a block class, or every block would start alike) and ``init_seed``. A Normal tensor is drawn in blocks of
 ``ROWS_PER_DRAW`` rows, each block from its own generator seeded by (seed, name, block index):
 a rank holding any rows (or columns) of it draws only the blocks those rows lie in and keeps its
 part. ``initialize`` fills an ordinary model this way (the single-process reference);
@@ -108,7 +109,9 @@ def materialize(model: nn.Module, device: torch.device, aliases: Optional[dict[s
         for attr, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 if id(param) not in new:
-                    new[id(param)] = nn.Parameter(torch.zeros_like(param, device=device), param.requires_grad)
+                    fresh = nn.Parameter(torch.zeros_like(param, device=device), param.requires_grad)
+                    fresh.__dict__.update(param.__dict__)  # attributes users set on parameters (tags)
+                    new[id(param)] = fresh
                 module._parameters[attr] = new[id(param)]
     for module in model.modules():  # the pipeline split's zero stand-ins for other stages' weights
         for attr, value in list(vars(module).items()):

@@ -58,9 +58,6 @@ class Pieces:
     full_shape: tuple[int, ...]
     items: tuple[Piece, ...]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.items[0].local.dtype if self.items else torch.float32
 
 
 def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
@@ -84,7 +81,7 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
 def tp_cuts(model: nn.Module) -> dict[str, TPCut]:
     """Parameter name -> its TP cut, for every parameter our TP layers hold."""
     cuts = {}
-    for path, module in model.named_modules():
+    for path, module in model.named_modules(remove_duplicate=False):  # a module reached by two paths: both
         for attr, _ in module.named_parameters(recurse=False):
             cut = tp_cut(module, attr)
             if cut is not None:

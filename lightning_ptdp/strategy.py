@@ -38,6 +38,8 @@ from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, parallelize
 from lightning_ptdp import checkpoint, distcp
+from lightning_ptdp.distcp_load import LOADED_IN_PLACE
+from lightning_ptdp.distcp_load import load as load_sharded
 from lightning_ptdp import init as ptdp_init
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.resume import resume_at
@@ -506,9 +508,13 @@ class PTDPStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device (no memory); after tensor and pipeline
         parallelism cut the model, each rank allocates and initialises only what it holds, with
-        the values the single-process model has (lightning_ptdp.init). ``empty_init=False``: real tensors."""
-        device = self.root_device if empty_init is False else torch.device("meta")
-        with device, self.precision_plugin.tensor_init_context():
+        the values the single-process model has (lightning_ptdp.init). ``empty_init=False``, or
+        ``trainer.init_module()`` before the run: real tensors, as Lightning does."""
+        if empty_init is False or self._device_mesh is None:  # outside a run (trainer.init_module()): Lightning's way
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ checkpoints
@@ -539,7 +545,7 @@ class PTDPStrategy(ParallelStrategy):
     def load_model_state_dict(self, state: Any, strict: bool = True) -> None:
         """Checkpoints hold unsharded weights: cut them to this rank's shards (any saved layout)."""
         assert self.lightning_module is not None
-        if state.get(distcp.LOADED_IN_PLACE):
+        if state.get(LOADED_IN_PLACE):
             return
         checkpoint.load_model_state(
             self.lightning_module, state["state_dict"], strict=strict,
@@ -559,7 +565,7 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, state: Any) -> None:
-        if state.get(distcp.LOADED_IN_PLACE):
+        if state.get(LOADED_IN_PLACE):
             return
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
             checkpoint.load_optimizer_state(
@@ -570,18 +576,26 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A folder is a sharded checkpoint: loaded here, in place, on every rank; a file is full."""
+        """A folder is a sharded checkpoint: loaded here, in place, on every rank (optimizers only
+        when fitting); a file is full."""
         path = self.broadcast(str(checkpoint_path))
-        if not os.path.isdir(path):
+        if not (os.path.isdir(path) or os.path.islink(path)):
             loaded = super().load_checkpoint(path, weights_only=weights_only)
             checkpoint.restore_rng_states(loaded.pop(checkpoint.RNG_KEY, None), self.global_rank)
             return loaded
-        assert self.lightning_module is not None
-        return distcp.load(
-            path, module=self.lightning_module, optimizers=[getattr(o, "_optimizer", o) for o in self.optimizers],
+        if weights_only:
+            raise ValueError(
+                f"weights_only=True cannot be honoured for the sharded checkpoint {path!r}: torch.distributed.checkpoint "
+                "unpickles its metadata and Lightning's state in full. Load only checkpoints you trust, with "
+                "weights_only=None or False; or consolidate it (ptdp checkpoint consolidate) and load that file"
+            )
+        module = self.lightning_module
+        assert module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        return load_sharded(
+            path, module=module, optimizers=[getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else [],
             aliases=self._aliases(), rank=self.global_rank, world_size=self.world_size,
-            strict=self.lightning_module.strict_loading, pipeline=self._pp_group() is not None,
-            describe_mismatch=checkpoint.describe_mismatch,
+            strict=module.strict_loading, pipeline=self._pp_group() is not None,
         )
 
     @override

@@ -9,6 +9,7 @@ test_tensor_parallel/test_pipeline/test_zero): equal bit for bit, since both are
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -27,9 +28,12 @@ def _data(vocab: int, batch: int):
 
 
 def fit(family: str, devices: int, strategy: dict, *, epochs: int = 1, resume: str | None = None,
-        saves: dict[str, str] | None = None, vocab: int = 62, **overrides) -> list:
-    """Train; then save the final state under each path in the format given; return the losses."""
+        saves: dict[str, str] | None = None, vocab: int = 62, unused_param: bool = False,
+        then_validate: str | None = None, **overrides) -> list:
+    """Train; then save the final state under each path in the format given; return the losses
+    (and with ``then_validate``, the validation loss of that checkpoint in the same trainer)."""
     import lightning as L
+    import torch.nn as nn
 
     from lightning_ptdp import PTDPStrategy
     from tests.fit_utils import LossRecorder, quiet_trainer
@@ -40,16 +44,24 @@ def fit(family: str, devices: int, strategy: dict, *, epochs: int = 1, resume: s
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=ptdp, max_epochs=epochs, callbacks=[recorder])
     tp_pp = strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
-    trainer.fit(build_model(family, vocab_size=vocab, **overrides), _data(vocab, 8 * tp_pp // devices), ckpt_path=resume)
+    model = build_model(family, vocab_size=vocab, **overrides)
+    if unused_param:  # optimized but never given a gradient: Adam keeps no state for it
+        model.unused = nn.Linear(2, 2)
+    data = _data(vocab, 8 * tp_pp // devices)
+    trainer.fit(model, data, ckpt_path=resume)
     for path, fmt in (saves or {}).items():
         ptdp.checkpoint_format = fmt
         trainer.save_checkpoint(path)
+    if then_validate is not None:  # the fit's optimizers still exist; evaluation must not want their state
+        trainer.limit_val_batches = 2
+        return [recorder.losses, trainer.validate(model, data, ckpt_path=then_validate, verbose=False)[0]["val_loss"]]
     return recorder.losses
 
 
-def validate(devices: int, strategy: dict, paths: list[str]) -> list[float]:
+def validate(devices: int, strategy: dict, paths: list[str], unused_param: bool = False) -> list[float]:
     """The recipe GPT's validation loss with the weights of each checkpoint."""
     import lightning as L
+    import torch.nn as nn
 
     from lightning_ptdp import PTDPStrategy
     from tests.fit_utils import quiet_trainer
@@ -58,7 +70,10 @@ def validate(devices: int, strategy: dict, paths: list[str]) -> list[float]:
     L.seed_everything(0, verbose=False)
     trainer = quiet_trainer(devices=devices, strategy=PTDPStrategy(**strategy), limit_val_batches=2)
     data = _data(62, 4)
-    return [trainer.validate(build_model("gpt", vocab_size=62), data, ckpt_path=p, verbose=False)[0]["val_loss"] for p in paths]
+    model = build_model("gpt", vocab_size=62)
+    if unused_param:
+        model.unused = nn.Linear(2, 2)
+    return [trainer.validate(model, data, ckpt_path=p, verbose=False)[0]["val_loss"] for p in paths]
 
 
 def _assert_same(consolidated: dict, full: dict) -> None:
@@ -108,7 +123,7 @@ def test_the_pieces_put_together_are_the_unsharded_checkpoint(dist_pool, tmp_pat
 
 def _tensor_bytes_per_file(checkpoint: Path) -> dict[str, int]:
     """Bytes of tensor data each rank's file holds, from the checkpoint's own index."""
-    from lightning_ptdp.distcp import open_checkpoint
+    from lightning_ptdp.distcp_load import open_checkpoint
 
     _, metadata = open_checkpoint(str(checkpoint.resolve()))
     written: dict[str, int] = {}
@@ -123,14 +138,14 @@ def _tensor_bytes_per_file(checkpoint: Path) -> dict[str, int]:
 
 @pytest.mark.world_size(4)
 def test_converted_checkpoints_load_and_resume_on_other_layouts(dist_pool, tmp_path):
-    """A plain state_dict made sharded evaluates like the original on t=4; a full checkpoint made
-    sharded resumes at (t1, p1, d4) exactly like the sharded checkpoint of the same state."""
+    """Saved at (t2, p2): a plain state_dict made sharded evaluates like the original on t=4; a full
+    checkpoint made sharded resumes at t=4 exactly like the sharded checkpoint of the same state."""
     from lightning_ptdp.checkpoint_tool import consolidated_state_dict
     from lightning_ptdp.cli import main
 
     t2p2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2}
     sharded, full = str(tmp_path / "s.ckpt"), str(tmp_path / "f.ckpt")
-    dist_pool(4).run(fit, "gpt", 4, t2p2, saves={sharded: "sharded", full: "full"})
+    dist_pool(4).run(fit, "gpt", 4, t2p2, saves={sharded: "sharded", full: "full"}, unused_param=True)
     plain = tmp_path / "plain.pt"
     for command in (["consolidate", sharded, str(plain)], ["shard", str(plain), str(tmp_path / "from_plain.ckpt")],
                     ["shard", full, str(tmp_path / "from_full.ckpt")]):  # `ptdp checkpoint ...`, both ways
@@ -138,10 +153,15 @@ def test_converted_checkpoints_load_and_resume_on_other_layouts(dist_pool, tmp_p
             main(["checkpoint", *command])
         assert exit_info.value.code == 0
     _assert_same(consolidated_state_dict(str(tmp_path / "from_plain.ckpt")), torch.load(plain))
-    original, converted = dist_pool(4).run(validate, 4, {"tensor_parallel_size": 4}, [sharded, str(tmp_path / "from_plain.ckpt")])[0]
+    original, converted = dist_pool(4).run(
+        validate, 4, {"tensor_parallel_size": 4}, [sharded, str(tmp_path / "from_plain.ckpt")], unused_param=True)[0]
     assert converted == pytest.approx(original, rel=VAL_RTOL)
-    continued = dist_pool(4).run(fit, "gpt", 4, {}, epochs=2, resume=sharded)[0]
-    from_full = dist_pool(4).run(fit, "gpt", 4, {}, epochs=2, resume=str(tmp_path / "from_full.ckpt"))[0]
+    # a parameter that never had a gradient has no Adam state: it resumes fresh, as in an uninterrupted run
+    t4 = {"tensor_parallel_size": 4}  # (DDP would refuse the unused parameter; that is DDP's rule, not ours)
+    continued, val = dist_pool(4).run(fit, "gpt", 4, t4, epochs=2, resume=sharded, unused_param=True,
+                                      then_validate=str(tmp_path / "from_plain.ckpt"))[0]
+    assert math.isfinite(val)  # a weights-only checkpoint evaluated by the trainer that just fit
+    from_full = dist_pool(4).run(fit, "gpt", 4, t4, epochs=2, resume=str(tmp_path / "from_full.ckpt"), unused_param=True)[0]
     assert len(continued) == STEPS and from_full == pytest.approx(continued, rel=LOSS_RTOL)
 
 

@@ -51,7 +51,7 @@ def test_trains_on_two_processes_under_lightnings_launcher(tmp_path):
     assert summary["steps"] == 20
     assert summary["train_loss"] < 5.5  # log(256) = 5.55 is the loss of a uniform guess
     assert "final train_loss" in proc.stdout
-    assert Path(summary["checkpoint"]).is_file()
+    assert (Path(summary["checkpoint"]) / ".metadata").is_file()  # a complete sharded checkpoint (the default)
     rows = (tmp_path / "metrics" / "metrics.csv").read_text().splitlines()
     assert "train_loss" in rows[0] and len(rows) > 10
     assert (tmp_path / "train_ddp_process_1.log").is_file()  # rank 1 was re-run into the same folder

@@ -1,0 +1,53 @@
+"""Sharded checkpoint folders on disk, with no process group: names are links swapped onto
+version folders, data goes once no name points at it, and damaged copies say what happened."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_ptdp.checkpoint_tool import consolidated_state_dict, shard
+from lightning_ptdp.distcp import VERSIONS, remove
+from lightning_ptdp.distcp_load import open_checkpoint
+
+
+def _weights(value: float) -> dict:
+    return {"w": torch.full((3, 2), value), "b": torch.zeros(2)}
+
+
+def test_a_name_is_swapped_onto_a_new_version_and_the_old_one_goes(tmp_path):
+    name = tmp_path / "last.ckpt"
+    shard(_weights(1.0), str(name))
+    first = os.path.realpath(name)
+    shard(_weights(2.0), str(name))
+    assert os.path.realpath(name) != first and not os.path.exists(first)
+    assert consolidated_state_dict(str(name))["w"][0, 0] == 2.0
+    assert os.listdir(tmp_path / VERSIONS) == [os.path.basename(os.path.realpath(name))]
+
+
+def test_removing_a_link_keeps_the_data_another_name_points_at(tmp_path):
+    epoch = tmp_path / "epoch=0.ckpt"
+    shard(_weights(1.0), str(epoch))
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")  # ModelCheckpoint(save_last="link") does this
+    remove(str(tmp_path / "last.ckpt"))
+    assert consolidated_state_dict(str(epoch))["w"][0, 0] == 1.0
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")
+    remove(str(epoch))  # last.ckpt now dangles; its data went with the only real name
+    assert os.listdir(tmp_path / VERSIONS) == []
+
+
+def test_a_version_left_by_a_crash_is_collected_at_the_next_save(tmp_path):
+    (tmp_path / VERSIONS / "epoch=3.ckpt.v1").mkdir(parents=True)  # a save that never published
+    shard(_weights(1.0), str(tmp_path / "last.ckpt"))
+    assert sorted(os.listdir(tmp_path / VERSIONS)) == ["last.ckpt.v1"]
+
+
+def test_a_copy_without_the_versions_folder_says_so(tmp_path):
+    shard(_weights(1.0), str(tmp_path / "a" / "last.ckpt"))
+    (tmp_path / "b").mkdir()
+    os.symlink(os.readlink(tmp_path / "a" / "last.ckpt"), tmp_path / "b" / "last.ckpt")  # `cp -r` of the name only
+    with pytest.raises(ValueError, match=r"which is not there: a sharded checkpoint's name points into the hidden "
+                                         r"\.ptdp folder beside it\. Copy the checkpoint with `cp -rL`"):
+        open_checkpoint(str(tmp_path / "b" / "last.ckpt"))
