@@ -14,9 +14,9 @@ outside the schedule (optimizer step) that the next step's transfer runs into. 1
 Five more fail while a checkpoint is written (phase save: ModelCheckpoint saves every 2 steps with
 save_last=True; the failing rank fails half way through writing its part of the second last.ckpt).
 Sharded format: mode {raise, kill} x launcher {lightning, torchrun} with the failing rank set so
-each mode and each launcher has both ranks fail once (a Latin square, 4 launches); what differs is
-that DCP's coordinator (rank 0) gathers every rank's outcome, so a raise reaches every rank as DCP's
-own error, while a kill breaks the gather (or, rank 0 killed, the survivor's send of its outcome).
+each mode and each launcher has both ranks fail once (a Latin square, 4 launches): DCP's
+coordinator (rank 0) gathers every rank's outcome of writing, so a raise reaches every rank as
+DCP's own error, while a kill breaks that gather under the survivor, who names the rank as above.
 Full format: rank 0 is the only writer, so one case, killed (a raise deletes its partial file; a
 kill leaves it behind, the case to check) under torchrun (rank 0 killed under Lightning's launcher
 is covered by the sharded case). Layouts alternate dp/tp (under tp each rank writes different
@@ -87,8 +87,12 @@ SAVE_CASES = [  # layout, checkpoint format, mode, launcher, failing rank
 ]
 
 
-@pytest.mark.parametrize(("layout", "fmt", "mode", "launcher", "fail_rank"), SAVE_CASES, ids=["-".join(map(str, c)) for c in SAVE_CASES])
-def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_good_checkpoint(layout, fmt, mode, launcher, fail_rank, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "fmt", "mode", "launcher", "fail_rank"), SAVE_CASES, ids=["-".join(map(str, c)) for c in SAVE_CASES]
+)
+def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_good_checkpoint(
+    layout, fmt, mode, launcher, fail_rank, tmp_path
+):
     phase = "save" if fmt == "sharded" else "save-full"
     end = run_job("tests.integration.fault_job", [layout, str(fail_rank), phase, mode, str(tmp_path)], launcher,
                   limit_s=LAUNCH_LIMIT_S)
