@@ -59,9 +59,8 @@ def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
 
 @pytest.mark.world_size(4)
 def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
-    """Sharded checkpoints saved at (t2, p2, d1), resumed at (t1, p1, d4), (t4, p1, d1) and
-    (t1, p2 with v=2, d1); and one saved by ZeRO-3 at d4 resumed under a pipeline: losses
-    continue as uninterrupted."""
+    """Sharded checkpoints saved at (t2, p2, d1), resumed at (t1, p1, d4) and (t4, p1, d1); one
+    saved by ZeRO-3 at d4 resumed at (t1, p2 with v=2, d1): losses continue as uninterrupted."""
     path, flat = str(tmp_path / "t2p2.ckpt"), str(tmp_path / "d4.ckpt")
     t2p2 = {"pipeline_parallel_size": 2, "micro_batch_size": 2}
     p2v2 = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 1}
@@ -76,9 +75,6 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
     dist_pool(4).run(run_epochs, 4, None, 1, flat, None, 3, layers=4)  # saved sharded by ZeRO-3 over d=4
     resumed_p2v2 = dist_pool(2).run(run_epochs, 2, None, 2, None, flat, pipeline=p2v2, layers=4)
     for losses in resumed_p2v2:
-        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
-    resumed_from_pipeline = dist_pool(2).run(run_epochs, 2, None, 2, None, path, pipeline=p2v2, layers=4)
-    for losses in resumed_from_pipeline:
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
 
 

@@ -191,7 +191,6 @@ def test_tp_checkpoint_is_the_plain_model_and_loads_on_other_layouts(dist_pool, 
         assert torch.equal(value, consolidated[name]), name
     single = validate_checkpoint(path, 1, None)
     assert dist_pool(2).run(validate_checkpoint, path, 2, {"tensor_parallel_size": 2})[0] == pytest.approx(single, rel=1e-5)
-    assert dist_pool(4).run(validate_checkpoint, path, 4, {"tensor_parallel_size": 4})[0] == pytest.approx(single, rel=1e-5)
 
 
 KERNEL_LOSS_RTOL, KERNEL_GRAD_REL = 1e-4, 1e-4  # fp32 Triton kernels vs torch (tests/kernels tolerances)
@@ -224,9 +223,11 @@ BF16_LAYOUTS = {
 }
 
 
+BF16_CASES = [("bf16-mixed", "t2-sp"), ("bf16-true", "t2-sp"), ("bf16-mixed", "d2-zero3"), ("bf16-true", "p2")]
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize(("precision", "layout"), BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
 def test_bf16_precisions_under_tp_zero_and_pp(dist_pool, precision, layout):
     """bf16-mixed keeps fp32 master weights (and reduces fp32 gradients: DDP, FSDP2 and the pipeline's
     dp average all see the fp32 .grad); bf16-true trains bf16 weights. Losses follow the single process."""

@@ -11,16 +11,16 @@ could record its error (raise) or not (kill). Two pipeline cases add the phases 
 pipeline tests (test_pipeline_failure.py) do not: backward inside the schedule, and a failure
 outside the schedule (optimizer step) that the next step's transfer runs into. 10 faults in all.
 
-Five more fail while a checkpoint is written (phase save: ModelCheckpoint saves every 2 steps with
+Three more fail while a checkpoint is written (phase save: ModelCheckpoint saves every 2 steps with
 save_last=True; the failing rank fails half way through writing its part of the second last.ckpt).
-Sharded format: mode {raise, kill} x launcher {lightning, torchrun} with the failing rank set so
-each mode and each launcher has both ranks fail once (a Latin square, 4 launches): DCP's
+Sharded format: a raise on rank 1 and a kill of rank 0 (which takes the store along), both under
+Lightning's launcher (torchrun's teardown of the same faults is what the step cases above test;
+the suite's time budget keeps this to 3 launches): DCP's
 coordinator (rank 0) gathers every rank's outcome of writing, so a raise reaches every rank as
 DCP's own error, while a kill breaks that gather under the survivor, who names the rank as above.
 Full format: rank 0 is the only writer, so one case, killed (a raise deletes its partial file; a
-kill leaves it behind, the case to check) under torchrun (rank 0 killed under Lightning's launcher
-is covered by the sharded case). Layouts alternate dp/tp (under tp each rank writes different
-weights; under dp DCP writes each replicated weight once).
+kill leaves it behind, the case to check) under torchrun. Layouts: tp (each rank writes different
+weights) and dp (DCP writes each replicated weight once).
 
 Asserted: the job ends non-zero; its last process exits within FAULT_TO_EXIT_S of the fault; no
 process is left behind; the failed rank's own error is printed (raise); and the survivor's error
@@ -80,9 +80,7 @@ def test_a_failed_rank_stops_every_rank_and_is_named(layout, phase, mode, launch
 
 SAVE_CASES = [  # layout, checkpoint format, mode, launcher, failing rank
     ("tp", "sharded", "raise", "lightning", 1),
-    ("dp", "sharded", "raise", "torchrun", 0),
     ("dp", "sharded", "kill", "lightning", 0),
-    ("tp", "sharded", "kill", "torchrun", 1),
     ("dp", "full", "kill", "torchrun", 0),
 ]
 
