@@ -138,10 +138,10 @@ def model_pieces(module: nn.Module, aliases: Optional[dict[str, list[str]]] = No
     return out
 
 
-def optimizer_state_pieces(module: nn.Module, state: dict[str, Any], name: str) -> dict[str, Any]:
-    """One parameter's optimizer state with its parameter-shaped tensors as pieces."""
+def optimizer_state_pieces(module: nn.Module, state: dict[str, Any], name: str, cuts: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state with its parameter-shaped tensors as pieces (``cuts``: tp_cuts(module))."""
     param = module.get_parameter(name)
-    cut = tp_cuts(module).get(name)
+    cut = cuts.get(name)
     out = {}
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
@@ -162,9 +162,10 @@ def optimizer_pieces(module: nn.Module, optimizer: Any, aliases: Optional[dict[s
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))
+    cuts = tp_cuts(module)
     return {
         "state": {
-            canonical(name, aliases): optimizer_state_pieces(module, values, name)
+            canonical(name, aliases): optimizer_state_pieces(module, values, name, cuts)
             for name, values in state["state"].items()
         },
         "param_groups": [

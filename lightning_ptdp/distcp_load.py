@@ -18,7 +18,7 @@ import torch.nn as nn
 from lightning_ptdp.checkpoint import describe_mismatch, restore_rng_states
 from lightning_ptdp.distcp import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
 from lightning_ptdp.distcp import optimizer_state_pieces
-from lightning_ptdp.shards import Pieces
+from lightning_ptdp.shards import Pieces, tp_cuts
 
 LOADED_IN_PLACE = "ptdp_loaded_in_place"
 
@@ -86,13 +86,14 @@ class _OptimizerTarget:
         prefix = f"{OPTIMIZER}{index}.state."
         saved_names = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
         self.fresh = []  # parameters without saved state (never had a gradient): they start fresh
+        cuts = tp_cuts(module)
         for name in list(self.state["state"]):
             found = [a for a in (aliases or {}).get(name, [name]) if a in saved_names]
             if not found:
                 self.fresh.append(name)
                 del self.state["state"][name]
                 continue
-            for field, value in optimizer_state_pieces(module, self.state["state"][name], name).items():
+            for field, value in optimizer_state_pieces(module, self.state["state"][name], name, cuts).items():
                 self.keys[name, field] = key = f"{prefix}{found[0]}.{field}"
                 self.entries[key] = value
         groups = sorted(k for k in saved if k.startswith(f"{OPTIMIZER}{index}.param_groups."))
