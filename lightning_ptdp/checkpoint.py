@@ -200,19 +200,24 @@ def collect_rng_states() -> dict[str, Any]:
 def restore_rng_states(states: Optional[list], rank: int) -> bool:
     """Continue this rank's random streams where the checkpoint left them, if it was saved on as
     many ranks (on another layout the streams are used differently anyway: start from the seed)."""
-    from lightning.fabric.utilities.seed import _set_rng_states
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not states or len(states) != world:
         return False
-    mine = dict(states[rank])
-    if "numpy" in mine:
+    set_rng_state(states[rank])
+    return True
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Undo ``collect_rng_states``: this rank's generators continue from ``state``."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    state = dict(state)
+    if "numpy" in state:
         import numpy as np
 
-        name, keys, *rest = mine["numpy"]
-        mine["numpy"] = (name, np.asarray(keys.numpy(), dtype=np.uint32), *rest)
-    _set_rng_states(mine)
-    return True
+        name, keys, *rest = state["numpy"]
+        state["numpy"] = (name, np.asarray(keys.numpy(), dtype=np.uint32), *rest)
+    _set_rng_states(state)
 
 
 _CUT_FILE = ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF")

@@ -98,7 +98,7 @@ def shard(source: dict[str, Any], target: str) -> None:
     flat["lightning"] = checkpoint
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        save(flat, target, is_rank_zero=True, broadcast=lambda value: value, barrier=lambda: None, no_dist=True)
+        save(flat, target, no_dist=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -235,21 +235,19 @@ def _publish(version: str, target: str) -> None:
     _collect_garbage(folder)
 
 
-def save(
-    flat: dict[str, Any], target: str, *, is_rank_zero: bool, broadcast: Callable[[Any], Any],
-    barrier: Callable[[], None], no_dist: bool = False,
-) -> None:
+def save(flat: dict[str, Any], target: str, *, no_dist: bool = False) -> None:
     """Write ``flat`` as a sharded checkpoint named ``target``; a collective over all ranks (unless
-    ``no_dist``: one process writing everything). Raises on every rank if any rank failed to write
-    (DCP gathers the outcome)."""
+    ``no_dist`` or no process group: one process writing everything). Raises on every rank if any
+    rank failed to write (DCP gathers the outcome)."""
+    collective = not no_dist and dist.is_initialized()
     target = os.path.abspath(target)
-    version = _on_rank_zero(lambda: _version_dir(target), is_rank_zero, broadcast)
+    version = _on_rank_zero(lambda: _version_dir(target), collective)
     writer = dcp.FileSystemWriter(version, sync_files=True)
-    dcp.save(flat, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=no_dist)
-    barrier()
-    if not no_dist and dist.is_initialized():
+    dcp.save(flat, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not collective)
+    if collective:
+        dist.barrier()
         _check_shared(version)
-    _on_rank_zero(lambda: _publish(version, target), is_rank_zero, broadcast)
+    _on_rank_zero(lambda: _publish(version, target), collective)
 
 
 def _check_shared(version: str) -> None:
@@ -264,15 +262,19 @@ def _check_shared(version: str) -> None:
         )
 
 
-def _on_rank_zero(fn: Callable[[], Any], is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
+def _on_rank_zero(fn: Callable[[], Any], collective: bool) -> Any:
     """``fn()`` run by rank 0, its result on every rank; its failure raised on every rank."""
     outcome: tuple[Any, Optional[str]] = (None, None)
-    if is_rank_zero:
+    if not collective or dist.get_rank() == 0:
         try:
             outcome = (fn(), None)
         except Exception as error:  # raised below on every rank
             outcome = (None, f"{type(error).__name__}: {error}")
-    value, failure = broadcast(outcome)
+    if collective:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    value, failure = outcome
     if failure is not None:
         raise OSError(f"rank 0 failed: {failure}")
     return value

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from lightning_ptdp.checkpoint import describe_mismatch, restore_rng_states
+from lightning_ptdp.checkpoint import describe_mismatch, set_rng_state
 from lightning_ptdp.distcp import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
 from lightning_ptdp.distcp import optimizer_state_pieces
 from lightning_ptdp.shards import Pieces, tp_cuts
@@ -180,5 +180,5 @@ def load(
     if extra:
         module.load_state_dict(extra, strict=False)
     if loaded["ptdp"].get("world_size") == world_size and f"rng.{rank}" in loaded:  # as many ranks: same streams
-        restore_rng_states([loaded[f"rng.{rank}"] if r == rank else None for r in range(world_size)], rank)
+        set_rng_state(loaded[f"rng.{rank}"])
     return {**loaded["lightning"], "state_dict": {}, "optimizer_states": [{} for _ in optimizers], LOADED_IN_PLACE: True}

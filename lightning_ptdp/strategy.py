@@ -645,8 +645,7 @@ class PTDPStrategy(ParallelStrategy):
                       zero=self.parallel_config.zero_stage, world_size=self.world_size)
         flat = distcp.flat_state(state, self.global_rank, layout)
         try:
-            distcp.save(flat, self.broadcast(str(filepath)), is_rank_zero=self.is_global_zero,
-                        broadcast=self.broadcast, barrier=self.barrier)
+            distcp.save(flat, self.broadcast(str(filepath)))
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as error:  # DCP's CheckpointException (a BaseException) carries every rank's outcome
