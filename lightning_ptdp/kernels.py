@@ -167,10 +167,8 @@ class _Plan:
     def add(self, name: str, module: nn.Module) -> None:
         label = name or type(module).__name__
         try:
-            # a tensor-parallel block runs its rewritten graph (attention inlined), not its class forward
-            rewritten = module.__dict__.get("_ptdp_graph")
-            graph = rewritten.graph if rewritten is not None else _OwnForwardTracer(module).trace(module)
-            owner = rewritten if rewritten is not None else module  # holds every module the graph calls
+            graph = _OwnForwardTracer(module).trace(module)
+            owner = module
         except Exception as err:  # noqa: BLE001 - any tracing failure only means "look at run time"
             first_sentence = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
             self.skipped.append((label, f"torch.fx could not trace it: {type(err).__name__}: {first_sentence}"))

@@ -2,9 +2,9 @@
 
   1. find the repeated transformer blocks (a ModuleList/Sequential of same-type modules with
      Linears) and capture the first block's real inputs with one probe forward;
-  2. trace and plan one block per list (discovery.py), then for every block: swap its Linears for
-     their column/row shards and run its forward from the rewritten graph, with one collective
-     at each region's input and one at its output (Megatron's f and g);
+  2. record and plan one block per list (discovery.py), then for every block: swap its Linears
+     for their column/row shards and run its own forward under the replay of the rewrites
+     (replay.py), with one collective at each region's input and one at its output (f and g);
   3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
   4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
      is split, the last block's output gathered, region inputs all-gathered (the column Linears
@@ -15,15 +15,12 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch import fx
 
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
@@ -35,7 +32,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from lightning_ptdp.tensor_parallel.sequence_linear import KeepSequenceShard
+from lightning_ptdp.tensor_parallel.replay import BlockProgram, BlockRuntime, install_replay, snapshot_args
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +52,6 @@ class TPReport:
         lines = [f"tensor parallel plan (t={self.tp_size}, sequence_parallel={self.sequence_parallel}):"]
         lines += [f"  {path:<{width}}  {style:<16} {detail}" for path, style, detail in self.entries]
         return "\n".join(lines)
-
-
-class _Collective(nn.Module):
-    """A graph-inserted collective (a module, so the rewritten graph can call it by name)."""
-
-    _ptdp_tp_leaf = True
-
-    def __init__(self, fn: Callable[[torch.Tensor, TPGroup], torch.Tensor], tp: TPGroup) -> None:
-        super().__init__()
-        self.fn, self.tp = fn, tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x, self.tp)
 
 
 class _ProbeDone(Exception):
@@ -121,6 +105,12 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
+    for name in (n for region in regions for n in (*region.columns, region.row)):
+        if not isinstance(block.get_submodule(name), nn.Linear):
+            raise TPDiscoveryError(
+                f"tensor parallelism: '{name}' is a {type(block.get_submodule(name)).__name__}, not an nn.Linear; "
+                "discovery reads its role but cannot shard it yet"
+            )
     for region in regions:
         widest = max(region.units.values())
         for col in region.columns:
@@ -131,67 +121,14 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> No
         _set_submodule(block, region.row, RowParallelLinear(row, row_layout, tp))
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for parent in stack.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
-
-
-def _insert_collectives(
-    graph: fx.Graph, regions: list[RegionPlan], tp: TPGroup, sp: bool, biased_rows: set[str]
-) -> dict[str, nn.Module]:
-    """f at each region input, g (then the row bias) at each region output; returns the modules."""
-    modules: dict[str, nn.Module] = {}
-    nodes = {n.name: n for n in graph.nodes}
-    calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
-    for k, region in enumerate(regions):
-        row = calls[region.row]
-        inside = _ancestors(row)
-        source = nodes[region.input_node]
-        modules[f"_ptdp_enter_{k}"] = _Collective(C.gather_sequence if sp else C.copy_to_tp, tp)
-        with graph.inserting_after(source):
-            enter = graph.call_module(f"_ptdp_enter_{k}", (source,))
-        for user in list(source.users):
-            if user is not enter and user in inside:
-                user.replace_input_with(source, enter)
-        if sp:  # the columns save the input's 1/t shard for backward, not the gathered whole
-            modules[f"_ptdp_shard_{k}"] = KeepSequenceShard(tp)
-            with graph.inserting_after(enter):
-                shard = graph.call_module(f"_ptdp_shard_{k}", (source,))
-            for col in region.columns:
-                calls[col].kwargs = {**calls[col].kwargs, "shard": shard}
-        modules[f"_ptdp_exit_{k}"] = _Collective(C.reduce_scatter_sequence if sp else C.reduce_from_tp, tp)
-        with graph.inserting_after(row):
-            out = graph.call_module(f"_ptdp_exit_{k}", (row,))
-        result = out
-        if region.row in biased_rows:
-            with graph.inserting_after(out):
-                bias = graph.get_attr(f"{region.row}.bias")
-            with graph.inserting_after(bias):
-                result = graph.call_function(operator.add, (out, bias))
-        for user in list(row.users):
-            if user is not out:
-                user.replace_input_with(row, result)
-    graph.lint()
-    return modules
-
-
-def _install_graph(block: nn.Module, plan: BlockPlan, tp: TPGroup, sp: bool) -> None:
-    graph = copy.deepcopy(plan.graph)
-    biased = {r.row for r in plan.regions if block.get_submodule(r.row).bias is not None}
-    root: dict[str, Any] = dict(_insert_collectives(graph, plan.regions, tp, sp, biased))
-    for node in graph.nodes:
-        if node.op == "call_module" and node.target not in root:
-            root[node.target] = block.get_submodule(node.target)
-        elif node.op == "get_attr":
-            root[node.target] = block.get_parameter(node.target)
-    gm = fx.GraphModule(root, graph, class_name=f"TP{type(block).__name__}")
-    block.__dict__["_ptdp_graph"] = gm  # not a registered child: state_dict keys stay the model's own
-    block.forward = gm.forward
+def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:
+    """Give the block's Linears their region entries and run its own forward under the replay."""
+    runtime = BlockRuntime(block, program, tp, sp)
+    for region, entry in zip(plan.regions, runtime.entries):
+        for name in (*region.columns, region.row):
+            block.get_submodule(name).region = entry
+    runtime.watch_leaves(block)
+    install_replay(block, runtime)
 
 
 def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
@@ -218,7 +155,7 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
 
 def plan_block_lists(
     model: nn.Module, tp_size: int, probe: Callable[[], Any]
-) -> list[tuple[str, list[nn.Module], BlockPlan, tuple]]:
+) -> list[tuple[str, list[nn.Module], BlockPlan, tuple, BlockProgram]]:
     """(path, blocks, plan, first block's positional inputs) for every block list of ``model``;
     the plan of the first block serves its whole list (same type, same code)."""
     block_lists = find_block_lists(model)
@@ -234,7 +171,10 @@ def plan_block_lists(
         if id(blocks[0]) not in captured:
             raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
         args, kwargs = captured[id(blocks[0])]
-        planned.append((path, blocks, plan_block(trace_block(blocks[0], args, kwargs, name), name, tp_size), args))
+        recorded = trace_block(blocks[0], args, kwargs, name)
+        before = snapshot_args(recorded.graph)
+        plan = plan_block(recorded, name, tp_size)
+        planned.append((path, blocks, plan, args, BlockProgram.build(recorded.graph, plan, before)))
     return planned
 
 
@@ -244,13 +184,13 @@ def apply_tensor_parallel(
     """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward."""
     report = TPReport(tp.size, sequence_parallel)
     inside: set[int] = set()
-    for path, blocks, plan, args in plan_block_lists(model, tp.size, probe):
+    for path, blocks, plan, args, program in plan_block_lists(model, tp.size, probe):
         if sequence_parallel:
             C.check_sequence_divisible(args[0].shape[C.SEQ_DIM], tp)
         for i, block in enumerate(blocks):
             inside.update(id(m) for m in block.modules())
             _shard_block(block, plan.regions, tp)
-            _install_graph(block, plan, tp, sequence_parallel)
+            _install_program(block, plan, program, tp, sequence_parallel)
             for region in plan.regions:
                 for name in (*region.columns, region.row):
                     report.entries.append((_join(path, f"{i}.{name}"), _style(region, name), _layout_text(block, name)))
@@ -337,7 +277,7 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
     """Dry run: the plan ``apply_tensor_parallel`` would choose at ``tp_size``, without changing
     the model or needing a process group (``probe`` runs one ordinary forward)."""
     report = TPReport(tp_size, False)
-    for path, _, plan, _ in plan_block_lists(model, tp_size, probe):
+    for path, _, plan, _, _ in plan_block_lists(model, tp_size, probe):
         for region in plan.regions:
             widest = max(region.units.values())
             for name in (*region.columns, region.row):

@@ -1,7 +1,7 @@
 """Find the tensor-parallel plan of a transformer block from its dataflow, not from names.
 
-One block is traced with torch.fx (Linears and parameter-free/linear-free modules as leaves)
-and run once with real inputs to learn every tensor's global shape. Then:
+One real forward of a block is recorded (recording.py: Linears and linear-free modules as
+leaves) with every tensor's global shape. Then:
   - roles: a Linear fed only by the residual stream (no Linear, or only row-parallel ones, on
     the way back) opens a region (column-parallel); the Linear fed by those closes it (row-parallel);
   - layouts: a region's split into k equal parts (fused q/k/v, fused gate/up) gives k blocks; the
@@ -15,13 +15,8 @@ Anything else touching the sharded dimension raises ``TPDiscoveryError`` naming 
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
-import torch
 import torch.nn as nn
 from torch import fx
-from torch.fx.passes.shape_prop import ShapeProp
 
 from lightning_ptdp.tensor_parallel.discovery_types import (
     PLAN_HINT,
@@ -32,44 +27,24 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
 )
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
+from lightning_ptdp.tensor_parallel.recording import RecordedBlock, is_linear_like, record_block
 
 
-class _Tracer(fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, nn.Linear) or getattr(m, "_ptdp_tp_leaf", False):
-            return True
-        return not any(isinstance(c, nn.Linear) for c in m.modules())
-
-
-def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> fx.GraphModule:
-    """Trace ``block`` specialised to the non-tensor arguments of a real call; propagate shapes."""
-    bound = inspect.signature(block.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    concrete = {k: v for k, v in bound.arguments.items() if not _has_tensor(v)}
+def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> RecordedBlock:
+    """Record one real forward of ``block`` on the inputs of a real call (recording.py)."""
     try:
-        graph = _Tracer().trace(block, concrete_args=concrete)
-    except Exception as err:  # fx raises many types for untraceable code
+        return record_block(block, args, kwargs)
+    except TPDiscoveryError:
+        raise
+    except Exception as err:  # the user's forward may raise anything
         raise TPDiscoveryError(
-            f"tensor parallelism could not trace block '{name}' ({type(block).__name__}): {err}; "
-            + PLAN_HINT.format(block=name, module="<linear>")
+            f"tensor parallelism could not run block '{name}' ({type(block).__name__}) to read its dataflow: "
+            f"{type(err).__name__}: {err}; " + PLAN_HINT.format(block=name, module="<linear>")
         ) from err
-    gm = fx.GraphModule(block, graph)
-    ShapeProp(gm).propagate(*bound.arguments.values())
-    return gm
 
 
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return False
-
-
-def _linear_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)]
+def _linear_nodes(gm: RecordedBlock) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and is_linear_like(gm.get_submodule(n.target))]
 
 
 def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
@@ -86,7 +61,7 @@ def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def find_regions(gm: fx.GraphModule, name: str) -> list[RegionPlan]:
+def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
     """Group the block's Linears into column -> row regions from the dataflow alone.
 
     In graph order: a Linear fed by no other Linear, or only by rows (whose outputs are whole again
@@ -135,7 +110,7 @@ def find_regions(gm: fx.GraphModule, name: str) -> list[RegionPlan]:
     return regions
 
 
-def detect_layouts(gm: fx.GraphModule, region: RegionPlan) -> None:
+def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
     """Fill ``blocks``, ``units`` and ``unit_size`` of every column from the global shapes."""
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
     for col in region.columns:
@@ -173,7 +148,7 @@ def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
     return features, 1
 
 
-def plan_block(gm: fx.GraphModule, name: str, tp_size: int) -> BlockPlan:
+def plan_block(gm: RecordedBlock, name: str, tp_size: int) -> BlockPlan:
     """Regions, layouts (validated against t) and the rewritten graph for one block."""
     regions = find_regions(gm, name)
     ratios: dict[str, int] = {}

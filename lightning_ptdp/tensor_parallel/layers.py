@@ -4,9 +4,10 @@ Parameters are plain local tensors, not DTensors: DTensor placements cannot say 
 q, k, v blocks split by heads" (fused QKV) nor "KV heads replicated across rank pairs" (GQA with
 t > n_kv_heads), and plain tensors keep per-op dispatch cost off the step. Each layer keeps a
 ``ShardLayout`` that maps its shard back to the original tensor, for consolidation.
-Communication is not inside these layers: the block rewrite (apply.py) places it at region
-boundaries, exactly once per region (under sequence parallelism a column layer also gets the
-region's ``SequenceShard``, to save 1/t of its input: sequence_linear.py).
+In a discovered block each layer holds its region's ``RegionEntry`` (replay.py): the columns
+take the region's input entered once (f: copy, or all-gather under sequence parallelism, keeping
+1/t of it for backward: sequence_linear.py), the row reduces (g) and ends the region. From an
+explicit plan (``comm=True``) each layer brings its own f or g.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
 from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard, sequence_parallel_linear
 
@@ -82,6 +83,8 @@ def _param(tensor: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i: this rank's output features (the layout's units) of an nn.Linear."""
 
+    _ptdp_linear = True
+
     def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
         super().__init__()
         self.in_features, self.layout, self.tp, self.comm = linear.in_features, layout, tp, comm
@@ -89,10 +92,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(linear.weight[self._rows], linear.weight)
         self.bias = None if linear.bias is None else _param(linear.bias[self._rows], linear.bias)
         self.out_features = self.weight.shape[0]
+        self.region = None  # RegionEntry of a discovered block
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
         """``x`` whole; under sequence parallelism ``shard`` is this rank's 1/t of it (saved instead)."""
-        if self.comm:
+        if self.region is not None:
+            x, shard = self.region.enter(x)
+        elif self.comm:
             x = copy_to_tp(x, self.tp)
         if shard is not None:
             return sequence_parallel_linear(x, self.weight, self.bias, shard=shard)
@@ -105,9 +111,10 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = sum_i X_i B_i: this rank's input features; the bias is added once, after the sum.
 
-    Without ``comm`` the forward returns the partial product X_i B_i (no bias): the block rewrite
-    reduces it and adds ``bias`` after the reduction.
+    In a discovered block the region's entry says whether to all-reduce or reduce-scatter (SP).
     """
+
+    _ptdp_linear = True
 
     def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
         super().__init__()
@@ -116,12 +123,16 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(linear.weight[:, self._cols], linear.weight)
         self.bias = None if linear.bias is None else _param(linear.bias, linear.bias)
         self.in_features = self.weight.shape[1]
+        self.region = None  # RegionEntry of a discovered block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if not self.comm:
-            return y
-        y = reduce_from_tp(y, self.tp)
+        if self.region is not None and self.region.sequence_parallel:
+            y = reduce_scatter_sequence(y, self.tp)
+        else:
+            y = reduce_from_tp(y, self.tp)
+        if self.region is not None:
+            self.region.finish()
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

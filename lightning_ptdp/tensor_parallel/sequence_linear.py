@@ -17,7 +17,6 @@ and it saves in autocast's compute dtype, whose private casts a hook could not r
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
@@ -62,19 +61,6 @@ class SequenceShard:
         if dtype not in self._by_dtype:
             self._by_dtype[dtype] = next(iter(self._by_dtype.values())).to(dtype)
         return self._by_dtype[dtype]
-
-
-class KeepSequenceShard(nn.Module):
-    """Graph-inserted at a region's entry beside the all-gather: wraps the region input's shard."""
-
-    _ptdp_tp_leaf = True
-
-    def __init__(self, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-
-    def forward(self, shard: torch.Tensor) -> SequenceShard:
-        return SequenceShard(shard, self.tp)
 
 
 class _SequenceParallelLinear(Function):

@@ -198,13 +198,13 @@ KERNEL_LOSS_RTOL, KERNEL_GRAD_REL = 1e-4, 1e-4  # fp32 Triton kernels vs torch (
 
 @pytest.mark.world_size(2)
 def test_triton_kernels_run_on_each_ranks_heads_and_bias_shard(dist_pool):
-    """kernels='triton' (CPU interpreter) after the TP rewrite: the blocks' rewritten graphs are
+    """kernels='triton' (CPU interpreter) after the TP rewrite: the blocks' own modules are
     routed, flash attention runs on the rank's a/t heads and bias-GeLU on its bias shard."""
     overrides = {"hidden_size": 64}  # head size 16: the smallest the attention kernel takes
     results = dist_pool(2).run(tp_step, "gpt", True, overrides, False, "triton")
     ref = reference_step("gpt", overrides)
     report = results[0]["kernel_report"]
-    assert "blocks.0" in report and "blocks.0.mlp.fc_in -> blocks.0.mlp.gelu" in report, report
+    assert "blocks.0.attn" in report and "blocks.0.mlp.fc_in -> blocks.0.mlp.gelu" in report, report
     for result in results:
         assert result["kernel_calls"] == {"flash_attention": LAYERS, "bias_gelu": LAYERS}  # forward, each layer
         assert result["loss"] == pytest.approx(ref["loss"], rel=KERNEL_LOSS_RTOL)

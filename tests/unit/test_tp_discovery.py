@@ -88,9 +88,23 @@ class ControlFlowNet(nn.Module):
         return x
 
 
-def test_untraceable_block_names_it_and_shows_the_explicit_plan():
+def test_control_flow_in_the_forward_is_read_as_it_runs():
+    # data-dependent Python control flow defeated symbolic tracing; the recorded forward just runs it
     net = ControlFlowNet()
-    with pytest.raises(TPDiscoveryError, match=r"could not trace block 'blocks.0' \(ControlFlowBlock\).*tp_plan=\{'blocks.0.<linear>': 'rowwise'"):
+    styles = {path: style for path, style, _ in tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8))).entries}
+    assert styles == {"blocks.*.a": "colwise", "blocks.*.b": "rowwise"}
+
+
+class FailingBlock(ControlFlowBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("needs gradients")
+
+
+def test_block_that_cannot_run_names_it_and_shows_the_explicit_plan():
+    net = ControlFlowNet()
+    for block in net.blocks:
+        block.__class__ = FailingBlock
+    with pytest.raises(TPDiscoveryError, match=r"could not run block 'blocks.0' \(FailingBlock\).*needs gradients.*tp_plan=\{'blocks.0.<linear>': 'rowwise'"):
         tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
 
 

@@ -1,0 +1,205 @@
+"""Record one real forward of a transformer block as an fx graph, for tensor-parallel discovery.
+
+Not symbolic tracing: the block runs as written on real (or meta) tensors under a
+``TorchFunctionMode`` that notes every torch call outside Linear-like and parameter-only leaf
+modules, with the tensors it read and made. Python control flow on shapes, decorated or wrapped
+forwards, head counts read from config objects and ``*x.shape`` unpacking all just run. Each
+node keeps its call site (``CallSite``), so the rewrite can find the same call when the block
+runs again (replay.py).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+from dataclasses import dataclass
+from types import CodeType, SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch import fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """A torch call in user code: the calling instruction, the function, and its occurrence count."""
+
+    code: CodeType
+    lasti: int
+    func: Any
+    occurrence: int
+
+    def where(self) -> str:
+        return f"{self.code.co_filename}:{self.code.co_firstlineno} ({self.code.co_name})"
+
+
+def caller_frame() -> Any:
+    """The innermost frame outside torch and this package: the user's code making the call."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))):
+        frame = frame.f_back
+    return frame
+
+
+class SiteCounter:
+    """Numbers repeated calls of one call site within one block forward (loops, helpers called twice)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, int] = {}
+
+    def site(self, func: Any) -> CallSite | None:
+        frame = caller_frame()
+        if frame is None:
+            return None
+        key = (frame.f_code, frame.f_lasti, func)
+        count = self.seen.get(key, 0)
+        self.seen[key] = count + 1
+        return CallSite(frame.f_code, frame.f_lasti, func, count)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """nn.Linear, our parallel Linears, or transformers' Conv1D (weight stored (in, out))."""
+    return isinstance(module, nn.Linear) or getattr(module, "_ptdp_linear", False) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(weight, "ndim", 0) == 2
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """Recorded as one node: a Linear-like module, a module marked as a leaf, or one with no Linear inside."""
+    if is_linear_like(module) or getattr(module, "_ptdp_tp_leaf", False):
+        return True
+    return not any(is_linear_like(m) for m in module.modules())
+
+
+def _method_name(func: Any) -> str | None:
+    """The Tensor method ``func`` is (``view``, ``__add__``...), or None for a function."""
+    name = getattr(func, "__name__", None)
+    if name is not None and getattr(torch.Tensor, name, None) is func:
+        return name
+    return None
+
+
+def _meta(t: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(shape=tuple(t.shape), dtype=t.dtype)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.nodes: dict[int, fx.Node] = {}  # id(tensor) -> node that made it
+        self.alive: list[torch.Tensor] = []  # keeps recorded tensors alive, so ids stay unique
+        self.params = {id(p): name for name, p in block.named_parameters()}
+        self.params.update({id(b): name for name, b in block.named_buffers()})
+        self.depth = 0
+        self.sites = SiteCounter()
+
+    def node_of(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        node = self.nodes.get(id(value))
+        if node is None:
+            name = self.params.get(id(value))
+            node = self.graph.get_attr(name) if name is not None else self.graph.placeholder(f"input_{len(self.nodes)}")
+            self.note(value, node)
+        return node
+
+    def note(self, value: torch.Tensor, node: fx.Node) -> None:
+        node.meta["tensor_meta"] = _meta(value)
+        self.nodes[id(value)] = node
+        self.alive.append(value)
+
+    def outputs(self, result: Any, node: fx.Node) -> None:
+        if isinstance(result, torch.Tensor):
+            self.note(result, node)
+        elif isinstance(result, (tuple, list)):  # split/chunk: one getitem node per element, as fx makes
+            for i, item in enumerate(result):
+                if isinstance(item, torch.Tensor):
+                    self.note(item, self.graph.call_function(operator.getitem, (node, i)))
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.depth:
+            return result
+        method = _method_name(func)
+        in_place = method == "__setitem__" or (method is not None and method.endswith("_") and not method.endswith("__"))
+        if not in_place and not any(isinstance(v, torch.Tensor) for v in tree_flatten(result)[0]):
+            return result  # shapes, dtypes, sizes: plain values, no dataflow
+        site = self.sites.site(func)
+        n_args, n_kwargs = tree_map(self.node_of, args), tree_map(self.node_of, kwargs)
+        if method == "__getitem__":
+            node = self.graph.call_function(operator.getitem, n_args, n_kwargs)
+        elif method is not None:
+            node = self.graph.call_method(method, n_args, n_kwargs)
+        else:
+            node = self.graph.call_function(func, n_args, n_kwargs)
+        node.meta["site"] = site
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            self.note(args[0], node)  # the mutated tensor now comes from this node
+        else:
+            self.outputs(result, node)
+        return result
+
+
+class RecordedBlock:
+    """The recorded graph of one block, resolving call_module targets in the block itself."""
+
+    def __init__(self, block: nn.Module, graph: fx.Graph) -> None:
+        self.block, self.graph = block, graph
+
+    def get_submodule(self, target: str) -> nn.Module:
+        return self.block.get_submodule(target)
+
+
+def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
+    """Run ``block(*args, **kwargs)`` once (no grad) and return its recorded graph. Leaf modules
+    are call_module nodes named by their path in ``block``."""
+    recorder = _Recorder(block)
+    for value in tree_flatten((args, kwargs))[0]:
+        recorder.node_of(value)
+    names = {m: n for n, m in block.named_modules() if n}
+    leaves = [m for m in names if is_leaf(m) and not any(is_leaf(p) for p in _parents(m, names))]
+    handles = []
+
+    def enter(module: nn.Module, m_args: tuple, m_kwargs: dict) -> None:
+        if recorder.depth == 0:
+            module.__dict__["_ptdp_record_in"] = (tree_map(recorder.node_of, m_args), tree_map(recorder.node_of, m_kwargs))
+        recorder.depth += 1
+
+    def leave(module: nn.Module, m_args: tuple, m_kwargs: dict, output: Any) -> None:
+        recorder.depth -= 1
+        if recorder.depth == 0:
+            n_args, n_kwargs = module.__dict__.pop("_ptdp_record_in")
+            node = recorder.graph.call_module(names[module], n_args, n_kwargs)
+            recorder.outputs(output, node)
+
+    for leaf in leaves:
+        handles.append(leaf.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(leaf.register_forward_hook(leave, with_kwargs=True))
+    try:
+        with torch.no_grad(), recorder:
+            output = block(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    out_nodes = [recorder.nodes[id(t)] for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and id(t) in recorder.nodes]
+    recorder.graph.output(tuple(out_nodes))
+    return RecordedBlock(block, recorder.graph)
+
+
+def _parents(module: nn.Module, names: dict[nn.Module, str]) -> list[nn.Module]:
+    path = names[module]
+    by_path = {n: m for m, n in names.items()}
+    parts = path.split(".")
+    return [by_path[".".join(parts[:i])] for i in range(1, len(parts)) if ".".join(parts[:i]) in by_path]

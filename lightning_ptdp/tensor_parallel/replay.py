@@ -1,0 +1,262 @@
+"""Run a tensor-parallel block's own forward on its shards: the recorded rewrites, applied live.
+
+The block's forward runs as written under ``_ReplayMode`` (a TorchFunctionMode, active only
+while a TP block runs). Calls are matched to the recorded ones by call site (code, instruction,
+function, occurrence), and the mode
+  - gives a shape argument that names a global size along a sharded dim (a head count, a split
+    size) its local value; a value already local (read from a local tensor) is kept;
+  - hands the region's entered input (f: copied to the group, or all-gathered under sequence
+    parallelism) to every call inside the region that reads the region's input, so even size
+    reads see the whole sequence; calls recorded outside the region get the original.
+The column Linears take the same entered input; the row Linear reduces (or reduce-scatters)
+and ends the region. Ops inside leaf modules (Linears, norms) are not matched.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_ptdp.tensor_parallel import collectives as C
+from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
+from lightning_ptdp.tensor_parallel.recording import CallSite, SiteCounter, is_leaf
+from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard
+
+
+def snapshot_args(graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """Each recorded call's arguments before discovery rewrites them."""
+    return {n: (n.args, n.kwargs) for n in graph.nodes if "site" in n.meta}
+
+
+def _ints(value: Any) -> list:
+    return tree_flatten(value)[0]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One call's argument leaves at record time (global) and after discovery (local)."""
+
+    site: CallSite
+    global_leaves: tuple
+    local_leaves: tuple
+
+    def apply(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        leaves, spec = tree_flatten((args, kwargs))
+        if len(leaves) != len(self.global_leaves):
+            raise TPDiscoveryError(self._mismatch("takes different arguments than when it was recorded"))
+        for i, (glob, loc) in enumerate(zip(self.global_leaves, self.local_leaves)):
+            if glob is loc or glob == loc or isinstance(glob, fx.Node):
+                continue
+            if leaves[i] == glob:
+                leaves[i] = loc
+            elif leaves[i] != loc:
+                raise TPDiscoveryError(self._mismatch(f"passes {leaves[i]} where {glob} (global) or {loc} (local) was expected"))
+        return tree_unflatten(leaves, spec)
+
+    def _mismatch(self, why: str) -> str:
+        return (
+            f"tensor parallelism: the call to {getattr(self.site.func, '__name__', self.site.func)} at "
+            f"{self.site.where()} {why}; the block must run the same code path as the recorded forward"
+        )
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a region's input comes from: a leaf module's output, a call's result, or a block input."""
+
+    kind: str  # "module", "site" or "input"
+    key: Any  # module path, CallSite, or index among the block's tensor inputs
+    index: int | None = None  # element of a tuple result
+
+
+@dataclass
+class BlockProgram:
+    """What one block of a list needs at run time; shared by every block of the list."""
+
+    rewrites: dict[CallSite, Rewrite] = field(default_factory=dict)
+    sources: list[Source] = field(default_factory=list)
+    outside: dict[CallSite, set[int]] = field(default_factory=dict)  # calls reading a region input outside it
+    source_sites: dict[CallSite, list[int]] = field(default_factory=dict)
+    funcs: frozenset = frozenset()
+
+    @classmethod
+    def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
+        program = cls()
+        for node, (args, kwargs) in before.items():
+            if node.args is not args or node.kwargs is not kwargs:
+                glob, loc = _ints((args, kwargs)), _ints((node.args, node.kwargs))
+                if len(glob) == len(loc) and any(g != l for g, l in zip(glob, loc) if not isinstance(g, fx.Node)):
+                    program.rewrites[node.meta["site"]] = Rewrite(node.meta["site"], tuple(glob), tuple(loc))
+        nodes = {n.name: n for n in graph.nodes}
+        calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for k, region in enumerate(plan.regions):
+            source = nodes[region.input_node]
+            program.sources.append(_source_of(source, placeholders))
+            if program.sources[-1].kind == "site":
+                program.source_sites.setdefault(program.sources[-1].key, []).append(k)
+            inside = _ancestors(calls[region.row])
+            for user in source.users:
+                if user not in inside and "site" in user.meta:
+                    program.outside.setdefault(user.meta["site"], set()).add(k)
+        sites = [*program.rewrites, *program.outside, *program.source_sites]
+        program.funcs = frozenset(site.func for site in sites)
+        return program
+
+
+def _source_of(node: fx.Node, placeholders: list[fx.Node]) -> Source:
+    if node.op == "placeholder":
+        return Source("input", placeholders.index(node))
+    if node.op == "call_module":
+        return Source("module", node.target)
+    if "site" in node.meta:
+        return Source("site", node.meta["site"])
+    parent, index = node.args[0], node.args[1]  # an element of a tuple result
+    if parent.op == "call_module":
+        return Source("module", parent.target, index)
+    return Source("site", parent.meta["site"], index)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+class RegionEntry:
+    """One region of one block in one forward: its input, entered once (f), and its SP shard."""
+
+    def __init__(self, tp: TPGroup, sequence_parallel: bool) -> None:
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.source: torch.Tensor | None = None
+        self.entered: torch.Tensor | None = None
+        self.shard: SequenceShard | None = None
+
+    def activate(self, tensor: torch.Tensor) -> None:
+        self.source, self.entered, self.shard = tensor, None, None
+
+    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, SequenceShard | None]:
+        if x is self.entered:
+            return x, self.shard
+        if x is not self.source:
+            self.activate(x)
+        if self.entered is None:
+            if self.sequence_parallel:
+                self.entered = C.gather_sequence(x, self.tp)
+                self.shard = SequenceShard(x, self.tp) if torch.is_grad_enabled() else None
+            else:
+                self.entered = C.copy_to_tp(x, self.tp)
+        return self.entered, self.shard
+
+    def finish(self) -> None:
+        self.source = self.entered = self.shard = None
+
+
+class BlockRuntime:
+    """The per-block state the replay needs: its program, region entries and leaf depth."""
+
+    def __init__(self, block: nn.Module, program: BlockProgram, tp: TPGroup, sequence_parallel: bool) -> None:
+        self.program = program
+        self.entries = [RegionEntry(tp, sequence_parallel) for _ in program.sources]
+        self.sites = SiteCounter()
+        self.depth = 0
+        self.input_sources = [(s.key, k) for k, s in enumerate(program.sources) if s.kind == "input"]
+        for k, source in enumerate(program.sources):
+            if source.kind == "module":
+                block.get_submodule(source.key).register_forward_hook(functools.partial(self._produced, k, source.index))
+
+    def _produced(self, k: int, index: int | None, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.depth == 0:  # the top-level leaf itself (its depth hook ran first)
+            self.entries[k].activate(output if index is None else output[index])
+
+    def watch_leaves(self, block: nn.Module) -> None:
+        """Count leaf-module depth, so calls inside Linears, norms, etc. are not matched."""
+        names = {m: n for n, m in block.named_modules() if n}
+        for module in names:
+            if is_leaf(module):
+                module.register_forward_pre_hook(self._enter_leaf)
+                module.register_forward_hook(self._leave_leaf, prepend=True)
+
+    def _enter_leaf(self, module: nn.Module, args: tuple) -> None:
+        self.depth += 1
+
+    def _leave_leaf(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+
+    def start(self, args: tuple, kwargs: dict) -> None:
+        self.sites = SiteCounter()
+        self.depth = 0
+        for entry in self.entries:
+            entry.finish()
+        if self.input_sources:
+            tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+            for index, k in self.input_sources:
+                self.entries[k].activate(tensors[index])
+
+
+class _ReplayMode(TorchFunctionMode):
+    def __init__(self, runtime: BlockRuntime) -> None:
+        super().__init__()
+        self.rt = runtime
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        rt = self.rt
+        if rt.depth:
+            return func(*args, **kwargs)
+        program = rt.program
+        site = rt.sites.site(func) if func in program.funcs else None
+        active = [e for e in rt.entries if e.source is not None]
+        if active and any(_reads(a, e.source) for e in active for a in args):
+            skip = program.outside.get(site, ()) if site is not None else ()
+            for k, entry in enumerate(rt.entries):
+                if entry.source is not None and k not in skip:
+                    entered, _ = entry.enter(entry.source)
+                    args = tuple(_swap(a, entry.source, entered) for a in args)
+        if site is not None and site in program.rewrites:
+            args, kwargs = program.rewrites[site].apply(args, kwargs)
+        result = func(*args, **kwargs)
+        if site is not None and site in program.source_sites:
+            for k in program.source_sites[site]:
+                index = program.sources[k].index
+                rt.entries[k].activate(result if index is None else result[index])
+        return result
+
+
+def _reads(value: Any, tensor: torch.Tensor) -> bool:
+    return value is tensor or (isinstance(value, (list, tuple)) and any(v is tensor for v in value))
+
+
+def _swap(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    if value is old:
+        return new
+    if isinstance(value, (list, tuple)) and any(v is old for v in value):
+        return type(value)(new if v is old else v for v in value)
+    return value
+
+
+def install_replay(block: nn.Module, runtime: BlockRuntime) -> None:
+    """Run ``block``'s own forward under the replay from now on (an instance attribute: the
+    class, its hooks and wrappers such as transformers' GradientCheckpointingLayer stay)."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def replayed(*args: Any, **kwargs: Any) -> Any:
+        runtime.start(args, kwargs)
+        with _ReplayMode(runtime):
+            return forward(*args, **kwargs)
+
+    block.__dict__["_ptdp_runtime"] = runtime
+    block.forward = replayed
