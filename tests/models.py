@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.real_models import REAL_FAMILIES
 from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig, apply_rotary, rotary_tables
 
 
@@ -171,9 +172,11 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         shape = dict(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32)
         cfg = GPTConfig(**{**shape, **overrides})
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
+    if family in REAL_FAMILIES:
+        return CausalLM(REAL_FAMILIES[family](**overrides))
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":
         return CausalLM(NanoGPT(cfg))
     if family == "llama":
         return CausalLM(Llama(cfg))
-    raise ValueError(f"unknown model family {family!r}: use 'gpt', 'nanogpt' or 'llama'")
+    raise ValueError(f"unknown model family {family!r}: use 'gpt', 'nanogpt', 'llama' or one of {sorted(REAL_FAMILIES)}")

@@ -114,7 +114,9 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> No
     for region in regions:
         widest = max(region.units.values())
         for col in region.columns:
-            layout = ShardLayout(region.blocks[col], region.units[col], region.unit_size[col], tp.size)
+            layout = ShardLayout(
+                region.blocks[col], region.units[col], region.unit_size[col], tp.size, region.parts.get(col, ())
+            )
             _set_submodule(block, col, ColumnParallelLinear(block.get_submodule(col), layout, tp))
         row = block.get_submodule(region.row)
         row_layout = ShardLayout(1, widest, row.in_features // widest, tp.size)
@@ -203,6 +205,8 @@ def apply_tensor_parallel(
 def _style(region: RegionPlan, name: str) -> str:
     if name == region.row:
         return "rowwise"
+    if name in region.parts:
+        return "colwise_fused:" + "|".join(map(str, region.parts[name]))
     return "colwise" if region.blocks[name] == 1 else f"colwise_fused:{region.blocks[name]}"
 
 
@@ -282,7 +286,8 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
             widest = max(region.units.values())
             for name in (*region.columns, region.row):
                 units = region.units.get(name, widest)
-                what = "heads" if region.unit_size.get(name, 2) > 1 else "units"
+                unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
+                what = "heads" if unit_size > 1 else "units"
                 detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                 report.entries.append((_join(path, f"*.{name}"), _style(region, name), detail))
     return report

@@ -15,6 +15,8 @@ Anything else touching the sharded dimension raises ``TPDiscoveryError`` naming 
 
 from __future__ import annotations
 
+import math
+
 import torch.nn as nn
 from torch import fx
 
@@ -121,13 +123,24 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
             user = next(iter(node.users))
             if _call_name(user) in ("split", "chunk") and _shape(user) is None:
                 chunk_shapes = [_shape(u) for u in user.users]
-                pieces = {s[-1] for s in chunk_shapes if s is not None}
-                if len(pieces) == 1 and size % next(iter(pieces)) == 0:
-                    blocks = size // next(iter(pieces))
+                pieces = [s[-1] for s in chunk_shapes if s is not None]
+                if len(set(pieces)) == 1 and size % pieces[0] == 0:
+                    blocks = size // pieces[0]
                     parts = list(user.users)
+                elif len(pieces) > 1 and sum(pieces) == size:  # unequal parts: q | k | v with fewer KV heads
+                    _unequal_parts(region, col, list(user.users), pieces)
+                    continue
         units, unit_size = _units_of(parts[0], size // blocks)
         region.blocks[col], region.units[col], region.unit_size[col] = blocks, units, unit_size
     region.is_attention = any(_call_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes)
+
+
+def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int]) -> None:
+    """A fused projection split into unequal parts: each part's heads (or features) split over t."""
+    shapes = [_units_of(part, size) for part, size in zip(parts, sizes)]
+    unit_size = math.gcd(*(unit for _, unit in shapes))
+    region.parts[col] = tuple(size // unit_size for size in sizes)
+    region.blocks[col], region.units[col], region.unit_size[col] = len(sizes), max(region.parts[col]), unit_size
 
 
 def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
@@ -171,6 +184,13 @@ def _divisors(n: int) -> str:
 def validate_layouts(region: RegionPlan, name: str, tp_size: int) -> None:
     """Every column's heads (or features) must split over t; only KV heads may be replicated."""
     widest = max(region.units.values())
+    for col, parts in region.parts.items():
+        if any(units % tp_size for units in parts):
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide every part of the fused '{name}.{col}' "
+                f"({' | '.join(map(str, parts))} units of {region.unit_size[col]}): each rank needs whole "
+                f"heads of every part; choose tensor_parallel_size from {_divisors(math.gcd(*parts))}"
+            )
     for col in region.columns:
         units = region.units[col]
         what = "attention heads" if region.is_attention and region.unit_size[col] > 1 else "output features"

@@ -48,6 +48,7 @@ class RegionPlan:
     blocks: dict[str, int] = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
     unit_size: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
 
 
 @dataclass

@@ -30,24 +30,31 @@ class ShardLayout:
     ``blocks`` side-by-side parts (3 for fused q/k/v) each hold ``units`` (heads, or single
     features) of ``unit_size``. Rank r owns the same units of every block: units/t of them, or,
     when units < t (grouped-query KV heads), unit r // (t / units), replicated across ranks.
+    ``part_units`` gives unequal parts instead (fused q | k | v with fewer KV heads: (a, g, g)),
+    each split over t.
     """
 
     blocks: int
     units: int
     unit_size: int
     tp_size: int
+    part_units: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.units >= self.tp_size and self.units % self.tp_size:
-            raise ValueError(f"{self.units} units cannot be split evenly over tensor_parallel_size={self.tp_size}")
-        if self.units < self.tp_size and self.tp_size % self.units:
-            raise ValueError(
-                f"{self.units} units cannot be replicated evenly over tensor_parallel_size={self.tp_size}"
-            )
+        for units in self.part_units or (self.units,):
+            if units >= self.tp_size and units % self.tp_size:
+                raise ValueError(f"{units} units cannot be split evenly over tensor_parallel_size={self.tp_size}")
+            if units < self.tp_size and (self.tp_size % units or self.part_units):
+                raise ValueError(f"{units} units cannot be replicated evenly over tensor_parallel_size={self.tp_size}")
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """Units of each side-by-side part."""
+        return self.part_units or (self.units,) * self.blocks
 
     @property
     def size(self) -> int:
-        return self.blocks * self.units * self.unit_size
+        return sum(self.parts) * self.unit_size
 
     @property
     def local_units(self) -> int:
@@ -58,22 +65,27 @@ class ShardLayout:
         """How many ranks hold the same units (1 unless units < t)."""
         return max(1, self.tp_size // self.units)
 
-    def unit_indices(self, rank: int) -> range:
-        if self.units >= self.tp_size:
-            per = self.units // self.tp_size
+    def unit_indices(self, rank: int, units: int | None = None) -> range:
+        units = self.units if units is None else units
+        if units >= self.tp_size:
+            per = units // self.tp_size
             return range(rank * per, (rank + 1) * per)
-        unit = rank // self.replication
+        unit = rank // max(1, self.tp_size // units)
         return range(unit, unit + 1)
 
+    def segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(offset in the shard, length, offset in the full dimension) of each part's piece."""
+        out, local, start = [], 0, 0
+        for units in self.parts:
+            owned = self.unit_indices(rank, units)
+            length = len(owned) * self.unit_size
+            out.append((local, length, start + owned.start * self.unit_size))
+            local, start = local + length, start + units * self.unit_size
+        return out
+
     def indices(self, rank: int) -> torch.Tensor:
-        """Indices into the full dimension owned by ``rank``, block by block."""
-        units = self.unit_indices(rank)
-        idx = [
-            torch.arange(self.unit_size) + (b * self.units + u) * self.unit_size
-            for b in range(self.blocks)
-            for u in units
-        ]
-        return torch.cat(idx)
+        """Indices into the full dimension owned by ``rank``, part by part."""
+        return torch.cat([torch.arange(length) + start for _, length, start in self.segments(rank)])
 
 
 def _param(tensor: torch.Tensor, like: nn.Parameter) -> nn.Parameter:

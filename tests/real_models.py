@@ -1,0 +1,108 @@
+"""Tiny configs of real third-party model families, each as a plain ids -> logits network.
+
+The library must train these as users bring them: Hugging Face transformers (Llama, Mistral,
+GPT-2, GPT-NeoX), litgpt (Llama-style grouped-query and Pythia-style configs) and torchtitan's
+llama3. Shapes match the zoo (vocab 64, hidden 32, 4 heads, 2 layers) so every test's data fits.
+Imports are inside the builders: collecting tests never pays for transformers' import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, SEQ = 64, 32, 4, 2, 2, 64, 32
+
+
+class HFCausalLM(nn.Module):
+    """A transformers model as ids -> logits (no cache, as in training)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+def _hf(config_cls: str, model_cls: str, **kwargs) -> nn.Module:
+    import transformers
+
+    config = getattr(transformers, config_cls)(**kwargs)
+    config._attn_implementation = "sdpa"
+    return HFCausalLM(getattr(transformers, model_cls)(config))
+
+
+def hf_llama(tied: bool = False) -> nn.Module:
+    return _hf(
+        "LlamaConfig", "LlamaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ, tie_word_embeddings=tied,
+    )
+
+
+def hf_mistral() -> nn.Module:
+    return _hf(
+        "MistralConfig", "MistralForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ, sliding_window=None,
+    )
+
+
+def hf_gpt2() -> nn.Module:
+    return _hf(
+        "GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+
+
+def hf_neox() -> nn.Module:
+    return _hf(
+        "GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=SEQ, rotary_pct=0.5,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def _litgpt(**kwargs) -> nn.Module:
+    from litgpt import GPT, Config
+
+    shape = dict(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=HIDDEN)
+    return GPT(Config(**shape, **kwargs))
+
+
+def litgpt_llama() -> nn.Module:
+    return _litgpt(
+        n_query_groups=KV_HEADS, intermediate_size=FFN, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
+        bias=False, rotary_percentage=1.0, parallel_residual=False,
+    )
+
+
+def litgpt_pythia() -> nn.Module:
+    return _litgpt(
+        n_query_groups=HEADS, intermediate_size=4 * HIDDEN, mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm",
+        bias=True, rotary_percentage=0.25, parallel_residual=True,
+    )
+
+
+def titan_llama3() -> nn.Module:
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    layers = _build_llama3_layers(
+        n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
+        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="sdpa",
+    )
+    config = Llama3Model.Config(
+        dim=HIDDEN, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
+        norm=RMSNorm.Config(normalized_shape=HIDDEN), lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
+        layers=layers,
+    )
+    return config.build()
+
+
+REAL_FAMILIES = {
+    "hf_llama": hf_llama, "hf_llama_tied": lambda: hf_llama(tied=True), "hf_mistral": hf_mistral,
+    "hf_gpt2": hf_gpt2, "hf_neox": hf_neox, "litgpt_llama": litgpt_llama, "litgpt_pythia": litgpt_pythia,
+    "titan_llama3": titan_llama3,
+}
