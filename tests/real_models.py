@@ -2,7 +2,7 @@
 
 The library must train these as users bring them: Hugging Face transformers (Llama, Mistral,
 GPT-2, GPT-NeoX), litgpt (Llama-style grouped-query and Pythia-style configs) and torchtitan's
-llama3. Shapes match the zoo (vocab 64, hidden 32, 4 heads, 2 layers) so every test's data fits.
+llama3. Shapes match the zoo (vocab 64, hidden 32, 4 heads; 4 layers, so p=2 v=2 has a block per chunk) so every test's data fits.
 Imports are inside the builders: collecting tests never pays for transformers' import.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, SEQ = 64, 32, 4, 2, 2, 64, 32
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, SEQ = 64, 32, 4, 2, 4, 64, 32
 
 
 class HFCausalLM(nn.Module):

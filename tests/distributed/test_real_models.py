@@ -39,3 +39,48 @@ def test_one_step_matches_single_process(dist_pool, family, sequence_parallel):
         # each rank holds its half of the Linears and the vocabulary, not a silent replica
         held = sum(torch.Size(shape).numel() for shape in result["local_shapes"].values())
         assert held < 0.6 * sum(g.numel() for g in ref["grads"].values())
+
+
+# The conformance matrix: each family x layout trained with the Trainer for a few steps.
+# (strategy arguments, devices, largest fraction of the model's parameters one rank may hold)
+LAYOUTS = {
+    "d2": ({}, 2, 1.0),
+    "t2": ({"tensor_parallel_size": 2}, 2, 0.6),
+    "t2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2, 0.6),
+    "p2": ({"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}, 2, 0.8),
+    "p2-v2": ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2}, 2, 0.8),
+    "t2-p2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}, 4, 0.45),
+    "d2-zero3": ({"zero_stage": 3}, 2, 0.6),
+    "t2-d2-zero1": ({"tensor_parallel_size": 2, "zero_stage": 1}, 4, 0.6),
+}
+MATRIX_FAMILIES = TP_FAMILIES
+# Adam divides by the root of the squared gradient: on elements whose gradient is round-off
+# (key biases) it turns 1e-7 differences into visible weight differences. Weights are compared
+# relative to how far training moved them, 1e-3 of the update, as in the other equivalence tests.
+UPDATE_REL = 1e-3
+STEPS = 3
+
+
+def _reference(family: str) -> dict:
+    from tests.fit_utils import fit_and_record
+
+    if family not in _REFERENCES:
+        _REFERENCES[family] = fit_and_record(family, steps=STEPS)
+    return _REFERENCES[family]
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", MATRIX_FAMILIES)
+def test_conformance(dist_pool, family, layout):
+    from tests.fit_utils import assert_matches_reference, fit_and_record
+
+    strategy_kwargs, devices, largest_share = LAYOUTS[layout]
+    ref = _reference(family)
+    results = dist_pool(devices).run(fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS)
+    full = sum(v.numel() for k, v in ref["state"].items() if k in ref["first_grads"])
+    for result in results:
+        assert_matches_reference(result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+        assert result["local_numel"] <= largest_share * full, f"a rank holds {result['local_numel']} of {full}"
