@@ -1,7 +1,7 @@
 """Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
 
-  1. find the repeated transformer blocks (a ModuleList/Sequential of same-type modules with
-     Linears) and capture the first block's real inputs with one probe forward;
+  1. find the repeated transformer blocks (blocks.py: a ModuleList/Sequential/ModuleDict of
+     same-type modules with Linears) and capture the first block's real inputs with one probe forward;
   2. trace and plan one block per list (discovery.py), then for every block: swap its Linears for
      their column/row shards and run its forward from the rewritten graph, with one collective
      at each region's input and one at its output (Megatron's f and g);
@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch import fx
 
+from lightning_ptdp.blocks import find_block_lists
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import BlockPlan, RegionPlan, TPDiscoveryError, plan_block, trace_block
@@ -72,22 +73,6 @@ class _Collective(nn.Module):
 
 class _ProbeDone(Exception):
     pass
-
-
-def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """Outermost ModuleLists/Sequentials whose children are same-type modules holding >= 2 Linears."""
-    found: list[tuple[str, list[nn.Module]]] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
-        if any(path.startswith(f"{p}.") for p, _ in found):
-            continue
-        children = list(module)
-        same_type = len({type(c) for c in children}) == 1
-        linears = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
-        if same_type and sum(isinstance(m, linears) for m in children[0].modules()) >= 2:
-            found.append((path, children))
-    return found
 
 
 def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> dict[int, tuple[tuple, dict]]:
