@@ -29,6 +29,7 @@ class ZooConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     hidden_size: int = 32
+    padding_idx: int | None = None  # of the Llama token embedding (transformers sets it from pad_token_id)
 
 
 class NanoAttention(nn.Module):
@@ -132,7 +133,7 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg: ZooConfig) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.padding_idx)
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
