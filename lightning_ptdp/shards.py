@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.tensor_parallel.explicit_plan import shard_dim
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -75,7 +76,7 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
     segments = tuple(
         Segment(b * per_block, per_block, (b * layout.units + first_unit) * layout.unit_size) for b in range(layout.blocks)
     )
-    return TPCut(1 if isinstance(layer, RowParallelLinear) else 0, layout.size, segments)
+    return TPCut(shard_dim(layer, attr), layout.size, segments)
 
 
 def tp_cuts(model: nn.Module) -> dict[str, TPCut]:

@@ -221,6 +221,10 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         shape = dict(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32)
         cfg = GPTConfig(**{**shape, **overrides})
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
+    if family.startswith("hf_"):
+        from tests.hf_models import build_hf_model
+
+        return build_hf_model(family, **overrides)
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":
         return CausalLM(NanoGPT(cfg))
