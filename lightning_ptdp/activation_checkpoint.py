@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ptdp.tensor_parallel.apply import find_block_lists
+from lightning_ptdp.blocks import find_block_lists
 
 
 class _RecomputeAttention(TorchFunctionMode):
@@ -61,15 +61,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[str]:
     block_lists = find_block_lists(model)
     if not block_lists:
         raise ValueError(
-            f"activation_checkpointing={mode!r} found no transformer blocks in {type(model).__name__} (a ModuleList "
-            "or Sequential of same-type modules holding Linears); use activation_checkpointing=None"
+            f"activation_checkpointing={mode!r} found no transformer blocks in {type(model).__name__} (a ModuleList, "
+            "Sequential or ModuleDict of same-type modules holding Linears); use activation_checkpointing=None"
         )
     wrap = _full if mode == "full" else _selective
     wrapped = []
     for path, blocks in block_lists:
-        for i, block in enumerate(blocks):
+        container = model.get_submodule(path)
+        for (key, _), block in zip(container.named_children(), blocks):
             wrap(block)
-            wrapped.append(f"{path}.{i}" if path else str(i))
+            wrapped.append(f"{path}.{key}" if path else key)
     return wrapped
 
 

@@ -30,6 +30,7 @@ class ZooConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     hidden_size: int = 32
+    padding_idx: int | None = None  # of the Llama token embedding (transformers sets it from pad_token_id)
 
 
 class NanoAttention(nn.Module):
@@ -133,7 +134,7 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg: ZooConfig) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.padding_idx)
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -156,14 +157,63 @@ class CausalLM(L.LightningModule):
         self.net = net
         self.lr = lr
 
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        loss = F.cross_entropy(self.net(inputs).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(self.logits(inputs).flatten(0, 1), targets.flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class FlatLlama(CausalLM):
+    """The most common Lightning layout: the LightningModule holds its blocks itself
+    (``self.layers = nn.ModuleList(...)``), with no network module around them."""
+
+    def __init__(self, cfg: ZooConfig, lr: float = 1e-2) -> None:
+        L.LightningModule.__init__(self)
+        self.lr = lr
+        llama = Llama(cfg)  # the same parameters, held directly
+        self.tok_embeddings, self.layers, self.norm, self.output = llama.tok_embeddings, llama.layers, llama.norm, llama.output
+        self.register_buffer("cos", llama.cos, persistent=False)
+        self.register_buffer("sin", llama.sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.output(self.norm(x))
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self(inputs)
+
+
+class NanoGPTDict(CausalLM):
+    """nanoGPT's own layout on the LightningModule: ``transformer = nn.ModuleDict(wte, wpe, h, ln_f)``
+    and ``lm_head`` beside it (untied unless ``tied``)."""
+
+    def __init__(self, cfg: ZooConfig, tied: bool = False, lr: float = 1e-2) -> None:
+        L.LightningModule.__init__(self)
+        self.lr = lr
+        gpt = NanoGPT(cfg)
+        self.transformer = nn.ModuleDict({"wte": gpt.wte, "wpe": gpt.wpe, "h": gpt.h, "ln_f": gpt.ln_f})
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if tied:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in t.h:
+            x = block(x)
+        return self.lm_head(t.ln_f(x))
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self(inputs)
 
 
 def build_model(family: str, **overrides) -> L.LightningModule:
@@ -174,9 +224,20 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
     if family in REAL_FAMILIES:
         return CausalLM(REAL_FAMILIES[family](**overrides))
+    if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths
+        from tests.hf_models import build_hf_model
+
+        return build_hf_model(family, **overrides)
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":
         return CausalLM(NanoGPT(cfg))
     if family == "llama":
         return CausalLM(Llama(cfg))
-    raise ValueError(f"unknown model family {family!r}: use 'gpt', 'nanogpt', 'llama' or one of {sorted(REAL_FAMILIES)}")
+    if family == "flat_llama":
+        return FlatLlama(cfg)
+    if family in ("nanogpt_dict", "nanogpt_dict_tied"):
+        return NanoGPTDict(cfg, tied=family.endswith("tied"))
+    raise ValueError(
+        f"unknown model family {family!r}: use 'gpt', 'nanogpt', 'llama', 'flat_llama', 'nanogpt_dict' "
+        f"or one of {sorted(REAL_FAMILIES)}"
+    )

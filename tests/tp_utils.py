@@ -19,15 +19,17 @@ def _net(family: str, overrides: dict) -> torch.nn.Module:
     return module.gpt if family == "gpt" else module.net
 
 
-def _batch(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference_step(family: str, overrides: dict | None = None) -> dict[str, Any]:
+def reference_step(family: str, overrides: dict | None = None, inputs: torch.Tensor | None = None) -> dict[str, Any]:
+    """``inputs``: token ids replacing the batch's own (the targets stay)."""
     net = _net(family, overrides or {})
-    inputs, targets = _batch((overrides or {}).get("vocab_size", VOCAB))
+    batch_inputs, targets = token_batch((overrides or {}).get("vocab_size", VOCAB))
+    inputs = batch_inputs if inputs is None else inputs
     loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -35,7 +37,8 @@ def reference_step(family: str, overrides: dict | None = None) -> dict[str, Any]
 
 
 def tp_step(
-    family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False, kernels: str = "torch"
+    family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False, kernels: str = "torch",
+    inputs: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -43,7 +46,8 @@ def tp_step(
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict, sum_partial_gradients
 
     net = _net(family, overrides or {})
-    inputs, targets = _batch((overrides or {}).get("vocab_size", VOCAB))
+    batch_inputs, targets = token_batch((overrides or {}).get("vocab_size", VOCAB))
+    inputs = batch_inputs if inputs is None else inputs
     tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
     report = apply_tensor_parallel(net, tp, sequence_parallel=sequence_parallel, probe=lambda: net(inputs))
     from lightning_ptdp.kernels import apply_kernels

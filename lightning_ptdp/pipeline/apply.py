@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.blocks import find_block_lists
 from lightning_ptdp.pipeline.engine import PipelineEngine
 from lightning_ptdp.pipeline.split import ChunkLayout, PipelineSplitError, record_forward, split_model
 
@@ -16,12 +17,10 @@ log = logging.getLogger(__name__)
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's one list of repeated transformer blocks (same finder as tensor parallelism)."""
-    from lightning_ptdp.tensor_parallel.apply import find_block_lists
-
     found = find_block_lists(model)
     if not found:
         raise PipelineSplitError(
-            f"{type(model).__name__} has no nn.ModuleList/nn.Sequential of repeated blocks holding Linear layers; "
+            f"{type(model).__name__} has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks holding Linear layers; "
             "the pipeline split cuts between such transformer blocks"
         )
     if len(found) > 1:

@@ -1,10 +1,18 @@
 """Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
 
+<<<<<<< HEAD
   1. find the repeated transformer blocks (a ModuleList/Sequential of same-type modules with
      Linears) and capture the first block's real inputs with one probe forward;
   2. record and plan one block per list (discovery.py), then for every block: swap its Linears
      for their column/row shards and run its own forward under the replay of the rewrites
      (replay.py), with one collective at each region's input and one at its output (f and g);
+=======
+  1. find the repeated transformer blocks (blocks.py: a ModuleList/Sequential/ModuleDict of
+     same-type modules with Linears) and capture the first block's real inputs with one probe forward;
+  2. trace and plan one block per list (discovery.py), then for every block: swap its Linears for
+     their column/row shards and run its forward from the rewritten graph, with one collective
+     at each region's input and one at its output (Megatron's f and g);
+>>>>>>> block-containers
   3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
   4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
      is split, the last block's output gathered, region inputs all-gathered (the column Linears
@@ -22,9 +30,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.blocks import find_block_lists
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import BlockPlan, RegionPlan, TPDiscoveryError, plan_block, trace_block
+from lightning_ptdp.tensor_parallel.explicit_plan import EXPLICIT_STYLES, check_ties, resolve_plan, rewrite
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -56,22 +66,6 @@ class TPReport:
 
 class _ProbeDone(Exception):
     pass
-
-
-def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """Outermost ModuleLists/Sequentials whose children are same-type modules holding >= 2 Linears."""
-    found: list[tuple[str, list[nn.Module]]] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
-        if any(path.startswith(f"{p}.") for p, _ in found):
-            continue
-        children = list(module)
-        same_type = len({type(c) for c in children}) == 1
-        linears = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
-        if same_type and sum(isinstance(m, linears) for m in children[0].modules()) >= 2:
-            found.append((path, children))
-    return found
 
 
 def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> dict[int, tuple[tuple, dict]]:
@@ -153,6 +147,13 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         tied = head.weight is embedding.weight
         _set_submodule(model, head_path, VocabParallelHead(head, tp, weight=new_embedding.weight if tied else None))
         report.entries.append((head_path, "vocab_head", "tied to the embedding" if tied else "untied"))
+    stale = [p for p, m in model.named_modules() if any(w is embedding.weight for w in m.parameters(recurse=False))]
+    if stale:  # a tie the split would break: the module would keep training the old, whole weight
+        raise TPDiscoveryError(
+            f"the token embedding '{emb_path}' shares its weight with {', '.join(stale)}, which is not the LM head "
+            f"split with it (the last Linear with {vocab} outputs outside the blocks); untie them, or pass tp_plan "
+            "marking the embedding 'vocab_embedding' and each module sharing its weight 'vocab_head'"
+        )
 
 
 def plan_block_lists(
@@ -238,42 +239,19 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPRep
                     report.partial_grad_params.append((module, name))
 
 
-EXPLICIT_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
-
-
 def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> TPReport:
-    """``tp_plan={"path": style}`` for models discovery cannot read. Each colwise linear brings its
-    own f (copy to the group) and each rowwise its own g (all-reduce, then bias), Megatron's way;
-    the forward must take head counts from tensor shapes (``view(B, T, -1, head_dim)``).
+    """``tp_plan={"path or glob": style}`` for models discovery cannot read (explicit_plan.py).
     Styles: "colwise", "colwise_fused:K" (K side-by-side parts such as q/k/v), "rowwise",
     "vocab_embedding", "vocab_head". No sequence parallelism on this path.
     """
-    report = TPReport(tp.size, False)
-    embedding_weight = None
-    for path, style in sorted(plan.items(), key=lambda item: item[1] != "vocab_embedding"):
-        try:
-            module = model.get_submodule(path)
-        except AttributeError as err:
-            raise ValueError(f"tp_plan names '{path}', which is not a submodule of {type(model).__name__}") from err
+    for path, style in plan.items():
         kind, _, parts = style.partition(":")
         if kind not in ("colwise_fused", *EXPLICIT_STYLES) or (parts and kind != "colwise_fused"):
             raise ValueError(f"tp_plan['{path}']={style!r}: use one of {', '.join(EXPLICIT_STYLES)} or 'colwise_fused:K'")
-        if kind in ("colwise", "colwise_fused", "rowwise") and not isinstance(module, nn.Linear):
-            raise ValueError(f"tp_plan['{path}']={style!r} needs an nn.Linear, found {type(module).__name__}")
-        if kind in ("colwise", "colwise_fused"):
-            blocks = int(parts or 1)
-            layout = ShardLayout(blocks, module.out_features // blocks, 1, tp.size)
-            new = ColumnParallelLinear(module, layout, tp, comm=True)
-        elif kind == "rowwise":
-            new = RowParallelLinear(module, ShardLayout(1, module.in_features, 1, tp.size), tp, comm=True)
-        elif kind == "vocab_embedding":
-            new = VocabParallelEmbedding(module, tp)
-            embedding_weight = (module.weight, new.weight)
-        else:
-            tied = embedding_weight is not None and module.weight is embedding_weight[0]
-            new = VocabParallelHead(module, tp, weight=embedding_weight[1] if tied else None)
-        _set_submodule(model, path, new)
-        report.entries.append((path, style, "explicit plan"))
+    resolved = resolve_plan(model, plan)
+    check_ties(model, resolved)
+    report = TPReport(tp.size, False)
+    report.entries.extend(rewrite(model, resolved, tp))
     return report
 
 

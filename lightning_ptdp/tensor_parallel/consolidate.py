@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.explicit_plan import shard_dim
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,7 +39,7 @@ def full_tensor(layer: nn.Module, attr: str, local: torch.Tensor) -> torch.Tenso
         return torch.cat(_gather(local, tp), dim=0)[: layer.shard.vocab_size]
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return local
-    dim = 1 if isinstance(layer, RowParallelLinear) else 0
+    dim = shard_dim(layer, attr)
     parts = _gather(local, tp)
     shape = list(local.shape)
     shape[dim] = layer.layout.size
@@ -194,7 +195,7 @@ def local_shard(layer: nn.Module, attr: str, full: torch.Tensor) -> torch.Tensor
         return local if full.dim() > 1 else local.squeeze(-1)
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return full
-    dim = 1 if isinstance(layer, RowParallelLinear) else 0
+    dim = shard_dim(layer, attr)
     return full.index_select(dim, layer.layout.indices(layer.tp.rank).to(full.device))
 
 

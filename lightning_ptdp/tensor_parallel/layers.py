@@ -179,26 +179,44 @@ class VocabShard:
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over ranks
-    (one all-reduce) is the full embedding."""
+    (one all-reduce) is the full embedding. ``padding_idx`` as in nn.Embedding: the rank owning
+    that row never accumulates a gradient into it."""
 
     def __init__(self, embedding: nn.Embedding, tp: TPGroup, weight: nn.Parameter | None = None) -> None:
         super().__init__()
-        if embedding.padding_idx is not None or embedding.max_norm is not None:
-            raise ValueError("vocab-parallel embedding supports neither padding_idx nor max_norm")
+        _check_vocab_parallel(embedding)
         self.tp = tp
         self.shard = VocabShard.of(embedding.num_embeddings, tp)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx  # nn.Embedding keeps it in [0, num_embeddings)
+        local_pad = None if self.padding_idx is None else self.padding_idx - self.shard.start
+        self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.shard.valid else None
         self.weight = weight if weight is not None else _param(self.shard.slice_rows(embedding.weight), embedding.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.valid)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # ids of other ranks look up row 0 and are zeroed below, so they add no gradient either
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp)
 
     def extra_repr(self) -> str:
         return f"vocab rows {self.shard.start}..{self.shard.start + self.shard.local} of {self.shard.padded_size}"
+
+
+def _check_vocab_parallel(embedding: nn.Embedding) -> None:
+    """Options whose result depends on the whole vocabulary's rows or ids are refused, not approximated."""
+    refused = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq or None,
+               "sparse": embedding.sparse or None}
+    bad = {k: v for k, v in refused.items() if v is not None}
+    if bad:
+        given = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+        raise ValueError(
+            f"vocab-parallel embedding of {embedding.num_embeddings} rows: {given} is not supported (max_norm "
+            "renormalises rows in place on lookup, scale_grad_by_freq counts ids over the whole vocabulary, sparse "
+            "gradients are not reduced); build the nn.Embedding without it, or leave this embedding out of tp_plan"
+        )
 
 
 class VocabParallelHead(nn.Module):

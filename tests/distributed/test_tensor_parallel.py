@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.fit_utils import assert_matches_reference, fit_and_record, relative_error, strategy_from, zoo_data
-from tests.tp_utils import reference_step, tp_step
+from tests.tp_utils import reference_step, token_batch, tp_step
 
 # fp32. A TP rank computes the same sums as the reference split into t partial sums, so values
 # differ by round-off only: measured losses <= 1e-6 relative, gradients ~1e-7 of their norm.
@@ -71,6 +71,32 @@ def test_collectives_are_megatrons(dist_pool, tp, sequence_parallel):
     else:
         assert fwd == {"all_reduce": 2 * LAYERS + 3}
         assert bwd == {"all_reduce": 2 * LAYERS + 1}
+
+
+@pytest.mark.parametrize(("tp", "padding_idx"), [(2, None), (2, 0), (4, 63)], ids=["t2-frequent-id", "t2-id0", "t4-last-id"])
+def test_embedding_padding_idx_matches_single_process(dist_pool, tp, padding_idx):
+    """nn.Embedding(padding_idx=...) as transformers builds it from pad_token_id: the rank owning the
+    row keeps its gradient exactly zero; the other ranks never see the id as theirs."""
+    inputs, _ = token_batch()
+    if padding_idx is None:  # an id the batch really holds, in the middle of rank 0's rows
+        padding_idx = int(torch.bincount(inputs.flatten(), minlength=64)[:32].argmax())
+    inputs[0, :4] = padding_idx  # the batch holds the padding id whatever the draw
+    overrides = {"padding_idx": padding_idx}
+    results = dist_pool(tp).run(tp_step, "llama", False, overrides, inputs=inputs)
+    ref = reference_step("llama", overrides, inputs=inputs)
+    for result in results:
+        _check_against_reference(result, ref)
+        grad = result["grads"]["tok_embeddings.weight"]
+        assert torch.equal(grad[padding_idx], torch.zeros(32)) and grad.abs().sum() > 0
+
+
+def test_vocab_parallel_embedding_refuses_max_norm():
+    from lightning_ptdp.tensor_parallel import TPGroup
+    from lightning_ptdp.tensor_parallel.layers import VocabParallelEmbedding
+
+    with pytest.raises(ValueError, match=r"embedding of 64 rows: max_norm=1.0 is not supported .* build the nn.Embedding "
+                       r"without it"):
+        VocabParallelEmbedding(torch.nn.Embedding(64, 8, max_norm=1.0), TPGroup(None, 2, 0))
 
 
 @pytest.mark.world_size(2)

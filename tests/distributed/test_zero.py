@@ -10,7 +10,8 @@ STEPS, GLOBAL_BATCH = 20, 8
 # fp32; sharding changes only where sums happen (reduce-scatter instead of all-reduce): the same
 # round-off budget as plain data parallelism (see test_data_parallel.py for the measurements).
 LOSS_RTOL, GRAD_REL, UPDATE_REL = 1e-5, 1e-5, 1e-4
-NOISE_DRIVEN = ("attn.key.bias",)  # exact gradient is zero; see test_data_parallel.py
+# exact gradient is zero (see test_data_parallel.py); nanoGPT's fused c_attn bias holds it as its middle third
+NOISE_DRIVEN = ("attn.key.bias", "attn.c_attn.bias")
 
 
 @pytest.mark.parametrize(
@@ -49,3 +50,40 @@ def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zer
     for result in results:
         assert_matches_reference(result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
         assert result["local_numel"] < ref["local_numel"] / 2  # sharded by t and again by d
+
+
+@pytest.mark.parametrize(
+    ("family", "zero_stage"),
+    [("flat_llama", 1), ("nanogpt_dict", 2), ("flat_llama", 3), ("nanogpt_dict", 3)],
+)
+def test_zero_on_blocks_held_by_the_lightning_module(dist_pool, family, zero_stage):
+    """``self.layers = nn.ModuleList(...)`` on the LightningModule, and nanoGPT's ``transformer``
+    ModuleDict: each block and each module outside them is a unit, never the container."""
+    results = dist_pool(2).run(
+        fit_and_record, family, strategy_kwargs={"zero_stage": zero_stage}, devices=2, steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+    )
+    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
+    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+    for result in results:
+        assert result["local_numel"] <= ref["local_numel"] / 2 * 1.1, (result["local_numel"], ref["local_numel"])
+
+
+def _zero_on_tied_dict_model() -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ptdp.sharding import apply_zero
+    from tests.models import build_model
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight' and 'lm_head.weight' are one tied parameter in two "
+                       r"modules that FSDP shards separately .* put the network in one nn.Module"):
+        apply_zero(build_model("nanogpt_dict_tied"), mesh["dp"], 3)
+    return True
+
+
+def test_zero_refuses_a_weight_tied_across_separate_units(dist_pool):
+    """nanoGPT's wte (inside the ModuleDict) tied to lm_head (beside it): no module with a forward
+    encloses both, so FSDP would shard the weight in one and leave it stale in the other."""
+    assert dist_pool(2).run(_zero_on_tied_dict_model) == [True, True]

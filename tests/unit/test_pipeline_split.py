@@ -119,7 +119,7 @@ def test_forwards_the_split_cannot_cut_are_named(mode, match):
 
 
 def test_a_model_without_blocks_is_refused():
-    with pytest.raises(PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential of repeated blocks"):
+    with pytest.raises(PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks"):
         transformer_blocks(nn.Linear(4, 4))
 
 

@@ -1,0 +1,55 @@
+"""The model's repeated transformer blocks, found by structure: the one finder that tensor
+parallelism, the pipeline split, ZeRO and activation recompute all use.
+
+A block list is the outermost ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (torchtitan
+keys its layers "0".."n"; nanoGPT keeps ``transformer = nn.ModuleDict(h=nn.ModuleList(...))``)
+whose children are modules of one type (not themselves containers: a block has a forward), each
+holding at least two Linear-like modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D``: a Linear whose weight is stored transposed, (in, out), recognised
+    by class name, ``nf`` (out features) and a 2-D weight, without importing transformers."""
+    weight = getattr(module, "weight", None)
+    named = any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
+    return named and hasattr(module, "nf") and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """nn.Linear, transformers' Conv1D, or a tensor-parallel shard of one (recompute and ZeRO
+    look for blocks after tensor parallelism replaced their Linears)."""
+    from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) or is_conv1d(module)
+
+
+def is_container(module: nn.Module) -> bool:
+    """A ModuleList/ModuleDict without a forward of its own: it only groups modules."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def container_children(container: nn.Module) -> list[nn.Module]:
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """(path, blocks in order) of every outermost block list of ``model`` (see the module docstring)."""
+    found: list[tuple[str, list[nn.Module]]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, BLOCK_CONTAINERS) or len(module) == 0:
+            continue
+        if any(path.startswith(f"{p}.") for p, _ in found):
+            continue
+        children = container_children(module)
+        same_type = len({type(c) for c in children}) == 1 and not is_container(children[0])
+        if same_type and sum(is_linear_like(m) for m in children[0].modules()) >= 2:
+            found.append((path, children))
+    return found

@@ -1,0 +1,183 @@
+"""Explicit tensor-parallel plans: ``tp_plan={"module path or glob": style}``.
+
+Keys are module paths or fnmatch-style globs over them (``"model.layers.*.self_attn.q_proj"``);
+each key must match at least one module, and a module matched by two keys must get one style.
+Each colwise layer brings its own f (copy to the group) and each rowwise its own g (all-reduce,
+then bias), Megatron's way; the forward must take head counts from tensor shapes
+(``view(B, T, -1, head_dim)``). Linear-like layers are nn.Linear and transformers' ``Conv1D``
+(weight stored transposed, (in, out): its shards keep that layout, so checkpoints keep the
+model's own shapes). A weight tied between modules is sharded only as the vocabulary pair
+(vocab_embedding + vocab_head, both in the plan); any other tie is refused, never broken.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_ptdp.blocks import is_conv1d
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_ptdp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+EXPLICIT_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+_GLOB_CHARS = "*?["
+_VOCAB_PAIR = {"vocab_embedding", "vocab_head"}
+
+
+def _linear_view(conv: nn.Module) -> SimpleNamespace:
+    """A Conv1D seen as nn.Linear: weight (out, in) as a transposed view of the (in, out) one."""
+    return SimpleNamespace(in_features=conv.weight.shape[0], out_features=conv.nf, weight=conv.weight.t(), bias=conv.bias)
+
+
+def _transpose_weight(layer: nn.Module) -> None:
+    layer.weight = nn.Parameter(layer.weight.detach().t().contiguous(), requires_grad=layer.weight.requires_grad)
+
+
+class ColumnParallelConv1D(ColumnParallelLinear):
+    """A column shard of transformers' Conv1D; weight (in, out/t) like the original's (in, out)."""
+
+    transposed = True
+
+    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup) -> None:
+        super().__init__(_linear_view(conv), layout, tp, comm=True)
+        _transpose_weight(self)
+
+    def forward(self, x: torch.Tensor, shard: object = None) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight.t(), self.bias)
+
+
+class RowParallelConv1D(RowParallelLinear):
+    """A row shard of transformers' Conv1D; weight (in/t, out) like the original's (in, out)."""
+
+    transposed = True
+
+    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup) -> None:
+        super().__init__(_linear_view(conv), layout, tp, comm=True)
+        _transpose_weight(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight.t()), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def shard_dim(layer: nn.Module, attr: str) -> int:
+    """The dimension of ``layer.<attr>`` a column/row layer splits (a column bias: 0; a row layer's
+    bias is not split); a Conv1D shard's weight is transposed, so its dimensions swap."""
+    if attr != "weight":
+        return 0
+    return int(isinstance(layer, RowParallelLinear)) ^ int(getattr(layer, "transposed", False))
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module path: style} for every module the plan's paths and globs match (see module docstring)."""
+    paths = [path for path, _ in model.named_modules() if path]
+    known = set(paths)
+    resolved: dict[str, str] = {}
+    source: dict[str, str] = {}
+    for pattern, style in plan.items():
+        glob = any(c in pattern for c in _GLOB_CHARS)
+        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)] if glob else [pattern] * (pattern in known)
+        if not matched:
+            probe = pattern.replace("*", "0").replace("?", "0")
+            close = difflib.get_close_matches(probe, paths, n=5, cutoff=0.6)
+            hint = f"; close paths: {', '.join(close)}" if close else f"; paths look like: {', '.join(paths[:5])}"
+            raise ValueError(
+                f"tp_plan key '{pattern}' matches no module of {type(model).__name__}{hint} "
+                "(keys are module paths, or globs over them such as 'model.layers.*.mlp.up_proj')"
+            )
+        for path in matched:
+            if resolved.get(path, style) != style:
+                raise ValueError(
+                    f"tp_plan: '{path}' is matched by '{source[path]}' ({resolved[path]!r}) and by '{pattern}' "
+                    f"({style!r}); one module takes one style: narrow one of the patterns"
+                )
+            resolved[path] = style
+            source.setdefault(path, pattern)
+    return resolved
+
+
+def _holders(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> the module paths holding it directly (several: a tied weight)."""
+    holders: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for _, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(path)
+    return holders
+
+
+def check_ties(model: nn.Module, resolved: dict[str, str]) -> None:
+    """A weight tied between modules stays one Parameter only as the vocabulary pair, both planned."""
+    holders = _holders(model)
+    for path in resolved:
+        for name, param in model.get_submodule(path).named_parameters(recurse=False):
+            tied = sorted(set(holders[id(param)]))
+            if len(tied) < 2:
+                continue
+            styles = {p: resolved.get(p) for p in tied}
+            pair = sorted(s for s in styles.values() if s) == ["vocab_embedding", *["vocab_head"] * (len(tied) - 1)]
+            if not pair:
+                given = ", ".join(f"'{p}': {s!r}" if s else f"'{p}' (not in tp_plan)" for p, s in styles.items())
+                raise ValueError(
+                    f"tp_plan shards '{path}.{name}', a weight tied between {given}; sharding one would silently "
+                    "untie it. A tied embedding and LM head are split together: give the embedding 'vocab_embedding' "
+                    "and every module sharing its weight 'vocab_head'; other ties: leave all of them out of tp_plan"
+                )
+
+
+def _check_linear_like(path: str, style: str, module: nn.Module) -> None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise ValueError(
+            f"tp_plan['{path}']={style!r} needs a Linear-like module (nn.Linear or transformers' Conv1D), found "
+            f"{type(module).__name__}; match only the projections (e.g. 'model.layers.*.mlp.up_proj')"
+        )
+
+
+def _column(module: nn.Module, parts: str, tp: TPGroup) -> nn.Module:
+    blocks = int(parts or 1)
+    out_features = module.nf if is_conv1d(module) else module.out_features
+    layout = ShardLayout(blocks, out_features // blocks, 1, tp.size)
+    if is_conv1d(module):
+        return ColumnParallelConv1D(module, layout, tp)
+    return ColumnParallelLinear(module, layout, tp, comm=True)
+
+
+def _row(module: nn.Module, tp: TPGroup) -> nn.Module:
+    if is_conv1d(module):
+        return RowParallelConv1D(module, ShardLayout(1, module.weight.shape[0], 1, tp.size), tp)
+    return RowParallelLinear(module, ShardLayout(1, module.in_features, 1, tp.size), tp, comm=True)
+
+
+def rewrite(model: nn.Module, resolved: dict[str, str], tp: TPGroup) -> list[tuple[str, str, str]]:
+    """Swap every planned module for its shard; (path, style, detail) per module, embeddings first
+    (a tied head then takes the embedding's sharded weight)."""
+    entries = []
+    embedding_weights: dict[int, nn.Parameter] = {}
+    for path, style in sorted(resolved.items(), key=lambda item: item[1] != "vocab_embedding"):
+        module = model.get_submodule(path)
+        kind, _, parts = style.partition(":")
+        if kind in ("colwise", "colwise_fused", "rowwise"):
+            _check_linear_like(path, style, module)
+            new = _column(module, parts, tp) if kind != "rowwise" else _row(module, tp)
+            what = "Conv1D (weight (in, out))" if is_conv1d(module) else "Linear"
+        elif kind == "vocab_embedding":
+            new = VocabParallelEmbedding(module, tp)
+            embedding_weights[id(module.weight)] = new.weight
+            what = "embedding"
+        else:
+            new = VocabParallelHead(module, tp, weight=embedding_weights.get(id(module.weight)))
+            what = "tied to the embedding" if id(module.weight) in embedding_weights else "untied"
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        entries.append((path, style, f"explicit plan, {what}"))
+    return entries
