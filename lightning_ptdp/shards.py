@@ -70,19 +70,9 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
         return None  # replicated on every TP rank
     if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
         return None
-<<<<<<< HEAD
     layout = layer.layout
     segments = tuple(Segment(*piece) for piece in layout.segments(layer.tp.rank))
-    return TPCut(1 if isinstance(layer, RowParallelLinear) else 0, layout.size, segments)
-=======
-    layout, rank = layer.layout, layer.tp.rank
-    per_block = layout.local_units * layout.unit_size
-    first_unit = layout.unit_indices(rank).start
-    segments = tuple(
-        Segment(b * per_block, per_block, (b * layout.units + first_unit) * layout.unit_size) for b in range(layout.blocks)
-    )
     return TPCut(shard_dim(layer, attr), layout.size, segments)
->>>>>>> block-containers
 
 
 def tp_cuts(model: nn.Module) -> dict[str, TPCut]:

@@ -1,18 +1,10 @@
 """Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
 
-<<<<<<< HEAD
-  1. find the repeated transformer blocks (a ModuleList/Sequential of same-type modules with
-     Linears) and capture the first block's real inputs with one probe forward;
+  1. find the repeated transformer blocks (blocks.py: a ModuleList/Sequential/ModuleDict of
+     same-type modules with Linears) and capture the first block's real inputs with one probe forward;
   2. record and plan one block per list (discovery.py), then for every block: swap its Linears
      for their column/row shards and run its own forward under the replay of the rewrites
      (replay.py), with one collective at each region's input and one at its output (f and g);
-=======
-  1. find the repeated transformer blocks (blocks.py: a ModuleList/Sequential/ModuleDict of
-     same-type modules with Linears) and capture the first block's real inputs with one probe forward;
-  2. trace and plan one block per list (discovery.py), then for every block: swap its Linears for
-     their column/row shards and run its forward from the rewritten graph, with one collective
-     at each region's input and one at its output (Megatron's f and g);
->>>>>>> block-containers
   3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
   4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
      is split, the last block's output gathered, region inputs all-gathered (the column Linears
@@ -30,11 +22,18 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.blocks import find_block_lists
+from lightning_ptdp.blocks import find_block_lists, is_conv1d
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import BlockPlan, RegionPlan, TPDiscoveryError, plan_block, trace_block
-from lightning_ptdp.tensor_parallel.explicit_plan import EXPLICIT_STYLES, check_ties, resolve_plan, rewrite
+from lightning_ptdp.tensor_parallel.explicit_plan import (
+    EXPLICIT_STYLES,
+    ColumnParallelConv1D,
+    RowParallelConv1D,
+    check_ties,
+    resolve_plan,
+    rewrite,
+)
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -99,22 +98,22 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
-    for name in (n for region in regions for n in (*region.columns, region.row)):
-        if not isinstance(block.get_submodule(name), nn.Linear):
-            raise TPDiscoveryError(
-                f"tensor parallelism: '{name}' is a {type(block.get_submodule(name)).__name__}, not an nn.Linear; "
-                "discovery reads its role but cannot shard it yet"
-            )
+    def column(linear: nn.Module, layout: ShardLayout) -> nn.Module:
+        return ColumnParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else ColumnParallelLinear(linear, layout, tp)
+
+    def row(linear: nn.Module, layout: ShardLayout) -> nn.Module:
+        return RowParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else RowParallelLinear(linear, layout, tp)
+
     for region in regions:
         widest = max(region.units.values())
         for col in region.columns:
             layout = ShardLayout(
                 region.blocks[col], region.units[col], region.unit_size[col], tp.size, region.parts.get(col, ())
             )
-            _set_submodule(block, col, ColumnParallelLinear(block.get_submodule(col), layout, tp))
-        row = block.get_submodule(region.row)
-        row_layout = ShardLayout(1, widest, row.in_features // widest, tp.size)
-        _set_submodule(block, region.row, RowParallelLinear(row, row_layout, tp))
+            _set_submodule(block, col, column(block.get_submodule(col), layout))
+        closing = block.get_submodule(region.row)
+        in_features = closing.weight.shape[0] if is_conv1d(closing) else closing.in_features
+        _set_submodule(block, region.row, row(closing, ShardLayout(1, widest, in_features // widest, tp.size)))
 
 
 def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:

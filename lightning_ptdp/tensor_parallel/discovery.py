@@ -29,7 +29,8 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
 )
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
-from lightning_ptdp.tensor_parallel.recording import RecordedBlock, is_linear_like, record_block
+from lightning_ptdp.blocks import is_linear_like
+from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> RecordedBlock:

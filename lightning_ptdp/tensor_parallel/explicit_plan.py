@@ -16,12 +16,10 @@ import difflib
 import fnmatch
 from types import SimpleNamespace
 
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lightning_ptdp.blocks import is_conv1d
-from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -47,28 +45,21 @@ def _transpose_weight(layer: nn.Module) -> None:
 class ColumnParallelConv1D(ColumnParallelLinear):
     """A column shard of transformers' Conv1D; weight (in, out/t) like the original's (in, out)."""
 
-    transposed = True
+    transposed = True  # the shared forward uses weight.t()
 
-    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup) -> None:
-        super().__init__(_linear_view(conv), layout, tp, comm=True)
+    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup, *, comm: bool = True) -> None:
+        super().__init__(_linear_view(conv), layout, tp, comm=comm)
         _transpose_weight(self)
-
-    def forward(self, x: torch.Tensor, shard: object = None) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight.t(), self.bias)
 
 
 class RowParallelConv1D(RowParallelLinear):
     """A row shard of transformers' Conv1D; weight (in/t, out) like the original's (in, out)."""
 
-    transposed = True
+    transposed = True  # the shared forward uses weight.t()
 
-    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup) -> None:
-        super().__init__(_linear_view(conv), layout, tp, comm=True)
+    def __init__(self, conv: nn.Module, layout: ShardLayout, tp: TPGroup, *, comm: bool = True) -> None:
+        super().__init__(_linear_view(conv), layout, tp, comm=comm)
         _transpose_weight(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight.t()), self.tp)
-        return y if self.bias is None else y + self.bias
 
 
 def shard_dim(layer: nn.Module, attr: str) -> int:

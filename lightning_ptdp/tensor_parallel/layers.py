@@ -96,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i: this rank's output features (the layout's units) of an nn.Linear."""
 
     _ptdp_linear = True
+    transposed = False  # weight stored (in, out), as transformers' Conv1D keeps it
 
     def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
         super().__init__()
@@ -112,9 +113,10 @@ class ColumnParallelLinear(nn.Module):
             x, shard = self.region.enter(x)
         elif self.comm:
             x = copy_to_tp(x, self.tp)
+        weight = self.weight.t() if self.transposed else self.weight
         if shard is not None:
-            return sequence_parallel_linear(x, self.weight, self.bias, shard=shard)
-        return F.linear(x, self.weight, self.bias)
+            return sequence_parallel_linear(x, weight, self.bias, shard=shard)
+        return F.linear(x, weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.out_features}/{self.layout.size}, tp={self.tp.size}"
@@ -127,6 +129,7 @@ class RowParallelLinear(nn.Module):
     """
 
     _ptdp_linear = True
+    transposed = False
 
     def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, comm: bool = False) -> None:
         super().__init__()
@@ -138,7 +141,7 @@ class RowParallelLinear(nn.Module):
         self.region = None  # RegionEntry of a discovered block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.region is not None and self.region.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp)
         else:

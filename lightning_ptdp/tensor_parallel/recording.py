@@ -23,6 +23,8 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_ptdp.blocks import is_linear_like
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -62,16 +64,6 @@ class SiteCounter:
         count = self.seen.get(key, 0)
         self.seen[key] = count + 1
         return CallSite(frame.f_code, frame.f_lasti, func, count)
-
-
-def is_linear_like(module: nn.Module) -> bool:
-    """nn.Linear, our parallel Linears, or transformers' Conv1D (weight stored (in, out))."""
-    return isinstance(module, nn.Linear) or getattr(module, "_ptdp_linear", False) or is_conv1d(module)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(weight, "ndim", 0) == 2
 
 
 def is_leaf(module: nn.Module) -> bool:
