@@ -13,7 +13,7 @@ from tests.tp_utils import reference_step, tp_step
 # round-off only (measured ~1e-7); 1e-5 relative leaves room and still catches a wrong shard.
 LOSS_RTOL = 1e-5
 GRAD_REL = 1e-5
-TP_FAMILIES = ("hf_llama", "hf_llama_tied", "hf_mistral", "hf_neox", "litgpt_llama", "litgpt_pythia")
+TP_FAMILIES = ("hf_llama", "hf_llama_tied", "hf_mistral", "hf_gpt2", "hf_neox", "litgpt_llama", "litgpt_pythia")
 
 
 def _zero_in_exact_arithmetic(grad: torch.Tensor) -> bool:
