@@ -659,12 +659,23 @@ class PTDPStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
     ) -> Union[torch.Tensor, Any]:
-        """Reduce a logged value over the dp group (tp/pp ranks of one replica hold the same value)."""
+        """Reduce a logged value over the dp group (tp/pp ranks of one replica hold the same value).
+        Decisions reduce over the world (``reduce_boolean_decision``); ``broadcast`` is from a global rank."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is None and self._device_mesh is not None:
             group = self._device_mesh["dp"].get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """One decision for the whole world (not per dp group): ModelCheckpoint's top-k update and
+        file names, EarlyStopping's stop; every rank must then join the same save."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
