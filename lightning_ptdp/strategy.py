@@ -240,6 +240,7 @@ class PTDPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self._dims = None
         _ = self.parallel_dims
+        self._check_grad_scaler()
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
@@ -329,6 +330,19 @@ class PTDPStrategy(ParallelStrategy):
             )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _check_grad_scaler(self) -> None:
+        """A GradScaler skips a step whose (scaled) gradients overflow, and lowers the scale: normal
+        in its first steps. The non-finite policy runs before it unscales, so "raise" would stop on
+        those overflows and "skip" would leave the scaler no gradients to check: refused together."""
+        if getattr(self.precision_plugin, "scaler", None) is not None and self.on_nonfinite != "ignore":
+            raise ValueError(
+                "precision='16-mixed' scales the loss with a GradScaler, which skips a step whose gradients overflow "
+                "and lowers the scale: that is how it works, not a failure, but "
+                f"on_nonfinite={self.on_nonfinite!r} would act on it (the check sees the still-scaled gradients). "
+                "With PTDPStrategy use precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
+                "decide alone"
+            )
 
     def _check_pipeline_precision(self) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
