@@ -18,7 +18,9 @@ neither a DTensor placement nor DCP's default planner can describe; ours hand DC
 
 Saving is atomic: DCP writes into a fresh hidden version directory and the checkpoint's name is a
 symlink swapped onto it with one ``os.replace`` once every rank's files are on disk. A crash at
-any moment leaves the name pointing at the previous complete checkpoint.
+any moment leaves the name pointing at the previous complete checkpoint. Cleanup deletes only
+version folders the saver created (marked) that no name references; a plain folder found at a
+checkpoint's name is refused, never replaced, moved or deleted.
 """
 
 from __future__ import annotations
@@ -194,27 +196,46 @@ def flat_state(checkpoint: dict[str, Any], rank: int, layout: dict[str, Any]) ->
 
 
 # ----------------------------------------------------------------------------------- saving
+VERSION_MARK = ".ptdp-version"  # in every version folder the saver creates: only those are ever deleted
+
+
+def _refuse_plain_folder(target: str) -> None:
+    """A sharded checkpoint's name is a link into the versions folder; a plain folder there is not
+    ours (user data, another tool's checkpoint): never replaced, moved or deleted."""
+    if os.path.isdir(target) and not os.path.islink(target):
+        raise FileExistsError(
+            f"{target!r} is a plain folder, not a ptdp sharded checkpoint (whose name is a link into "
+            f"{VERSIONS}/ beside it); ptdp does not replace, move or delete it. Move or delete it yourself, "
+            "or save the checkpoint under another name"
+        )
+
+
 def _version_dir(target: str) -> str:
-    """A new, empty version folder for ``target`` (rank 0 only)."""
+    """A new, empty version folder for ``target``, marked as ptdp's (rank 0 only)."""
+    _refuse_plain_folder(target)
     versions = os.path.join(os.path.dirname(target), VERSIONS)
     os.makedirs(versions, exist_ok=True)
     base = os.path.basename(target)
     taken = [int(n.rsplit(".v", 1)[1]) for n in os.listdir(versions) if n.startswith(f"{base}.v") and n.rsplit(".v", 1)[1].isdigit()]
     path = os.path.join(versions, f"{base}.v{max(taken, default=0) + 1}")
     os.makedirs(path)
+    with open(os.path.join(path, VERSION_MARK), "w") as mark:
+        mark.write(base)
     return path
 
 
 def _collect_garbage(folder: str) -> None:
-    """Delete the version folders no checkpoint name in ``folder`` points at (directly or through
-    other links): replaced ones, removed ones, and those a crash left unpublished."""
+    """Delete the version folders ptdp wrote (marked) that no name in ``folder`` points at (directly
+    or through other links): replaced ones, removed ones, and those a crash left unpublished.
+    Anything else in the versions folder is left alone."""
     versions = os.path.join(folder, VERSIONS)
     if not os.path.isdir(versions):
         return
     linked = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))}
     for name in os.listdir(versions):
         path = os.path.join(versions, name)
-        if os.path.realpath(path) not in linked:
+        ours = not os.path.islink(path) and os.path.isfile(os.path.join(path, VERSION_MARK))
+        if ours and os.path.realpath(path) not in linked:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -224,8 +245,7 @@ def _publish(version: str, target: str) -> None:
     folder = os.path.dirname(target)
     fsync_dir(version)
     fsync_dir(os.path.dirname(version))
-    if os.path.isdir(target) and not os.path.islink(target):  # a plain folder (another writer's): set aside
-        os.replace(target, f"{version}-replaced")
+    _refuse_plain_folder(target)  # again: one may have appeared while the ranks wrote
     link = f"{target}.ptdp-link"
     if os.path.lexists(link):
         os.remove(link)
@@ -289,9 +309,14 @@ def describe_failure(error: BaseException) -> str:
 
 
 def remove(target: str) -> None:
-    """Delete a checkpoint name; its data goes once no other name points at it."""
+    """Delete a checkpoint name; its data goes once no other name points at it. A plain folder at
+    the name is not a checkpoint ptdp wrote: left in place, with a warning."""
     if os.path.islink(target):
         os.remove(target)
         _collect_garbage(os.path.dirname(os.path.abspath(target)))
-    else:
-        shutil.rmtree(target, ignore_errors=True)
+    elif os.path.isdir(target):
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"not removing {target!r}: a plain folder, not a ptdp sharded checkpoint (a link); left as it is"
+        )

@@ -131,7 +131,7 @@ def check_gpu(index: int, name: str, total_memory: int, capability: tuple[int, i
     if capability < (8, 0):
         status = WARN
         detail += ", no bf16"
-        fixes.append("use precision='16-mixed' (bf16 needs sm_80 or newer)")
+        fixes.append("use precision='16-mixed' with on_nonfinite='ignore' (bf16 needs sm_80 or newer)")
     return Check(f"gpu{index}", status, detail, "; ".join(fixes))
 
 

@@ -89,10 +89,28 @@ def parallelize(
         # pipeline split left this rank, before data parallelism wraps or shards it
         materialize_shards(module, device, result.pipeline)
     if training and config.zero_stage > 0:
+        check_zero_supported(module, config, dims)
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result
+
+
+def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
+    """Refused at setup, before any step: ZeRO cannot shard KV heads copied over several TP ranks
+    (t > n_kv_heads), whose copies' gradients must be summed over the tp group before the step."""
+    from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
+
+    for name, layer in module.named_modules():
+        if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1:
+            heads = layer.layout.units
+            fits = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise ValueError(
+                f"zero_stage={config.zero_stage} with tensor_parallel_size={dims.tp} > the {heads} key/value heads of "
+                f"'{name}': each KV head is replicated over {layer.layout.replication} TP ranks, and ZeRO cannot sum "
+                f"those copies' sharded gradients. Use zero_stage=0, or tensor_parallel_size in {fits} (dividing the "
+                "KV heads)"
+            )
 
 
 def materialize_shards(module: torch.nn.Module, device: torch.device, pipeline: Optional[PipelineEngine]) -> None:

@@ -240,6 +240,7 @@ class PTDPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self._dims = None
         _ = self.parallel_dims
+        self._check_grad_scaler()
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
@@ -329,6 +330,19 @@ class PTDPStrategy(ParallelStrategy):
             )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _check_grad_scaler(self) -> None:
+        """A GradScaler skips a step whose (scaled) gradients overflow, and lowers the scale: normal
+        in its first steps. The non-finite policy runs before it unscales, so "raise" would stop on
+        those overflows and "skip" would leave the scaler no gradients to check: refused together."""
+        if getattr(self.precision_plugin, "scaler", None) is not None and self.on_nonfinite != "ignore":
+            raise ValueError(
+                "precision='16-mixed' scales the loss with a GradScaler, which skips a step whose gradients overflow "
+                "and lowers the scale: that is how it works, not a failure, but "
+                f"on_nonfinite={self.on_nonfinite!r} would act on it (the check sees the still-scaled gradients). "
+                "With PTDPStrategy use precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
+                "decide alone"
+            )
 
     def _check_pipeline_precision(self) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -659,12 +673,23 @@ class PTDPStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
     ) -> Union[torch.Tensor, Any]:
-        """Reduce a logged value over the dp group (tp/pp ranks of one replica hold the same value)."""
+        """Reduce a logged value over the dp group (tp/pp ranks of one replica hold the same value).
+        Decisions reduce over the world (``reduce_boolean_decision``); ``broadcast`` is from a global rank."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is None and self._device_mesh is not None:
             group = self._device_mesh["dp"].get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """One decision for the whole world (not per dp group): ModelCheckpoint's top-k update and
+        file names, EarlyStopping's stop; every rank must then join the same save."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

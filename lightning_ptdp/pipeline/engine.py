@@ -5,8 +5,9 @@ every stage, with the model in that stage's chunk mode (see split.py): on the la
 computes the microbatch loss exactly as written; elsewhere it stops at the chunk's end and its
 activation is sent on. torch.distributed.pipelining's stages and schedules do the ordering and
 the point-to-point transfers. ``self.log`` calls made during the microbatches are collected and
-replayed once per step on every pipeline rank with the mean over microbatches, so loggers,
-the progress bar and checkpoint monitors see the global batch's value everywhere.
+replayed once per step on every pipeline rank, combined over microbatches by their ``reduce_fx``
+(sum, max, min; mean weighted by ``batch_size``), so loggers, the progress bar and checkpoint
+monitors see the value one process logs for the global batch, everywhere.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ class PipelineEngine:
         if self.is_last:
             run = self._finished
             try:
-                payload = {**last_stage(), "logs": self._mean_logs(run.logs), "metrics": self._metric_states()}
+                payload = {**last_stage(), "logs": self._reduced_logs(run.logs), "metrics": self._metric_states()}
                 payload["as_dict"] = run.as_dict
             except Exception as error:  # shared below, so no other stage waits for a result that never comes
                 payload = {"error": f"{type(error).__name__}: {error}"}
@@ -385,26 +386,33 @@ class PipelineEngine:
             metric._update_count, metric._computed = count, None
             metric._forward_cache = _to_device(forward_cache, self.device)
 
-    def _mean_logs(self, logs: list[tuple[int, str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
-        """One entry per logged name: the mean over microbatches (a Metric is passed by its path)."""
+    def _reduced_logs(self, logs: list[tuple[int, str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
+        """One entry per logged name: the microbatches' values combined by the call's ``reduce_fx``,
+        its ``batch_size`` (if given) the step's total (a Metric is passed by its path)."""
         from torchmetrics import Metric
 
         paths = {id(m): name for name, m in self._metric_paths().items()}
         values: dict[str, list] = {}
-        options: dict[str, tuple[tuple, dict]] = {}
+        sizes: dict[str, list] = {}
+        options: dict[str, dict] = {}
         for _, name, value, args, kwargs in logs:
+            options[name] = _log_options(args, kwargs)
             values.setdefault(name, []).append(value)
-            options[name] = (args, kwargs)
+            sizes.setdefault(name, []).append(options[name]["batch_size"])
         reduced = []
         for name, seen in values.items():
+            kwargs = options[name]
             if isinstance(seen[-1], Metric):
                 value = paths.get(id(seen[-1]))
                 if value is None:
                     raise ValueError(f"self.log({name!r}, metric): under pipeline parallelism a logged Metric must be "
                                      "an attribute of the LightningModule so every stage can log it")
             else:
-                value = sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in seen) / len(seen)
-            reduced.append((name, value, *options[name]))
+                floats = [float(v.detach() if isinstance(v, torch.Tensor) else v) for v in seen]
+                value = combine_microbatches(floats, sizes[name], kwargs["reduce_fx"])
+                if kwargs["batch_size"] is not None:
+                    kwargs = {**kwargs, "batch_size": sum(size or 0 for size in sizes[name])}
+            reduced.append((name, value, (), kwargs))
         return reduced
 
     def share(self, payload: Any) -> Any:
@@ -412,6 +420,38 @@ class PipelineEngine:
         box = [payload if self.is_last else None]
         dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
         return box[0]
+
+
+_REDUCE_FX = {
+    torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min", min: "min"
+}
+
+
+def _log_options(args: tuple, kwargs: dict) -> dict:
+    """The options of one ``self.log(name, value, *args, **kwargs)`` call by name, with defaults."""
+    import inspect
+
+    import lightning.pytorch as pl
+
+    bound = inspect.signature(pl.LightningModule.log).bind(None, "name", None, *args, **kwargs)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+
+
+def combine_microbatches(values: list[float], sizes: list[Optional[int]], reduce_fx: Any) -> float:
+    """What one process logs for the whole batch, from each microbatch's value: the sum, max or
+    min of them, or (mean) their mean weighted by ``batch_size`` where given."""
+    fx = reduce_fx.lower() if isinstance(reduce_fx, str) else _REDUCE_FX.get(reduce_fx, reduce_fx)
+    if fx == "sum":
+        return sum(values)
+    if fx == "max":
+        return max(values)
+    if fx == "min":
+        return min(values)
+    if fx not in ("mean", "avg"):  # Lightning refuses it when the value is replayed
+        return values[-1]
+    weights = [1 if size is None else size for size in sizes]
+    return sum(v * w for v, w in zip(values, weights)) / sum(weights)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from lightning_ptdp.pipeline.split import PipelineSplit
-from lightning_ptdp.tensor_parallel.consolidate import flat_all_reduce, local_tensor
+from lightning_ptdp.tensor_parallel.consolidate import all_reduce_grads, flat_all_reduce, local_tensor
 
 
 def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
@@ -42,12 +42,8 @@ def sum_tied_gradients(
 def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, dp_size: int) -> None:
     """Mean of the gradients over the data-parallel replicas, once per optimizer step (not per
     microbatch): one flat all-reduce per dtype, instead of DDP, whose hooks would fire in every
-    microbatch's backward unless each were wrapped in no_sync."""
+    microbatch's backward unless each were wrapped in no_sync. The buffer is built from ``params``,
+    the same on every replica whatever its forward touched."""
     if dp_size == 1:
         return
-    for param in params:  # every replica reduces the same buffer, whatever its forward touched
-        if param.requires_grad and param.grad is None:
-            param.grad = torch.zeros_like(param)
-    grads = [p.grad for p in params if p.requires_grad]
-    if grads:
-        flat_all_reduce(grads, dp_group, 1.0 / dp_size)
+    all_reduce_grads([p for p in params if p.requires_grad], dp_group, 1.0 / dp_size)

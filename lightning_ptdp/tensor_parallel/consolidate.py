@@ -103,33 +103,66 @@ def flat_all_reduce(tensors: list[torch.Tensor], group: Any, scale: float = 1.0)
             offset += tensor.numel()
 
 
+def all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
+    """Sum (times ``scale``) the gradients of ``params`` over ``group`` in one flat buffer per dtype,
+    built from the parameter list so it is identical on every rank whatever each backward reached:
+    a missing gradient contributes zeros, and stays None only where no rank has one (as one process)."""
+    if not params:
+        return
+    had = [p.grad is not None for p in params]
+    for param, present in zip(params, had):
+        if not present:
+            param.grad = torch.zeros_like(param)
+    flags = torch.tensor(had, dtype=torch.float32, device=local_tensor(params[0]).device)
+    flat_all_reduce([*(local_tensor(p.grad) for p in params), flags], group, scale)
+    for param, anywhere in zip(params, flags.tolist()):
+        if not anywhere:
+            param.grad = None
+
+
+def _replicated_kv(model: nn.Module) -> list[tuple[ColumnParallelLinear, nn.Parameter]]:
+    """KV projection weights and biases replicated over several TP ranks (t > n_kv_heads), in model order."""
+    return [
+        (layer, param)
+        for layer in model.modules()
+        if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1
+        for param in (layer.weight, layer.bias)
+        if param is not None
+    ]
+
+
 def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]], tp: TPGroup) -> None:
-    """Finish the gradients TP leaves partial, once per optimizer step:
+    """Finish the gradients TP leaves partial, once per optimizer step (buffers from the parameter
+    lists, identical on every rank; a rank that did not use a parameter adds zeros):
 
     - parameters replicated inside sequence-parallel blocks (norms, row biases) saw only this
       rank's part of the sequence: sum over the group (one flat all-reduce);
     - KV heads replicated over several ranks (t > n_kv_heads): each copy saw only its ranks'
       query heads: sum the copies (scatter into the full tensor, all-reduce, take own rows).
     """
-    params = [getattr(module, name) for module, name in partial]
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-    if grads:
-        flat_all_reduce(grads, tp.group)
-    for layer in model.modules():
-        if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1:
-            for param in (layer.weight, layer.bias):
-                if param is None or param.grad is None:
-                    continue
-                if hasattr(param.grad, "to_local"):
-                    raise NotImplementedError(
-                        "zero_stage > 0 with key/value heads replicated over tensor-parallel ranks "
-                        "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or a smaller t"
-                    )
-                rows = layer.layout.indices(tp.rank).to(param.grad.device)
-                full = param.grad.new_zeros((layer.layout.size, *param.grad.shape[1:]))
-                full.index_copy_(0, rows, param.grad)
-                dist.all_reduce(full, group=tp.group)
-                param.grad.copy_(full.index_select(0, rows))
+    all_reduce_grads([getattr(module, name) for module, name in partial], tp.group)
+    replicated = _replicated_kv(model)
+    if not replicated:
+        return
+    if any(hasattr(param, "to_local") for _, param in replicated):
+        raise NotImplementedError(
+            "zero_stage > 0 with key/value heads replicated over tensor-parallel ranks "
+            "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or a smaller t"
+        )
+    rows = [layer.layout.indices(tp.rank).to(param.device) for layer, param in replicated]
+    fulls = []
+    for (layer, param), own in zip(replicated, rows):
+        full = param.new_zeros((layer.layout.size, *param.shape[1:]))
+        if param.grad is not None:
+            full.index_copy_(0, own, param.grad)
+        fulls.append(full)
+    had = torch.tensor([param.grad is not None for _, param in replicated], dtype=torch.float32, device=fulls[0].device)
+    flat_all_reduce([*fulls, had], tp.group)
+    for (_, param), own, full, anywhere in zip(replicated, rows, fulls, had.tolist()):
+        if anywhere and param.grad is None:
+            param.grad = full.index_select(0, own)
+        elif anywhere:
+            param.grad.copy_(full.index_select(0, own))
 
 
 def global_grad_norm(

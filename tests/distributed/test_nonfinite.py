@@ -73,3 +73,29 @@ def test_unknown_policy_is_refused():
 
     with pytest.raises(ValueError, match=r"on_nonfinite='warn' is not one of 'raise', 'skip', 'ignore'"):
         PTDPStrategy(on_nonfinite="warn")
+
+
+def _trainer_with_grad_scaler(policy: str):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_ptdp import PTDPStrategy
+    from tests.fit_utils import quiet_trainer
+
+    # precision="16-mixed" on CPU becomes bf16 in Lightning; the plugin carries the GradScaler a GPU run has
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    return quiet_trainer(devices=2, strategy=PTDPStrategy(on_nonfinite=policy), plugins=[scaled], max_steps=1)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_grad_scaler_with_a_nonfinite_policy_is_refused_at_construction(policy):
+    with pytest.raises(ValueError, match=rf"precision='16-mixed' scales the loss with a GradScaler, which skips a step "
+                                         rf"whose gradients overflow and lowers the scale: that is how it works, not a "
+                                         rf"failure, but on_nonfinite='{policy}' would act on it .* use "
+                                         rf"precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
+                                         rf"decide alone"):
+        _trainer_with_grad_scaler(policy)
+
+
+def test_grad_scaler_decides_alone_with_ignore():
+    trainer = _trainer_with_grad_scaler("ignore")
+    assert trainer.strategy.precision_plugin.scaler is not None

@@ -87,3 +87,41 @@ def test_zero_refuses_a_weight_tied_across_separate_units(dist_pool):
     """nanoGPT's wte (inside the ModuleDict) tied to lm_head (beside it): no module with a forward
     encloses both, so FSDP would shard the weight in one and leave it stale in the other."""
     assert dist_pool(2).run(_zero_on_tied_dict_model) == [True, True]
+
+
+def fit_zero_with_replicated_kv_heads() -> None:
+    """ZeRO-1 at t=2 on a Llama with one KV head (replicated over both TP ranks): refused at setup."""
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from tests.fit_utils import quiet_trainer, zoo_data
+    from tests.models import build_model
+
+    class Steps(L.Callback):
+        started = 0
+
+        def on_train_batch_start(self, *args) -> None:
+            Steps.started += 1
+
+    trainer = quiet_trainer(
+        devices=4, strategy=PTDPStrategy(zero_stage=1, tensor_parallel_size=2), max_steps=1, callbacks=[Steps()]
+    )
+    try:
+        trainer.fit(build_model("llama", num_kv_heads=1), zoo_data(4, 4000, 100))
+    finally:
+        assert Steps.started == 0, "a training step ran before the refusal"
+
+
+@pytest.mark.world_size(4)
+def test_zero_with_kv_heads_replicated_over_tp_is_refused_at_setup(dist_pool):
+    from lightning_ptdp.testing import RankFailure
+
+    refusal = (
+        r"ValueError: zero_stage=1 with tensor_parallel_size=2 > the 1 key/value heads of "
+        r"'net\.layers\.0\.attention\.wk': "
+        r"each KV head is replicated over 2 TP ranks, and ZeRO cannot sum those copies' sharded gradients\. Use "
+        r"zero_stage=0, or tensor_parallel_size in \[1\] \(dividing the KV heads\)"
+    )
+    with pytest.raises(RankFailure, match=refusal) as failure:
+        dist_pool(4).run(fit_zero_with_replicated_kv_heads)
+    assert "4 of 4 ranks failed" in str(failure.value) and "NotImplementedError" not in str(failure.value)

@@ -136,7 +136,10 @@ def test_slurm_template_runs_under_lightnings_slurm_environment(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a symlink to a venv's python outside the venv starts the base
+    # interpreter, without the venv's packages
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

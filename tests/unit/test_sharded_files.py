@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_ptdp.checkpoint_tool import consolidated_state_dict, shard
-from lightning_ptdp.distcp import VERSIONS, remove
+from lightning_ptdp.distcp import VERSIONS, _version_dir, remove
 from lightning_ptdp.distcp_load import open_checkpoint
 
 
@@ -39,9 +39,40 @@ def test_removing_a_link_keeps_the_data_another_name_points_at(tmp_path):
 
 
 def test_a_version_left_by_a_crash_is_collected_at_the_next_save(tmp_path):
-    (tmp_path / VERSIONS / "epoch=3.ckpt.v1").mkdir(parents=True)  # a save that never published
+    _version_dir(str(tmp_path / "epoch=3.ckpt"))  # a save that never published
     shard(_weights(1.0), str(tmp_path / "last.ckpt"))
     assert sorted(os.listdir(tmp_path / VERSIONS)) == ["last.ckpt.v1"]
+
+
+def test_cleanup_leaves_what_ptdp_did_not_write(tmp_path):
+    """Only marked version folders that no name references go: a folder or file of the user's in
+    the versions folder, and a version another name still points at, stay."""
+    (tmp_path / VERSIONS / "notes").mkdir(parents=True)
+    (tmp_path / VERSIONS / "notes" / "keep.txt").write_text("mine")
+    (tmp_path / VERSIONS / "epoch=3.ckpt.v1").mkdir()  # looks like a version, but ptdp never wrote it
+    (tmp_path / VERSIONS / "data.bin").write_bytes(b"x")
+    shard(_weights(1.0), str(tmp_path / "last.ckpt"))
+    os.symlink("last.ckpt", tmp_path / "best.ckpt")
+    shard(_weights(2.0), str(tmp_path / "other.ckpt"))
+    remove(str(tmp_path / "other.ckpt"))
+    assert sorted(os.listdir(tmp_path / VERSIONS)) == ["data.bin", "epoch=3.ckpt.v1", "last.ckpt.v1", "notes"]
+    assert (tmp_path / VERSIONS / "notes" / "keep.txt").read_text() == "mine"
+    assert consolidated_state_dict(str(tmp_path / "best.ckpt"))["w"][0, 0] == 1.0
+
+
+def test_a_plain_folder_at_the_name_is_refused_and_left_untouched(tmp_path):
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    (target / "results.csv").write_text("user data")
+    with pytest.raises(OSError, match=r"last\.ckpt' is a plain folder, not a ptdp sharded checkpoint .* ptdp does "
+                                      r"not replace, move or delete it\. Move or delete it yourself, or save the "
+                                      r"checkpoint under another name"):
+        shard(_weights(1.0), str(target))
+    assert (target / "results.csv").read_text() == "user data" and not target.is_symlink()
+    assert not (tmp_path / VERSIONS).exists() or os.listdir(tmp_path / VERSIONS) == []  # nothing written
+    with pytest.warns(UserWarning, match=r"not removing .*last\.ckpt': a plain folder"):
+        remove(str(target))
+    assert (target / "results.csv").read_text() == "user data"
 
 
 def test_a_copy_without_the_versions_folder_says_so(tmp_path):
