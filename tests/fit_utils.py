@@ -136,3 +136,28 @@ def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_
         if not name.endswith(skip):
             err = relative_error(result["state"][name], expected, expected - ref["initial"][name])
             assert err <= update_rel, f"weight {name}: error {err:.2e} of its update > {update_rel:.0e}"
+
+
+def assert_ranks_match_reference(
+    results: list[dict], ref: dict, *, loss_rtol: float, grad_rel: float, update_rel: float, skip: tuple = ()
+) -> None:
+    """Every rank: the reference's losses, and the gradients it holds (a pipeline stage holds its
+    own; a weight tied across stages appears under its stage's name); the ranks that return a
+    state (rank 0 alone under ZeRO) the reference's final weights. Every gradient is held somewhere."""
+    seen = set()
+    for result in results:
+        state = result["state"] or ref["state"]  # ranks without the full state compare losses and gradients
+        assert_matches_reference(
+            {**result, "first_grads": {}, "state": state}, {**ref, "first_grads": {}},
+            loss_rtol=loss_rtol, grad_rel=grad_rel, update_rel=update_rel, skip=skip,
+        )
+        assert state.keys() == ref["state"].keys()
+        for name, grad in result["first_grads"].items():
+            if name not in ref["first_grads"]:  # a tied weight named by the last stage's module
+                name = next(k for k in ref["first_grads"] if torch.equal(ref["initial"][k], result["initial"][name]))
+            seen.add(name)
+            if not name.endswith(skip):
+                err = relative_error(grad, ref["first_grads"][name], ref["first_grads"][name])
+                assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e}"
+    assert seen == set(ref["first_grads"]), "some gradients are held by no rank"
+    assert any(result["state"] for result in results), "no rank returned the trained weights"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fit_utils import assert_matches_reference, fit_and_record, relative_error
+from tests.fit_utils import assert_ranks_match_reference, fit_and_record, relative_error
 
 # fp32. A pipeline computes each microbatch's loss exactly as the whole batch's rows would be,
 # then sums microbatch gradients: the same values up to summation order. Measured: losses within
@@ -23,23 +23,9 @@ STEPS, GLOBAL_BATCH = 4, 8
 
 
 def _check(results: list[dict], ref: dict) -> None:
-    """Every rank: losses and final (gathered) weights as the reference; the gradients each rank
-    holds as the reference's (a weight tied across stages under its stage's own name)."""
-    seen = set()
-    for result in results:
-        assert_matches_reference(
-            {**result, "first_grads": {}}, {**ref, "first_grads": {}},
-            loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN,
-        )
-        assert result["state"].keys() == ref["state"].keys()
-        for name, grad in result["first_grads"].items():
-            if name not in ref["first_grads"]:  # a tied weight named by the last stage's module
-                name = next(k for k in ref["first_grads"] if torch.equal(ref["initial"][k], result["initial"][name]))
-            seen.add(name)
-            if not name.endswith(NOISE_DRIVEN):
-                err = relative_error(grad, ref["first_grads"][name], ref["first_grads"][name])
-                assert err <= GRAD_REL, f"gradient of {name}: relative error {err:.2e}"
-    assert seen == set(ref["first_grads"]), "some gradients are held by no rank"
+    assert_ranks_match_reference(
+        results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+    )
 
 
 LAYOUTS = [
