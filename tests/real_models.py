@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, SEQ = 64, 32, 4, 2, 4, 64, 32
 
@@ -85,20 +86,37 @@ def litgpt_pythia() -> nn.Module:
     )
 
 
+class CausalSDPA(nn.Module):
+    """torchtitan's inner-attention interface on plain causal SDPA: its language models accept
+    only flex/varlen attention, whose compiled kernels and block masks would cost a CPU test
+    minutes; everything around the inner attention (fused per-KV-group wqkv, complex RoPE,
+    ModuleDict layers) stays torchtitan's own."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):  # (B, L, N, H)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+        return out.transpose(1, 2)
+
+
 def titan_llama3() -> nn.Module:
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     layers = _build_llama3_layers(
         n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
-        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="sdpa",
+        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="flex",
     )
     config = Llama3Model.Config(
         dim=HIDDEN, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
         norm=RMSNorm.Config(normalized_shape=HIDDEN), lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
         layers=layers,
     )
-    return config.build()
+    model = config.build()
+    model.init_states()  # torchtitan allocates first, then initialises
+    for layer in model.layers.values():
+        layer.attention.inner_attention = CausalSDPA()
+    return model
 
 
 REAL_FAMILIES = {

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import fx
 
 from lightning_ptdp.tensor_parallel.discovery_types import (
-    PLAN_HINT,
+    plan_hint,
     BlockPlan,
     RegionPlan,
     TPDiscoveryError,
@@ -42,7 +42,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> Recor
     except Exception as err:  # the user's forward may raise anything
         raise TPDiscoveryError(
             f"tensor parallelism could not run block '{name}' ({type(block).__name__}) to read its dataflow: "
-            f"{type(err).__name__}: {err}; " + PLAN_HINT.format(block=name, module="<linear>")
+            f"{type(err).__name__}: {err}; " + plan_hint(name, "<linear>")
         ) from err
 
 
@@ -84,7 +84,7 @@ def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
             raise TPDiscoveryError(
                 f"block '{name}': linear '{node.target}' is fed both by a column-parallel linear and by the "
                 "residual stream; only column -> row pairs (attention, MLP) are discovered automatically; "
-                + PLAN_HINT.format(block=name, module=node.target)
+                + plan_hint(name, node.target)
             )
     regions: list[RegionPlan] = []
     used: set[fx.Node] = set()
@@ -93,13 +93,13 @@ def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
         if cols & used:
             raise TPDiscoveryError(
                 f"block '{name}': a column-parallel linear feeds two row-parallel linears ('{row.target}' and "
-                "another); " + PLAN_HINT.format(block=name, module=row.target)
+                "another); " + plan_hint(name, row.target)
             )
         inputs = {c.args[0] for c in cols}
         if len(inputs) != 1:
             raise TPDiscoveryError(
                 f"block '{name}': the column-parallel linears {sorted(c.target for c in cols)} of '{row.target}' "
-                "read different inputs; " + PLAN_HINT.format(block=name, module=row.target)
+                "read different inputs; " + plan_hint(name, row.target)
             )
         ordered = [c for c in linears if c in cols]
         regions.append(RegionPlan([c.target for c in ordered], row.target, next(iter(inputs)).name))
@@ -108,7 +108,7 @@ def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
     if stray:
         raise TPDiscoveryError(
             f"block '{name}': linear '{stray[0]}' opens a region that no row-parallel linear closes, "
-            "so its tensor-parallel role is unknown; " + PLAN_HINT.format(block=name, module=stray[0])
+            "so its tensor-parallel role is unknown; " + plan_hint(name, stray[0])
         )
     return regions
 
@@ -153,9 +153,11 @@ def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
             break
         user = users[0]
         shape_in, shape_out = _shape(current), _shape(user)
-        if _call_name(user) in ("view", "reshape") and shape_out and shape_in and len(shape_out) == len(shape_in) + 1:
-            if shape_out[-2] * shape_out[-1] == features:
-                return shape_out[-2], shape_out[-1]
+        if _call_name(user) in ("view", "reshape") and shape_out and shape_in and len(shape_out) > len(shape_in):
+            # (..., features) -> (..., units, *unit): heads, or KV groups of q/k/v heads (torchtitan)
+            unit_dims = shape_out[len(shape_in) - 1 :]
+            if math.prod(unit_dims) == features and shape_out[: len(shape_in) - 1] == shape_in[:-1]:
+                return unit_dims[0], features // unit_dims[0]
         if shape_out is None or shape_in is None or shape_out != shape_in:
             break
         current = user

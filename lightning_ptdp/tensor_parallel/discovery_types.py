@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,11 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-PLAN_HINT = (
-    "pass an explicit plan instead, e.g. PTDPStrategy(tensor_parallel_size=2, tp_plan={{'{block}.{module}': "
-    "'rowwise', ...}}), one entry per module path, each 'colwise', 'rowwise', 'colwise_fused:3' (fused q/k/v), "
-    "'vocab_embedding' or 'vocab_head'"
-)
+def plan_hint(block: str, module: str) -> str:
+    """The shortest explicit plan to suggest: one glob over every block of the list."""
+    blocks = re.sub(r"\.[^.]+$", ".*", block) if "." in block else "*"
+    return (
+        f"pass an explicit plan instead, e.g. PTDPStrategy(tensor_parallel_size=2, tp_plan={{'{blocks}.{module}': "
+        "'rowwise', ...}), one glob per module of the block, each 'colwise', 'rowwise', 'colwise_fused:3' "
+        "(fused q/k/v), 'vocab_embedding' or 'vocab_head'"
+    )
 
 _ELEMENTWISE = {
     operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.pow,

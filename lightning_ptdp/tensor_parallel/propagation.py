@@ -19,7 +19,7 @@ from torch import fx
 from lightning_ptdp.tensor_parallel.discovery_types import (
     _ELEMENTWISE,
     _ELEMENTWISE_METHODS,
-    PLAN_HINT,
+    plan_hint,
     RegionPlan,
     Sharded,
     TPDiscoveryError,
@@ -41,9 +41,11 @@ class ShardPropagation:
                 self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target])
 
     def fail(self, node: fx.Node, why: str) -> TPDiscoveryError:
+        site = node.meta.get("site")
+        where = f" (called at {site.where()})" if site is not None else ""
         return TPDiscoveryError(
-            f"block '{self.name}': '{node.format_node()}' {why}, so the region ending in '{self.region.row}' "
-            "cannot be split by heads automatically; " + PLAN_HINT.format(block=self.name, module=self.region.row)
+            f"block '{self.name}': '{node.format_node()}'{where} {why}, so the region ending in '{self.region.row}' "
+            "cannot be split by heads automatically; " + plan_hint(self.name, self.region.row)
         )
 
     def run(self) -> None:
@@ -69,9 +71,22 @@ class ShardPropagation:
             raise self.fail(node, "is a second linear reading the sharded activations")
         if any(True for _ in module.parameters()) and info.dim == len(_shape(src)) - 1:
             raise self.fail(node, "has parameters over the sharded feature dim")
+        if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
+            self._tuple_module(node)
+            return
         if _shape(node) != _shape(src):
             raise self.fail(node, "changes the shape of a sharded tensor")
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _tuple_module(self, node: fx.Node) -> None:
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        for user in node.users:
+            index = user.args[1] if user.target is operator.getitem else None
+            source = inputs[index] if isinstance(index, int) and index < len(inputs) else None
+            if source is None or _shape(source) != _shape(user):
+                raise self.fail(node, "returns tensors that do not match its head-sharded inputs one for one")
+            if source in self.shard:
+                self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
 
     def _function(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         name = _call_name(node)
@@ -149,8 +164,9 @@ class ShardPropagation:
 
     def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
-        if dim % len(_shape(src)) != info.dim:
-            raise self.fail(node, "splits along a dim other than the sharded one")
+        if dim % len(_shape(src)) != info.dim:  # e.g. q | k | v within each KV group (torchtitan)
+            self.shard[node] = Sharded(info.dim, info.ratio)
+            return
         sizes = node.args[1]
         new = [self._divide(node, s, info.ratio) for s in sizes] if isinstance(sizes, (list, tuple)) else self._divide(node, sizes, info.ratio)
         node.args = (node.args[0], new, *node.args[2:])

@@ -39,7 +39,9 @@ class CallSite:
     occurrence: int
 
     def where(self) -> str:
-        return f"{self.code.co_filename}:{self.code.co_firstlineno} ({self.code.co_name})"
+        """The user's source line of the call."""
+        line = next((ln for start, end, ln in self.code.co_lines() if start <= self.lasti < end and ln), None)
+        return f"{self.code.co_filename}:{line or self.code.co_firstlineno} in {self.code.co_name}"
 
 
 def caller_frame() -> Any:
