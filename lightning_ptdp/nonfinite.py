@@ -9,6 +9,7 @@ its moments untouched) with a warning; "ignore" does nothing, as plain Lightning
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
@@ -18,9 +19,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    sums = [t.detach().float().sum() for t in tensors]  # a NaN or Inf anywhere survives the sum
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+    """One fused pass per (device, dtype): GradScaler's own check with a unit scale (x * 1.0 is x,
+    bit for bit, NaN and Inf included), a few dispatches instead of a sum per tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t.detach())
+    flags = []
+    for (device, dtype), group in groups.items():
+        if dtype not in _FUSED_DTYPES:  # a NaN or Inf anywhere survives the sum
+            flags.append((~torch.isfinite(torch.stack([t.float().sum() for t in group]))).any().float().view(1))
+            continue
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones(1, device=device))
+        flags.append(found)
+    return not any(bool(flag.item()) for flag in flags)
 
 
 def nonfinite_ranks(loss: Any, params: Iterable[torch.nn.Parameter]) -> dict[str, list[int]]:
@@ -29,10 +45,10 @@ def nonfinite_ranks(loss: Any, params: Iterable[torch.nn.Parameter]) -> dict[str
     Both are reported: under data parallelism one rank's NaN loss reaches every rank's gradients
     through the all-reduce, and the loss names where it started."""
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    losses = [loss] if isinstance(loss, torch.Tensor) else []
-    flags = torch.tensor([0.0 if _all_finite(losses) else 1.0, 0.0 if _all_finite(grads) else 1.0])
-    if not (dist.is_available() and dist.is_initialized()):
-        gathered = [flags]
+    loss_finite = bool(torch.isfinite(loss.detach()).all()) if isinstance(loss, torch.Tensor) else True
+    flags = torch.tensor([0.0 if loss_finite else 1.0, 0.0 if _all_finite(grads) else 1.0])
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        gathered = [flags]  # a world of one: nothing to share
     else:
         device = loss.device if isinstance(loss, torch.Tensor) and dist.get_backend() == "nccl" else torch.device("cpu")
         gathered = [torch.zeros(2, device=device) for _ in range(dist.get_world_size())]
