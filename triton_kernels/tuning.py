@@ -60,10 +60,11 @@ def chosen() -> list[dict]:
     for stage, tuner in _TUNED.items():
         for key, config in tuner.cache.items():
             tiles = _tiles(config)
+            dtypes = dict.fromkeys(str(k) for k in key[len(KEY) :])  # one per tensor argument: once each
             rows.append(
                 {
                     "kernel": stage,
-                    "key": [str(k) for k in key],
+                    "key": [*(str(k) for k in key[: len(KEY)]), *dtypes],
                     "block_m": tiles.block_m,
                     "block_n": tiles.block_n,
                     "num_warps": tiles.num_warps,
