@@ -138,6 +138,10 @@ def run_suite(
         print(f"[benchmarks.gpu] {name}: {part['status']} in {part['seconds']:.1f} s", file=sys.stderr, flush=True)
         record["total_s"] = time.monotonic() - started
         json_path.write_text(json.dumps(record, indent=1, default=str))  # after each part: a killed run keeps them
+    # the GPU image has none of these: the suite must not need them (tests/integration/test_gpu_suite.py)
+    record["absent_on_gpu_image_but_imported"] = sorted(
+        {m.split(".")[0] for m in sys.modules} & {"hydra", "omegaconf", "wandb"}
+    )
     record["files"] = {"json": str(json_path), "markdown": str(md_path)}
     json_path.write_text(json.dumps(record, indent=1, default=str))
     text = markdown(record)
