@@ -30,13 +30,16 @@ class StepTimer(L.Callback):
         self.end: float | None = None
         self.cpu_start: float | None = None
         self.cpu_end: float | None = None
+        self.step_cpu: list[float] = []  # CPU seconds of each timed step
         self.timed_steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == WARMUP_STEPS:
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
         elif trainer.global_step > WARMUP_STEPS:
-            self.end, self.cpu_end = time.perf_counter(), time.process_time()
+            now = time.process_time()
+            self.step_cpu.append(now - (self.cpu_end or self.cpu_start))
+            self.end, self.cpu_end = time.perf_counter(), now
             self.timed_steps = trainer.global_step - WARMUP_STEPS
 
 
