@@ -22,18 +22,25 @@ WARMUP_STEPS = 10
 
 
 class StepTimer(L.Callback):
-    """Wall time from the end of the warm-up steps to the end of the last step."""
+    """Wall time (and this process's CPU time, all threads) from the end of the warm-up steps to
+    the end of the last step."""
 
     def __init__(self) -> None:
         self.start: float | None = None
         self.end: float | None = None
+        self.cpu_start: float | None = None
+        self.cpu_end: float | None = None
+        self.step_cpu: list[float] = []  # CPU seconds of each timed step
         self.timed_steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == WARMUP_STEPS:
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
         elif trainer.global_step > WARMUP_STEPS:
-            self.end, self.timed_steps = time.perf_counter(), trainer.global_step - WARMUP_STEPS
+            now = time.process_time()
+            self.step_cpu.append(now - (self.cpu_end or self.cpu_start))
+            self.end, self.cpu_end = time.perf_counter(), now
+            self.timed_steps = trainer.global_step - WARMUP_STEPS
 
 
 def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int, seq_length: int) -> float:

@@ -21,9 +21,11 @@ import re
 from numbers import Real
 
 __all__ = [
+    "PEAK_HBM_BYTES_PER_S",
     "PEAK_TFLOPS",
     "achieved_tflops_per_gpu",
     "activation_bytes_per_layer",
+    "device_hbm_bandwidth",
     "device_peak_flops",
     "gpt_flops_per_iteration",
     "gpt_parameter_count",
@@ -43,6 +45,11 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
+}
+
+# Peak HBM bandwidth in bytes/s, from the same data sheets (A100: the 80 GB part).
+PEAK_HBM_BYTES_PER_S: dict[str, float] = {
+    "A100": 2.039e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
 }
 
 # Lower-cased device names (as torch.cuda.get_device_name reports them) -> PEAK_TFLOPS key.
@@ -266,6 +273,12 @@ def device_peak_flops(device_name: str, dtype: str = "bf16",
         raise ValueError(f"unknown device {device_name!r}: pass peak_flops=... (FLOP/s); "
                          f"known devices: {', '.join(PEAK_TFLOPS)}")
     return PEAK_TFLOPS[key][_DTYPE_ALIASES[dtype.strip().lower()]] * 1e12
+
+
+def device_hbm_bandwidth(device_name: str) -> float | None:
+    """Peak HBM bytes/s of a device named as ``device_peak_flops`` accepts; None when unknown."""
+    key = _known_device(device_name) if isinstance(device_name, str) else None
+    return PEAK_HBM_BYTES_PER_S.get(key) if key is not None else None
 
 
 def achieved_tflops_per_gpu(flops_per_iteration: float, iteration_seconds: float,

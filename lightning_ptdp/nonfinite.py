@@ -9,6 +9,7 @@ its moments untouched) with a warning; "ignore" does nothing, as plain Lightning
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
@@ -18,28 +19,50 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    sums = [t.detach().float().sum() for t in tensors]  # a NaN or Inf anywhere survives the sum
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 1-element tensor on ``device``, > 0 when any element of ``tensors`` is NaN or Inf. One fused
+    pass per (device, dtype): GradScaler's own check with a unit scale (x * 1.0 is x, bit for bit,
+    NaN and Inf included), a few dispatches instead of a sum per tensor; no host sync here."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    flag = torch.zeros(1, device=device)
+    with torch.no_grad():
+        for (where, dtype), group in groups.items():
+            if dtype in _FUSED_DTYPES:
+                found = torch.zeros(1, device=where)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones(1, device=where))
+            else:  # a NaN or Inf anywhere survives the sum
+                found = (~torch.isfinite(torch.stack([t.float().sum() for t in group]))).any().float().view(1)
+            flag += found.to(device)
+    return flag
 
 
 def nonfinite_ranks(loss: Any, params: Iterable[torch.nn.Parameter]) -> dict[str, list[int]]:
     """Global ranks whose loss, and whose gradients, are not finite (a collective over the world).
 
     Both are reported: under data parallelism one rank's NaN loss reaches every rank's gradients
-    through the all-reduce, and the loss names where it started."""
+    through the all-reduce, and the loss names where it started. One host sync on a single rank."""
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    losses = [loss] if isinstance(loss, torch.Tensor) else []
-    flags = torch.tensor([0.0 if _all_finite(losses) else 1.0, 0.0 if _all_finite(grads) else 1.0])
-    if not (dist.is_available() and dist.is_initialized()):
-        gathered = [flags]
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    on_loss_device = isinstance(loss, torch.Tensor) and (not distributed or dist.get_backend() == "nccl")
+    device = loss.device if on_loss_device else torch.device("cpu")
+    losses = [loss.detach().reshape(1)] if isinstance(loss, torch.Tensor) else []
+    flags = torch.cat([_nonfinite_flag(losses, device), _nonfinite_flag(grads, device)])
+    if not distributed:
+        gathered = [flags.tolist()]  # a world of one: nothing to share
     else:
-        device = loss.device if isinstance(loss, torch.Tensor) and dist.get_backend() == "nccl" else torch.device("cpu")
-        gathered = [torch.zeros(2, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, flags.to(device))
+        shared = [torch.zeros(2, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(shared, flags)
+        gathered = [f.tolist() for f in shared]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    ranks = range(len(gathered)) if distributed else [rank]
     return {
-        "loss": [rank for rank, f in enumerate(gathered) if f[0].item()],
-        "gradients": [rank for rank, f in enumerate(gathered) if f[1].item()],
+        "loss": [r for r, f in zip(ranks, gathered) if f[0]],
+        "gradients": [r for r, f in zip(ranks, gathered) if f[1]],
     }
 
 

@@ -187,6 +187,7 @@ class PTDPStrategy(ParallelStrategy):
         self._forward_redirection = _DDPForwardRedirection()
         self._dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
+        self._dp_group: Optional[tuple[Any, int]] = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ topology
@@ -256,6 +257,7 @@ class PTDPStrategy(ParallelStrategy):
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.failure_timeout)
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        self._dp_group = None  # (group, size), looked up on the first reduce
         coords = self._dims.coordinates(self.global_rank)
         log.info("rank %d: mesh coordinates %s of %s", self.global_rank, coords, self._dims.mesh_shape)
         assert self.lightning_module is not None
@@ -678,7 +680,12 @@ class PTDPStrategy(ParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is None and self._device_mesh is not None:
-            group = self._device_mesh["dp"].get_group()
+            if self._dp_group is None:
+                dp = self._device_mesh["dp"]
+                self._dp_group = (dp.get_group(), dp.size())
+            group, members = self._dp_group
+            if members == 1:  # any reduction over one replica is the value itself: no barrier, no all-reduce
+                return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override

@@ -57,6 +57,45 @@ def attention_tiles(head_dim: int, stage: str, dtype: torch.dtype = torch.bfloat
     return Tiles(64, 64, num_warps=warps, num_stages=2)
 
 
+# Candidates triton.autotune times on a GPU, once per (sequence bucket, head dim, causal, dtype).
+# attention_tiles' fixed choice is among them (timed first), so tuning can only match or beat it;
+# each compiles for sm_90 within its shared memory (tests/kernels/compile_check.py compiles every
+# one) and computes the same attention (tests/kernels/test_tuning.py); fp32 keeps its small tiles. Hopper reasoning: 128-row query tiles with 3 stages keep
+# both warpgroups' wgmma busy in the forward; the backward holds two fp32 accumulators, so
+# larger tiles there trade registers for fewer passes over Q (dK/dV) or K/V (dQ).
+ATTENTION_CANDIDATES: dict[str, tuple[Tiles, ...]] = {
+    "fwd": (Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3), Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 4)),
+    "dkdv": (Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 2)),
+    "dq": (Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(128, 32, 4, 3), Tiles(128, 64, 8, 2)),
+}
+FP32_CANDIDATES: dict[str, tuple[Tiles, ...]] = {
+    "fwd": (Tiles(64, 32, 8, 2), Tiles(64, 32, 4, 2)),
+    "dkdv": (Tiles(32, 32, 8, 2), Tiles(32, 32, 4, 2)),
+    "dq": (Tiles(32, 32, 8, 2), Tiles(32, 32, 4, 2)),
+}
+
+
+def autotune_enabled() -> bool:
+    """TRITON_KERNELS_AUTOTUNE=0 launches attention_tiles' fixed choice (no timing, one compile)."""
+    return os.environ.get("TRITON_KERNELS_AUTOTUNE", "1").strip() != "0"
+
+
+def attention_candidates(stage: str, head_dim: int, dtype: torch.dtype) -> tuple[Tiles, ...]:
+    """Tiles to time for one launch; ``stage`` is "fwd", "dkdv" or "dq". The fixed choice alone
+    when tuning is off or under the interpreter."""
+    fixed = attention_tiles(head_dim, "fwd" if stage == "fwd" else "bwd", dtype)
+    if interpreting() or not autotune_enabled():
+        return (fixed,)
+    pool = FP32_CANDIDATES if dtype == torch.float32 else ATTENTION_CANDIDATES
+    return (fixed, *(t for t in pool[stage] if t != fixed))
+
+
+def seq_bucket(length: int) -> int:
+    """Autotuning key for a sequence length: the next power of two, at least 128, so ragged
+    lengths share one tuning instead of timing every configuration again."""
+    return max(128, _next_power_of_2(length))
+
+
 def elementwise_tiles(n_cols: int) -> Tiles:
     """Tiles for the row-major elementwise kernels (bias-GeLU) over an (M, n_cols) view."""
     if interpreting():

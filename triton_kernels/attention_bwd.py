@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import attention_tiles, check_interpreted, dot_precision, upcast_dots
+from ._config import attention_tiles, check_interpreted, dot_precision, seq_bucket, upcast_dots
 from .attention_fwd import LOG2E, _head_indices, _kv_bounds, _mm
+from .tuning import autotuned
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, 
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
-                   num_heads, group_size, q_len, kv_len, qk_scale, scale,
+                   num_heads, group_size, q_len, kv_len, qk_scale, scale, seq_bucket,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -157,7 +158,7 @@ def _dq_kv_sweep(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, offs
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
-                 num_heads, group_size, q_len, kv_len, qk_scale, scale,
+                 num_heads, group_size, q_len, kv_len, qk_scale, scale, seq_bucket,
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -203,17 +204,19 @@ def attention_backward(
     if q_len == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    tiles = attention_tiles(head_dim, "bwd", q.dtype)
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    tiles = attention_tiles(head_dim, "bwd", q.dtype)  # delta: a row-wise pass, not tuned
     _attn_bwd_delta[(triton.cdiv(q_len, tiles.block_m), batch * heads)](
         out, do, delta, *out.stride()[:3], *do.stride()[:3], heads, q_len,
-        BLOCK_M=tiles.block_m, HEAD_DIM=head_dim, **launch)
+        BLOCK_M=tiles.block_m, HEAD_DIM=head_dim, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    shape_args = (heads, heads // kv_heads, q_len, kv_len, scale * LOG2E, scale)
-    meta = dict(CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
-                PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype), **launch)
-    _attn_bwd_dkdv[(triton.cdiv(kv_len, tiles.block_n), batch * kv_heads)](
+    shape_args = (heads, heads // kv_heads, q_len, kv_len, scale * LOG2E, scale, seq_bucket(max(q_len, kv_len)))
+    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype))
+    _attn_bwd_dkdv_tuned[lambda m: (triton.cdiv(kv_len, m["BLOCK_N"]), batch * kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *strides, *shape_args, **meta)
-    _attn_bwd_dq[(triton.cdiv(q_len, tiles.block_m), batch * heads)](
+    _attn_bwd_dq_tuned[lambda m: (triton.cdiv(q_len, m["BLOCK_M"]), batch * heads)](
         q, k, v, do, lse, delta, dq, *strides, *shape_args, **meta)
     return dq, dk, dv
+
+
+_attn_bwd_dkdv_tuned = autotuned(_attn_bwd_dkdv, "dkdv")
+_attn_bwd_dq_tuned = autotuned(_attn_bwd_dq, "dq")

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import attention_tiles, check_interpreted, dot_precision, upcast_dots
+from ._config import check_interpreted, dot_precision, seq_bucket, upcast_dots
+from .tuning import autotuned
 
 LOG2E = math.log2(math.e)
 
@@ -88,9 +89,10 @@ def _kv_bounds(start_m, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CA
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-              num_heads, group_size, q_len, kv_len, qk_scale,
+              num_heads, group_size, q_len, kv_len, qk_scale, seq_bucket,
               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # seq_bucket is unused here: it is the autotuning key (tuning.py)
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch, head, kv_head = _head_indices(batch_head, num_heads, group_size)
@@ -131,14 +133,13 @@ def attention_forward(
     lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     if q_len == 0:
         return out, lse
-    tiles = attention_tiles(head_dim, "fwd", q.dtype)
-    grid = (triton.cdiv(q_len, tiles.block_m), batch * heads)
-    _attn_fwd[grid](
+    _attn_fwd_tuned[lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * heads)](
         q, k, v, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        heads, heads // k.shape[1], q_len, k.shape[2], scale * LOG2E,
-        CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        heads, heads // k.shape[1], q_len, k.shape[2], scale * LOG2E, seq_bucket(max(q_len, k.shape[2])),
+        CAUSAL=causal, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
     )
     return out, lse
+
+
+_attn_fwd_tuned = autotuned(_attn_fwd, "fwd")

@@ -34,6 +34,7 @@ class BiasGeluFunction(torch.autograd.Function):
         return dx, dbias, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: a graph break, the kernel runs as launched
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) fused, ``approximate`` "none" (erf) or "tanh" as in F.gelu.
 

@@ -1,5 +1,6 @@
-"""Compile the kernels for a CUDA architecture on a machine without a GPU, with the tiles a real
-launch would use, and check their shared memory fits. Catches what the CPU interpreter cannot
+"""Compile the kernels for a CUDA architecture on a machine without a GPU, with every tile a real
+launch may use (each autotuning candidate), and check their shared memory fits. Catches what the
+CPU interpreter cannot
 see (layout lowering, PTX/ptxas errors, shared-memory overflow). Run with TRITON_INTERPRET unset:
 
     python tests/kernels/compile_check.py --arch 90 [--all]
@@ -20,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from triton_kernels._config import attention_tiles, dot_precision, elementwise_tiles  # noqa: E402
+from triton_kernels._config import attention_candidates, attention_tiles, dot_precision, elementwise_tiles  # noqa: E402
 from triton_kernels.attention_bwd import _attn_bwd_delta, _attn_bwd_dkdv, _attn_bwd_dq  # noqa: E402
 from triton_kernels.attention_fwd import _attn_fwd  # noqa: E402
 from triton_kernels.bias_gelu_kernels import _bias_gelu_bwd, _bias_gelu_fwd  # noqa: E402
@@ -57,11 +58,13 @@ def _configs(full: bool):
             for causal in (False, True) if full else (True,):
                 meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, PRECISION=dot_precision(dtype), UPCAST=False)
                 label = f"{_TYPE_NAMES[dtype]} d={head_dim} causal={causal}"
-                fwd, bwd = attention_tiles(head_dim, "fwd", dtype), attention_tiles(head_dim, "bwd", dtype)
-                yield f"attn_fwd {label}", _attn_fwd, dtype, dict(meta, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n), fwd
-                for kernel in (_attn_bwd_dkdv, _attn_bwd_dq):
-                    blocks = dict(BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n)
-                    yield f"{kernel.__name__} {label}", kernel, dtype, dict(meta, **blocks), bwd
+                # every tile triton.autotune may pick (the fixed choice first)
+                for stage, kernel in (("fwd", _attn_fwd), ("dkdv", _attn_bwd_dkdv), ("dq", _attn_bwd_dq)):
+                    for tiles in attention_candidates(stage, head_dim, dtype):
+                        blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+                        shape = f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
+                        name = f"{kernel.__name__} {label} {shape}"
+                        yield name, kernel, dtype, dict(meta, **blocks), tiles
         bwd = attention_tiles(128, "bwd", dtype)
         yield "attn_bwd_delta", _attn_bwd_delta, dtype, dict(BLOCK_M=bwd.block_m, HEAD_DIM=128), bwd
         tiles = elementwise_tiles(11008)
