@@ -1,6 +1,8 @@
 """Sharded checkpoint <-> one file, on one machine, with no process group.
 
     ptdp checkpoint consolidate CKPT OUT.pt           the model's plain state_dict
+    ptdp checkpoint consolidate CKPT OUT.safetensors --strip-prefix net.model.
+                                                      the inner model's keys (a transformers model's own)
     ptdp checkpoint consolidate CKPT OUT.ckpt --full  the whole checkpoint, as checkpoint_format="full" writes it
     ptdp checkpoint shard IN.pt CKPT                  a plain state_dict or a full checkpoint, as a sharded one
 
@@ -41,10 +43,23 @@ def _read(path: str, keep: Any = lambda key: True) -> dict[str, Any]:
     return planner.state_dict
 
 
-def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The single-process model's state_dict from a sharded checkpoint saved on any layout."""
-    entries = _read(path, lambda key: key.startswith(MODEL))
-    return {key[len(MODEL):]: value for key, value in entries.items()}
+def consolidated_state_dict(path: str, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+    """The single-process model's state_dict from a sharded checkpoint saved on any layout;
+    ``strip_prefix`` keeps the entries under one submodule, named as that module names them."""
+    entries = _read(path, lambda key: key.startswith(MODEL + strip_prefix))
+    return {key[len(MODEL + strip_prefix):]: value for key, value in entries.items()}
+
+
+def write_state_dict(state: dict[str, torch.Tensor], output: str) -> None:
+    """``.safetensors`` (what transformers' ``from_pretrained`` reads), else torch.save."""
+    if output.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        seen: dict[int, str] = {}  # a tensor stored under two names (a tie) is written once
+        unique = {k: v.contiguous() for k, v in state.items() if seen.setdefault(id(v), k) == k}
+        save_file(unique, output, metadata={"format": "pt"})
+    else:
+        torch.save(state, output)
 
 
 def consolidate(path: str) -> dict[str, Any]:
@@ -108,14 +123,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     merge.add_argument("checkpoint", help="the sharded checkpoint's folder (or its name)")
     merge.add_argument("output", help="the file to write")
     merge.add_argument("--full", action="store_true", help="the whole checkpoint, not only the model's state_dict")
+    merge.add_argument("--strip-prefix", default="", help="keep the weights under this module path, without it")
     split = commands.add_parser("shard", help="a file as a sharded checkpoint")
     split.add_argument("input", help="a plain state_dict or a full checkpoint (torch.save file)")
     split.add_argument("output", help="the checkpoint name to write (a folder link)")
     split.add_argument("--weights-only", action="store_true", help="convert the model's weights alone")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
-        result = consolidate(args.checkpoint) if args.full else consolidated_state_dict(args.checkpoint)
-        torch.save(result, args.output)
+        if args.full:
+            torch.save(consolidate(args.checkpoint), args.output)
+        else:
+            write_state_dict(consolidated_state_dict(args.checkpoint, args.strip_prefix), args.output)
         return 0
     source = torch.load(args.input, map_location="cpu", weights_only=False)
     if args.weights_only and "state_dict" in source:

@@ -94,17 +94,17 @@ def is_on_meta(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, aliases: Optional[dict[str, list[str]]] = None) -> int:
-    """Give the meta parameters of a (TP-cut, pipeline-split) model storage on ``device`` and the
-    values their elements have in the single-process model. Returns the elements initialised."""
+def allocate(model: nn.Module, device: torch.device) -> set[int]:
+    """Storage on ``device`` for every parameter still on the meta device (one new Parameter per
+    old one keeps tied weights tied), and real zero stand-ins for the pipeline split's. Returns
+    the ids of the new parameters. Buffers cannot be recovered from meta: refused."""
     on_meta = [name for name, b in model.named_buffers() if b.is_meta]
     if on_meta:
         raise ValueError(
             f"buffer(s) {', '.join(on_meta[:3])} are on the meta device: their values cannot be recovered. "
             "Create buffers with an explicit device (device='cpu') in configure_model, or compute them in forward"
         )
-    owners = _rule_owners(model)
-    new: dict[int, nn.Parameter] = {}  # one new Parameter per old one keeps tied weights tied
+    new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for attr, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
@@ -117,10 +117,18 @@ def materialize(model: nn.Module, device: torch.device, aliases: Optional[dict[s
         for attr, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.is_meta and value.dim() and not any(value.stride()):
                 setattr(module, attr, torch.zeros((), dtype=value.dtype, device=device).expand(value.shape))
-    if not new:
+    return set(map(id, new.values()))
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, aliases: Optional[dict[str, list[str]]] = None) -> int:
+    """Give the meta parameters of a (TP-cut, pipeline-split) model storage on ``device`` and the
+    values their elements have in the single-process model. Returns the elements initialised."""
+    owners = _rule_owners(model)
+    fresh = allocate(model, device)
+    if not fresh:
         return 0
     cuts, count = tp_cuts(model), 0
-    fresh = set(map(id, new.values()))
     for name, param in model.named_parameters():
         if id(param) not in fresh:
             continue

@@ -11,6 +11,7 @@ from typing import Any, Generator, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+from torch.overrides import TorchFunctionMode
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
@@ -41,6 +42,7 @@ from lightning_ptdp import checkpoint, distcp
 from lightning_ptdp.distcp_load import LOADED_IN_PLACE
 from lightning_ptdp.distcp_load import load as load_sharded
 from lightning_ptdp import init as ptdp_init
+from lightning_ptdp.pretrained import parameters_on_meta
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.resume import resume_at
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
@@ -80,6 +82,20 @@ def _checked_tp_plan(plan: Optional[dict[str, str]], config: ParallelConfig) -> 
     return plan
 
 
+class _MetaScalarsAsZero(TorchFunctionMode):
+    """During a setup probe on the meta device, a value read out of a meta tensor (``.item()``,
+    ``bool(mask.any())``: transformers checks for packed sequences so) is 0: the probe only
+    needs shapes, and such checks guard rare paths (here: no packed sequences)."""
+
+    _READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func in self._READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            zeros = torch.zeros(args[0].shape, dtype=args[0].dtype)
+            return func(zeros, *args[1:], **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
 def _side_effects_muted(module: "pl.LightningModule") -> Generator[None, None, None]:
     """A setup probe runs the user's step once: its ``self.log`` calls and torchmetrics updates
@@ -92,7 +108,8 @@ def _side_effects_muted(module: "pl.LightningModule") -> Generator[None, None, N
     for metric in metrics:
         metric.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
-        yield
+        with _MetaScalarsAsZero():
+            yield
     finally:
         del module.log
         for metric, update in zip(metrics, updates):
@@ -126,6 +143,8 @@ class PTDPStrategy(ParallelStrategy):
         pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
         kernels: Literal["auto", "triton", "torch"] = "auto",
         tp_plan: Optional[dict[str, str]] = None,
+        pretrained: Optional[str] = None,
+        pretrained_prefix: Optional[str] = None,
         on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
@@ -156,6 +175,8 @@ class PTDPStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
+            pretrained=pretrained,
+            pretrained_prefix=pretrained_prefix,
         )
         self.tp_plan = _checked_tp_plan(tp_plan, self.parallel_config)
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -528,6 +549,10 @@ class PTDPStrategy(ParallelStrategy):
         ``trainer.init_module()`` before the run: real tensors, as Lightning does."""
         if empty_init is False or self._device_mesh is None:  # outside a run (trainer.init_module()): Lightning's way
             with super().tensor_init_context(empty_init):
+                yield
+            return
+        if self.parallel_config.pretrained is not None:  # values come from the files: buffers stay real
+            with parameters_on_meta(), self.precision_plugin.tensor_init_context():
                 yield
             return
         with torch.device("meta"), self.precision_plugin.tensor_init_context():

@@ -122,19 +122,33 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Te
     return float((actual.double() - expected.double()).norm() / scale.double().norm().clamp_min(1e-30))
 
 
+def round_off_driven(grad: torch.Tensor) -> torch.Tensor:
+    """Elements whose gradient is zero in exact arithmetic and round-off in practice (a key
+    bias: softmax is shift invariant per query row): at most 1e-6 of the tensor's largest. Adam
+    divides such noise by its own root mean square, so their updates are noise of full size."""
+    return grad.abs() <= 1e-6 * grad.abs().max()
+
+
 def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_rel: float, update_rel: float, skip: tuple = ()) -> None:
     """Per-step losses element-wise; first-step gradients relative to the gradient's norm; final
-    weights relative to how far training moved them (||w - w_ref|| / ||w_ref - w_init||)."""
+    weights relative to how far training moved them (||w - w_ref|| / ||w_ref - w_init||), without
+    the elements a round-off gradient drives (``round_off_driven``; only they, not the tensor)."""
     assert len(result["losses"]) == len(ref["losses"]) > 0
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
-    assert result["first_grads"].keys() == ref["first_grads"].keys()
+    grads = result["first_grads"] if result["first_grads"] is not None else ref["first_grads"]  # None: checked apart
+    assert grads.keys() == ref["first_grads"].keys()
     for name, expected in ref["first_grads"].items():
         if not name.endswith(skip):
-            err = relative_error(result["first_grads"][name], expected, expected)
+            err = relative_error(grads[name], expected, expected)
             assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e} > {grad_rel:.0e}"
     for name, expected in ref["state"].items():
         if not name.endswith(skip):
-            err = relative_error(result["state"][name], expected, expected - ref["initial"][name])
+            actual, initial = result["state"][name], ref["initial"][name]
+            grad = ref["first_grads"].get(name)
+            if grad is not None and grad.shape == expected.shape and round_off_driven(grad).any():
+                keep = ~round_off_driven(grad)
+                actual, expected, initial = actual[keep], expected[keep], initial[keep]
+            err = relative_error(actual, expected, expected - initial)
             assert err <= update_rel, f"weight {name}: error {err:.2e} of its update > {update_rel:.0e}"
 
 
@@ -148,7 +162,7 @@ def assert_ranks_match_reference(
     for result in results:
         state = result["state"] or ref["state"]  # ranks without the full state compare losses and gradients
         assert_matches_reference(
-            {**result, "first_grads": {}, "state": state}, {**ref, "first_grads": {}},
+            {**result, "first_grads": None, "state": state}, ref,
             loss_rtol=loss_rtol, grad_rel=grad_rel, update_rel=update_rel, skip=skip,
         )
         assert state.keys() == ref["state"].keys()

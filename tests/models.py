@@ -10,6 +10,7 @@ structure, not names):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -216,12 +217,28 @@ class NanoGPTDict(CausalLM):
         return self(inputs)
 
 
+class DeferredCausalLM(CausalLM):
+    """Builds its network in ``configure_model`` (under ptdp: parameters on the meta device)."""
+
+    def __init__(self, build, lr: float = 1e-2) -> None:
+        super().__init__(None, lr)
+        self.build = build
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = self.build()
+
+
 def build_model(family: str, **overrides) -> L.LightningModule:
     """A fresh LightningModule of the named family (module-level, so spawned ranks can call it)."""
     if family == "gpt":
         shape = dict(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32)
         cfg = GPTConfig(**{**shape, **overrides})
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
+    if family == "hf_llama_deferred":
+        from tests.real_models import hf_llama_config_of
+
+        return DeferredCausalLM(functools.partial(hf_llama_config_of, **overrides))
     if family in REAL_FAMILIES:
         return CausalLM(REAL_FAMILIES[family](**overrides))
     if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths

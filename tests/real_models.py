@@ -119,8 +119,24 @@ def titan_llama3() -> nn.Module:
     return model
 
 
+def hf_llama_from(path: str) -> nn.Module:
+    """A transformers Llama loaded from ``save_pretrained`` files (weights known before fit)."""
+    from transformers import LlamaForCausalLM
+
+    return HFCausalLM(LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa"))
+
+
+def hf_llama_config_of(path: str) -> nn.Module:
+    """The same architecture from the folder's config alone (its weights come from the strategy)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"
+    return HFCausalLM(LlamaForCausalLM(config))
+
+
 REAL_FAMILIES = {
     "hf_llama": hf_llama, "hf_llama_tied": lambda: hf_llama(tied=True), "hf_mistral": hf_mistral,
     "hf_gpt2": hf_gpt2, "hf_neox": hf_neox, "litgpt_llama": litgpt_llama, "litgpt_pythia": litgpt_pythia,
-    "titan_llama3": titan_llama3,
+    "titan_llama3": titan_llama3, "hf_llama_from": hf_llama_from,
 }

@@ -76,7 +76,7 @@ def _call_name(node: fx.Node) -> str:
 
 def _shape_args(node: fx.Node) -> tuple[list, bool]:
     """The shape arguments of view/reshape as a list, and whether they came packed in one tuple."""
-    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) == "reshape" else []
+    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) in ("reshape", "expand") else []
     if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
         return list(rest[0]), True
     return rest, False

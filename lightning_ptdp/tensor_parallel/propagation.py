@@ -162,6 +162,14 @@ class ShardPropagation:
 
     _op_reshape = _op_view
 
+    def _op_expand(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        args, packed = _shape_args(node) if len(node.args) > 1 else ([], False)
+        dim = info.dim + len(_shape(node)) - len(_shape(src))  # expand may add leading dims
+        if args:
+            args[dim] = self._divide(node, args[dim], info.ratio)
+            node.args = (node.args[0], tuple(args)) if packed else (node.args[0], *args)
+        self.shard[node] = Sharded(dim, info.ratio)
+
     def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
         if dim % len(_shape(src)) != info.dim:  # e.g. q | k | v within each KV group (torchtitan)

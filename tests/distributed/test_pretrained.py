@@ -1,0 +1,61 @@
+"""Starting from pretrained weights under t=2 p=2, and back to the original class's own files.
+
+A tiny transformers Llama is saved with ``save_pretrained`` (safetensors). Three runs must give
+the same losses and weights: one process loading it with ``from_pretrained``; t=2 p=2 with the
+same ``from_pretrained`` in the LightningModule; and t=2 p=2 with the model built in
+``configure_model`` (parameters on the meta device) and ``PTDPStrategy(pretrained=folder)``,
+where each rank reads only its slices of the files. The trained weights, stripped of the
+LightningModule's prefix, load back into ``LlamaForCausalLM`` and round-trip through
+``save_pretrained`` / ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fit_utils import assert_ranks_match_reference, fit_and_record
+
+STEPS = 3
+# fp32: t and p split the sums, round-off only (see test_real_models.py)
+LOSS_RTOL, GRAD_REL, UPDATE_REL = 1e-5, 1e-5, 1e-3
+T2P2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory) -> str:
+    from tests.real_models import hf_llama
+
+    torch.manual_seed(7)  # weights unlike any seed-0 initialisation
+    folder = tmp_path_factory.mktemp("llama")
+    hf_llama().model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.world_size(4)
+def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    ref = fit_and_record("hf_llama_from", steps=STEPS, model_overrides={"path": pretrained_dir})
+    loaded = dist_pool(4).run(
+        fit_and_record, "hf_llama_from", strategy_kwargs=T2P2, devices=4, steps=STEPS,
+        model_overrides={"path": pretrained_dir},
+    )
+    assert_ranks_match_reference(loaded, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    streamed = dist_pool(4).run(
+        fit_and_record, "hf_llama_deferred", strategy_kwargs={**T2P2, "pretrained": pretrained_dir}, devices=4,
+        steps=STEPS, model_overrides={"path": pretrained_dir},
+    )
+    assert_ranks_match_reference(streamed, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    full = sum(v.numel() for k, v in ref["state"].items() if k in ref["first_grads"])
+    assert all(r["local_numel"] <= 0.45 * full for r in streamed)  # each rank holds its quarter (+ norms)
+
+    # the trained weights under the original class's own keys, through its own files
+    trained = next(r["state"] for r in streamed if r["state"])
+    own = {k.removeprefix("net.model."): v for k, v in trained.items()}
+    model = LlamaForCausalLM.from_pretrained(pretrained_dir)
+    model.load_state_dict(own, strict=True)
+    model.save_pretrained(tmp_path / "trained")
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "trained").state_dict()
+    for key, value in own.items():
+        assert torch.equal(again[key], value), key
