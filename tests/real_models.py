@@ -116,6 +116,11 @@ def titan_llama3() -> nn.Module:
     model.init_states()  # torchtitan allocates first, then initialises
     for layer in model.layers.values():
         layer.attention.inner_attention = CausalSDPA()
+        # its state_dict hooks rename wqkv to stock wq/wk/wv keys, reshaping the whole tensor:
+        # ptdp's checkpoints (like torch.distributed.checkpoint) key by parameter name instead
+        qkv = layer.attention.qkv_linear
+        qkv._state_dict_hooks.clear()
+        qkv._load_state_dict_pre_hooks.clear()
     return model
 
 
