@@ -140,6 +140,13 @@ def hf_llama_config_of(path: str) -> nn.Module:
     return HFCausalLM(LlamaForCausalLM(config))
 
 
+FAMILY_NAMES = {
+    "hf_llama": "transformers LlamaForCausalLM", "hf_llama_tied": "transformers Llama, tied embeddings",
+    "hf_mistral": "transformers MistralForCausalLM", "hf_gpt2": "transformers GPT2LMHeadModel (Conv1D)",
+    "hf_neox": "transformers GPTNeoXForCausalLM", "litgpt_llama": "litgpt GPT, Llama-style GQA",
+    "litgpt_pythia": "litgpt GPT, Pythia-style", "titan_llama3": "torchtitan llama3 (fused per-group wqkv)",
+}
+
 REAL_FAMILIES = {
     "hf_llama": hf_llama, "hf_llama_tied": lambda: hf_llama(tied=True), "hf_mistral": hf_mistral,
     "hf_gpt2": hf_gpt2, "hf_neox": hf_neox, "litgpt_llama": litgpt_llama, "litgpt_pythia": litgpt_pythia,
