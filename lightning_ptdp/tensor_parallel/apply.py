@@ -25,7 +25,13 @@ import torch.nn as nn
 from lightning_ptdp.blocks import find_block_lists, is_conv1d
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
-from lightning_ptdp.tensor_parallel.discovery import BlockPlan, RegionPlan, TPDiscoveryError, plan_block, trace_block
+from lightning_ptdp.tensor_parallel.discovery import (
+    BlockPlan,
+    RegionPlan,
+    TPDiscoveryError,
+    plan_block,
+    trace_block,
+)
 from lightning_ptdp.tensor_parallel.explicit_plan import (
     EXPLICIT_STYLES,
     ColumnParallelConv1D,
@@ -41,7 +47,13 @@ from lightning_ptdp.tensor_parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from lightning_ptdp.tensor_parallel.replay import BlockProgram, BlockRuntime, install_replay, snapshot_args
+from lightning_ptdp.tensor_parallel.model_plan import cross_check
+from lightning_ptdp.tensor_parallel.replay import (
+    BlockProgram,
+    BlockRuntime,
+    install_replay,
+    snapshot_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +211,7 @@ def apply_tensor_parallel(
         if sequence_parallel:
             _enter_sequence_parallel(blocks, tp, report)
     _shard_vocabulary(model, tp, inside, report)
+    report.entries = cross_check(model, report.entries)
     return report
 
 
@@ -215,7 +228,8 @@ def _layout_text(block: nn.Module, name: str) -> str:
     layout = layer.layout
     what = "heads" if layout.unit_size > 1 else "features"
     repl = f", replicated x{layout.replication}" if layout.replication > 1 else ""
-    return f"{layout.local_units}/{layout.units} {what}{repl} per rank, weight {tuple(layer.weight.shape)}"
+    kind = "Conv1D (in, out)" if getattr(layer, "transposed", False) else "Linear"
+    return f"{layout.local_units}/{layout.units} {what}{repl} per rank, {kind} weight {tuple(layer.weight.shape)}"
 
 
 def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPReport) -> None:
@@ -267,4 +281,5 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                 what = "heads" if unit_size > 1 else "units"
                 detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                 report.entries.append((_join(path, f"*.{name}"), _style(region, name), detail))
+    report.entries = cross_check(model, report.entries)
     return report
