@@ -8,6 +8,8 @@ Imports are inside the builders: collecting tests never pays for transformers' i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,11 +28,11 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
-def _hf(config_cls: str, model_cls: str, **kwargs) -> nn.Module:
+def _hf(config_cls: str, model_cls: str, attention: str = "sdpa", **kwargs) -> nn.Module:
     import transformers
 
     config = getattr(transformers, config_cls)(**kwargs)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     return HFCausalLM(getattr(transformers, model_cls)(config))
 
 
@@ -140,6 +142,35 @@ def hf_llama_config_of(path: str) -> nn.Module:
     return HFCausalLM(LlamaForCausalLM(config))
 
 
+# More transformers families, each with an idiom of its own: fused q | k | v cut by slicing and a
+# fused gate_up (Phi-3), per-KV-group fused q/k/v broadcast to the query heads (Falcon), q/k/v
+# biases (Qwen2), per-head q/k norms (Qwen3), scaled embeddings (Gemma), learned positions and
+# ReLU MLP (OPT), partial rotary (StableLM), unparameterised norms (OLMo), eager attention (Gemma-2,
+# GPT-J).
+MORE_HF = {
+    "hf_phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=KV_HEADS, pad_token_id=0)),
+    "hf_falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=KV_HEADS)),
+    "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=KV_HEADS)),
+    "hf_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS)),
+    "hf_gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS)),
+    "hf_opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=FFN, word_embed_proj_dim=HIDDEN, dropout=0.0)),
+    "hf_stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=KV_HEADS)),
+    "hf_olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=KV_HEADS)),
+    # eager attention written out (matmul, softmax, matmul), softcapping, alternating sliding windows
+    "hf_gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, attention="eager")),
+    # eager attention returning its weights from the block, parallel attention and MLP
+    "hf_gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=SEQ, attention="eager")),
+}
+
+
+def more_hf(family: str) -> nn.Module:
+    config_cls, model_cls, extra = MORE_HF[family]
+    return _hf(
+        config_cls, model_cls, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=SEQ, **extra,
+    )
+
+
 FAMILY_NAMES = {
     "hf_llama": "transformers LlamaForCausalLM", "hf_llama_tied": "transformers Llama, tied embeddings",
     "hf_mistral": "transformers MistralForCausalLM", "hf_gpt2": "transformers GPT2LMHeadModel (Conv1D)",
@@ -151,4 +182,5 @@ REAL_FAMILIES = {
     "hf_llama": hf_llama, "hf_llama_tied": lambda: hf_llama(tied=True), "hf_mistral": hf_mistral,
     "hf_gpt2": hf_gpt2, "hf_neox": hf_neox, "litgpt_llama": litgpt_llama, "litgpt_pythia": litgpt_pythia,
     "titan_llama3": titan_llama3, "hf_llama_from": hf_llama_from,
+    **{family: functools.partial(more_hf, family) for family in MORE_HF},
 }

@@ -110,6 +110,13 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
+    for name in (n for region in regions for n in (*region.columns, region.row)):
+        linear = block.get_submodule(name)
+        if not is_conv1d(linear) and type(linear).forward is not nn.Linear.forward:
+            raise TPDiscoveryError(  # a shard runs F.linear: whatever else that forward does would be lost
+                f"tensor parallelism: '{name}' is a {type(linear).__name__} with its own forward, which its "
+                "column/row shard cannot run; keep it an nn.Linear, or pass tp_plan without it"
+            )
     def column(linear: nn.Module, layout: ShardLayout) -> nn.Module:
         return ColumnParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else ColumnParallelLinear(linear, layout, tp)
 
@@ -148,13 +155,22 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         (p, m) for p, m in model.named_modules()
         if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
     ]
+    heads = [(p, m) for p, m in heads[-1:] if type(m).forward is nn.Linear.forward]
+    if type(embedding).forward is not nn.Embedding.forward:
+        # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly
+        report.entries.append((emb_path, "replicated", f"{type(embedding).__name__} has its own forward: kept whole"))
+        for head_path, head in heads:
+            if head.weight is not embedding.weight:
+                _set_submodule(model, head_path, VocabParallelHead(head, tp))
+                report.entries.append((head_path, "vocab_head", "untied"))
+        return
     new_embedding = VocabParallelEmbedding(embedding, tp)
     _set_submodule(model, emb_path, new_embedding)
     report.entries.append((emb_path, "vocab_embedding", f"V={vocab} -> {new_embedding.shard.local} rows per rank"))
     if vocab % tp.size:
         log.info("vocabulary %d padded to %d (a multiple of t=%d); padding logits are masked", vocab,
                  new_embedding.shard.padded_size, tp.size)
-    for head_path, head in heads[-1:]:
+    for head_path, head in heads:
         tied = head.weight is embedding.weight
         _set_submodule(model, head_path, VocabParallelHead(head, tp, weight=new_embedding.weight if tied else None))
         report.entries.append((head_path, "vocab_head", "tied to the embedding" if tied else "untied"))
@@ -208,11 +224,21 @@ def apply_tensor_parallel(
             for region in plan.regions:
                 for name in (*region.columns, region.row):
                     report.entries.append((_join(path, f"{i}.{name}"), _style(region, name), _layout_text(block, name)))
-        if sequence_parallel:
+        if sequence_parallel:  # every replicated parameter in the blocks gets a partial gradient
             _enter_sequence_parallel(blocks, tp, report)
+        else:  # only those applied to this rank's heads (per-head q/k norms)
+            for block in blocks:
+                for region in plan.regions:
+                    for target in region.partial:
+                        module = block.get_submodule(target)
+                        report.partial_grad_params += [(m, n) for m, n in _own_parameters(module)]
     _shard_vocabulary(model, tp, inside, report)
     report.entries = cross_check(model, report.entries)
     return report
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(m, n) for m in module.modules() for n, _ in m.named_parameters(recurse=False)]
 
 
 def _style(region: RegionPlan, name: str) -> str:

@@ -42,22 +42,30 @@ def _all_reduce(x: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Ten
     return x
 
 
+def _seq_dim(x: torch.Tensor) -> int:
+    """(B, T, ...) splits T; a (B*T, C) view (OPT's MLP) splits rows: a position-wise region gets
+    every rank's rows and gives each its own back."""
+    return SEQ_DIM if x.dim() > 2 else 0
+
+
 def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    x = x.movedim(SEQ_DIM, 0).contiguous()
+    dim = _seq_dim(x)
+    x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
     if not x.is_meta:
         dist.all_gather_into_tensor(out, x, group=tp.group)
     # contiguous (B, T, C), not a movedim view: several Linears reading a view would each copy it
-    return out.movedim(0, SEQ_DIM).contiguous()
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    check_sequence_divisible(x.shape[SEQ_DIM], tp)
-    x = x.movedim(SEQ_DIM, 0).contiguous()
+    dim = _seq_dim(x)
+    check_sequence_divisible(x.shape[dim], tp)
+    x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
     if not x.is_meta:
         dist.reduce_scatter_tensor(out, x, group=tp.group)
-    return out.movedim(0, SEQ_DIM)
+    return out.movedim(0, dim).contiguous()  # not a view: the model may add to it in place
 
 
 def _own_chunk(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -79,7 +87,10 @@ def _conjugate_pair(name: str, forward: Callable, backward: Callable) -> Callabl
 
     def fwd(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         ctx.tp = tp
-        return forward(x, tp)
+        out = forward(x, tp)
+        if out is x and forward is _all_reduce:  # reduced in place: the output is x, not a view of it,
+            ctx.mark_dirty(x)  # so the model may still add to it in place (Falcon's `+=`)
+        return out
 
     def bwd(ctx, grad: torch.Tensor):
         return backward(grad, ctx.tp), None

@@ -16,6 +16,7 @@ Anything else touching the sharded dimension raises ``TPDiscoveryError`` naming 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch.nn as nn
 from torch import fx
@@ -131,9 +132,35 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
                 elif len(pieces) > 1 and sum(pieces) == size:  # unequal parts: q | k | v with fewer KV heads
                     _unequal_parts(region, col, list(user.users), pieces)
                     continue
+        sliced = _slice_parts(node, size)
+        if sliced is not None:  # qkv[..., :q], qkv[..., q:q + kv], ... (Phi-3)
+            part_nodes, pieces = sliced
+            if len(set(pieces)) == 1:
+                blocks, parts = len(pieces), part_nodes
+            else:
+                _unequal_parts(region, col, part_nodes, pieces)
+                continue
         units, unit_size = _units_of(parts[0], size // blocks)
         region.blocks[col], region.units[col], region.unit_size[col] = blocks, units, unit_size
     region.is_attention = any(_call_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes)
+
+
+def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | None:
+    """A column output read only through slices of its last dim that tile it: the parts in order."""
+    cuts = []
+    for user in node.users:
+        index = user.args[1] if user.target is operator.getitem and len(user.args) > 1 else None
+        index = index if isinstance(index, tuple) else (index,)
+        last = index[-1] if index and (index[0] is Ellipsis or len(index) == len(_shape(node))) else None
+        if not isinstance(last, slice) or last.step not in (None, 1):
+            return None
+        start = 0 if last.start is None else last.start + size * (last.start < 0)
+        stop = size if last.stop is None else last.stop + size * (last.stop < 0)
+        cuts.append((start, stop, user))
+    cuts.sort(key=lambda c: c[0])
+    if len(cuts) < 2 or cuts[0][0] != 0 or cuts[-1][1] != size or any(a[1] != b[0] for a, b in zip(cuts, cuts[1:])):
+        return None
+    return [c[2] for c in cuts], [c[1] - c[0] for c in cuts]
 
 
 def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int]) -> None:

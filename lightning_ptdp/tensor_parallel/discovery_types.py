@@ -28,6 +28,7 @@ _ELEMENTWISE = {
 _ELEMENTWISE_METHODS = {
     "add", "mul", "sub", "div", "float", "half", "bfloat16", "to", "type_as", "contiguous", "tanh", "sigmoid",
     "exp", "relu", "neg", "clone", "__mul__", "__add__", "__sub__", "__truediv__", "pow",
+    "__radd__", "__rmul__", "__rsub__", "__rtruediv__", "masked_fill", "double", "rsqrt", "sqrt", "abs",
 }
 
 
@@ -39,6 +40,7 @@ class TPDiscoveryError(ValueError):
 class Sharded:
     dim: int
     ratio: int  # global size / local size along ``dim``
+    bounds: tuple[int, ...] = ()  # a fused column's part boundaries (global), where slicing may cut
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RegionPlan:
     units: dict[str, int] = field(default_factory=dict)
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
+    partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
 
 
 @dataclass
@@ -76,7 +79,7 @@ def _call_name(node: fx.Node) -> str:
 
 def _shape_args(node: fx.Node) -> tuple[list, bool]:
     """The shape arguments of view/reshape as a list, and whether they came packed in one tuple."""
-    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) in ("reshape", "expand") else []
+    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) in ("reshape", "expand", "broadcast_to") else []
     if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
         return list(rest[0]), True
     return rest, False

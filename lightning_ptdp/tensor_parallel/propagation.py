@@ -9,6 +9,7 @@ sizes read from already-local tensors are left alone). Anything else raises TPDi
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from typing import Any
@@ -19,14 +20,16 @@ from torch import fx
 from lightning_ptdp.tensor_parallel.discovery_types import (
     _ELEMENTWISE,
     _ELEMENTWISE_METHODS,
-    plan_hint,
     RegionPlan,
     Sharded,
     TPDiscoveryError,
     _call_name,
     _shape,
     _shape_args,
+    plan_hint,
 )
+
+log = logging.getLogger(__name__)
 
 
 class ShardPropagation:
@@ -38,7 +41,7 @@ class ShardPropagation:
         self.local_ints: set[fx.Node] = set()
         for n in gm.graph.nodes:
             if n.op == "call_module" and n.target in region.columns:
-                self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target])
+                self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], _part_bounds(region, n.target))
 
     def fail(self, node: fx.Node, why: str) -> TPDiscoveryError:
         site = node.meta.get("site")
@@ -54,11 +57,25 @@ class ShardPropagation:
             if not sharded_inputs or node.op == "output" and not sharded_inputs:
                 continue
             if node.op == "output":
-                raise self.fail(node, "returns a head-sharded tensor from the block")
+                self._output(node)
+                continue
             if node.op == "call_module":
                 self._module(node, sharded_inputs[0])
             else:
                 self._function(node, sharded_inputs)
+
+    def _output(self, node: fx.Node) -> None:
+        """The block's hidden state must come out whole; extra outputs that are head-sharded (eager
+        attention's weights) are this rank's heads only: allowed, and said in the log."""
+        outputs = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+        if outputs and outputs[0] in self.shard:
+            raise self.fail(node, "returns a head-sharded tensor from the block")
+        extra = [o.name for o in outputs[1:] if o in self.shard]
+        if extra:
+            log.warning(
+                "block '%s' also returns %s: under tensor parallelism each rank's copy holds its own heads only",
+                self.name, ", ".join(extra),
+            )
 
     def _module(self, node: fx.Node, src: fx.Node) -> None:
         info = self.shard[src]
@@ -69,8 +86,13 @@ class ShardPropagation:
         module = self.gm.get_submodule(node.target)
         if isinstance(module, nn.Linear):
             raise self.fail(node, "is a second linear reading the sharded activations")
-        if any(True for _ in module.parameters()) and info.dim == len(_shape(src)) - 1:
-            raise self.fail(node, "has parameters over the sharded feature dim")
+        if any(True for _ in module.parameters()):
+            if info.dim == len(_shape(src)) - 1:
+                raise self.fail(node, "has parameters over the sharded feature dim")
+            if info.ratio != self.tp_size:
+                raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
+            # applied to this rank's heads only (a per-head q/k norm): its gradient sums over the group
+            self.region.partial.append(node.target)
         if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
             self._tuple_module(node)
             return
@@ -170,6 +192,8 @@ class ShardPropagation:
             node.args = (node.args[0], tuple(args)) if packed else (node.args[0], *args)
         self.shard[node] = Sharded(dim, info.ratio)
 
+    _op_broadcast_to = _op_expand
+
     def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
         if dim % len(_shape(src)) != info.dim:  # e.g. q | k | v within each KV group (torchtitan)
@@ -203,12 +227,25 @@ class ShardPropagation:
                 continue
             if dim_in == info.dim:
                 if item != slice(None):
-                    raise self.fail(node, "indexes the sharded dim")
+                    self._slice_part(node, index, item, info)
                 self.shard[node] = Sharded(dim_out, info.ratio)
                 return
             dim_in += 1
             dim_out += 0 if isinstance(item, int) else 1
         self.shard[node] = Sharded(dim_out + info.dim - dim_in, info.ratio)
+
+    def _slice_part(self, node: fx.Node, index: tuple, item: Any, info: Sharded) -> None:
+        """``qkv[..., a:b]`` cutting a fused column at its part boundaries (Phi-3's q | k | v):
+        each rank holds 1/r of every part, so the local cut is at a/r, b/r."""
+        total = info.bounds[-1] if info.bounds else 0
+        edges = [0 if e is None else e % total if total else e for e in (item.start, item.stop)] if isinstance(item, slice) else []
+        if item.stop is None and edges:
+            edges[1] = total
+        if not edges or item.step not in (None, 1) or any(e not in info.bounds for e in edges):
+            raise self.fail(node, "indexes the sharded dim other than at a fused projection's part boundaries")
+        local = slice(*(None if e is None else self._divide(node, e, info.ratio) for e in (item.start, item.stop)))
+        new_index = tuple(local if i is item else i for i in index)
+        node.args = (node.args[0], new_index if isinstance(node.args[1], tuple) else local)
 
     def _op_transpose(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         ndim = len(_shape(src))
@@ -256,6 +293,27 @@ class ShardPropagation:
             node.kwargs = {**node.kwargs, "repeats": local}
         self.shard[node] = Sharded(dim, self.tp_size)
 
+    def _op_matmul(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """Attention written out (q @ k^T, softmax, @ v): the heads are a batch dim of both operands."""
+        a, b = node.args[0], node.args[1]
+        out_dim = len(_shape(node))
+        dims = {self.shard[t].dim - len(_shape(t)) for t in (a, b) if isinstance(t, fx.Node) and t in self.shard}
+        both = all(isinstance(t, fx.Node) and t in self.shard for t in (a, b))
+        if not both or len(dims) != 1 or next(iter(dims)) >= -2 or self.shard[a].ratio != self.shard[b].ratio:
+            raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
+        self.shard[node] = Sharded(out_dim + next(iter(dims)), info.ratio)
+
+    _op___matmul__ = _op_matmul
+    _op_bmm = _op_matmul
+
+    def _op_softmax(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if dim is None or dim % len(_shape(src)) == info.dim:
+            raise self.fail(node, "normalises over the sharded dim")
+        self.shard[node] = Sharded(info.dim, info.ratio)
+
+    _op_log_softmax = _op_softmax
+
     def _op_scaled_dot_product_attention(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         q, k = node.args[0], node.args[1]
         heads_dim = len(_shape(q)) - 3
@@ -268,3 +326,14 @@ class ShardPropagation:
         if self.shard[k].ratio != self.shard[q].ratio and not node.kwargs.get("enable_gqa", False):
             raise self.fail(node, "gets different numbers of local query and key heads")
         self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
+
+
+def _part_bounds(region: RegionPlan, col: str) -> tuple[int, ...]:
+    """Global boundaries of a fused column's parts along its output features (0 ... size)."""
+    unit = region.unit_size[col]
+    parts = region.parts.get(col) or ((region.units[col],) * region.blocks[col] if region.blocks[col] > 1 else ())
+    bounds, edge = [0], 0
+    for units in parts:
+        edge += units * unit
+        bounds.append(edge)
+    return tuple(bounds) if parts else ()

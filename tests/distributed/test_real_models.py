@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.fit_utils import relative_error
+from tests.real_models import MORE_HF
 from tests.tp_utils import reference_step, tp_step
 
 # fp32: a TP rank computes the reference's sums split into t partial sums, so values differ by
@@ -23,7 +24,7 @@ def _zero_in_exact_arithmetic(grad: torch.Tensor) -> bool:
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("family", TP_FAMILIES)
+@pytest.mark.parametrize("family", (*TP_FAMILIES, *MORE_HF))
 def test_one_step_matches_single_process(dist_pool, family, sequence_parallel):
     ref = reference_step(family)
     results = dist_pool(2).run(tp_step, family, sequence_parallel)
@@ -72,7 +73,10 @@ def _reference(family: str) -> dict:
 _REFERENCES: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# one pool size at a time: the world_size mark lets conftest run all 2-rank cells, then all 4-rank ones
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.world_size(spec[1])) for name, spec in LAYOUTS.items()]
+)
 @pytest.mark.parametrize("family", MATRIX_FAMILIES)
 def test_conformance(dist_pool, family, layout):
     from tests.fit_utils import assert_ranks_match_reference, fit_and_record
