@@ -64,16 +64,18 @@ def _checked_tp_plan(plan: Optional[dict[str, str]], config: ParallelConfig) -> 
     if plan is None:
         return None
     from lightning_ptdp.tensor_parallel.apply import EXPLICIT_STYLES
+    from lightning_ptdp.tensor_parallel.explicit_plan import fused_parts
 
     if not isinstance(plan, dict):
         raise ValueError(f"tp_plan={plan!r} must be a dict of module path -> style, e.g. {{'blocks.0.attn.q': 'colwise'}}")
     for path, style in plan.items():
         kind, _, parts = str(style).partition(":")
-        fused = kind == "colwise_fused" and parts.isdigit() and int(parts) >= 1
+        fused = kind == "colwise_fused" and fused_parts(parts) is not None
         if not isinstance(path, str) or not (fused or (style in EXPLICIT_STYLES)):
             raise ValueError(
                 f"tp_plan[{path!r}]={style!r} is not a style: use one of "
-                f"{', '.join(repr(s) for s in EXPLICIT_STYLES)} or 'colwise_fused:K'"
+                f"{', '.join(repr(s) for s in EXPLICIT_STYLES)}, 'colwise_fused:K' (K equal parts) or "
+                "'colwise_fused:a|b|c' (parts of a, b, c heads, e.g. q | k | v = 4|2|2)"
             )
     if config.tensor_parallel_size == 1:
         raise ValueError("tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1 or drop tp_plan")

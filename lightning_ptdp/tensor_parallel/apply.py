@@ -37,6 +37,7 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
     ColumnParallelConv1D,
     RowParallelConv1D,
     check_ties,
+    fused_parts,
     resolve_plan,
     rewrite,
 )
@@ -280,13 +281,18 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPRep
 
 def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> TPReport:
     """``tp_plan={"path or glob": style}`` for models discovery cannot read (explicit_plan.py).
-    Styles: "colwise", "colwise_fused:K" (K side-by-side parts such as q/k/v), "rowwise",
-    "vocab_embedding", "vocab_head". No sequence parallelism on this path.
+    Styles: "colwise", "colwise_fused:K" (K equal side-by-side parts such as q/k/v),
+    "colwise_fused:a|b|c" (parts of a, b, c heads), "rowwise", "vocab_embedding", "vocab_head".
+    No sequence parallelism on this path.
     """
     for path, style in plan.items():
         kind, _, parts = style.partition(":")
-        if kind not in ("colwise_fused", *EXPLICIT_STYLES) or (parts and kind != "colwise_fused"):
-            raise ValueError(f"tp_plan['{path}']={style!r}: use one of {', '.join(EXPLICIT_STYLES)} or 'colwise_fused:K'")
+        fused = kind == "colwise_fused" and fused_parts(parts) is not None
+        if not fused and (kind not in EXPLICIT_STYLES or parts):
+            raise ValueError(
+                f"tp_plan['{path}']={style!r}: use one of {', '.join(EXPLICIT_STYLES)}, 'colwise_fused:K' or "
+                "'colwise_fused:a|b|c'"
+            )
     resolved = resolve_plan(model, plan)
     check_ties(model, resolved)
     report = TPReport(tp.size, False)

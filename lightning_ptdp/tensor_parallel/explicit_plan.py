@@ -134,10 +134,21 @@ def _check_linear_like(path: str, style: str, module: nn.Module) -> None:
         )
 
 
+def fused_parts(parts: str) -> tuple[int, ...] | None:
+    """'3' (equal parts) -> (1, 1, 1); '4|2|2' (q | k | v heads with fewer KV heads) -> (4, 2, 2)."""
+    pieces = parts.split("|") if parts else ["1"]
+    if not all(p.isdigit() and int(p) >= 1 for p in pieces):
+        return None
+    return (1,) * int(pieces[0]) if len(pieces) == 1 else tuple(map(int, pieces))
+
+
 def _column(module: nn.Module, parts: str, tp: TPGroup) -> nn.Module:
-    blocks = int(parts or 1)
+    units = fused_parts(parts)
     out_features = module.nf if is_conv1d(module) else module.out_features
-    layout = ShardLayout(blocks, out_features // blocks, 1, tp.size)
+    if len(set(units)) == 1:
+        layout = ShardLayout(len(units), out_features // len(units), 1, tp.size)
+    else:  # each part (in units of out_features / sum(parts)) split over t
+        layout = ShardLayout(len(units), max(units), out_features // sum(units), tp.size, units)
     if is_conv1d(module):
         return ColumnParallelConv1D(module, layout, tp)
     return ColumnParallelLinear(module, layout, tp, comm=True)

@@ -90,3 +90,15 @@ def test_discovery_refuses_a_tie_it_would_break():
     model["tied"].weight = model["emb"].weight
     with pytest.raises(ValueError, match=r"the token embedding 'emb' shares its weight with tied, which is not the LM head"):
         _shard_vocabulary(model, _tp(), set(), TPReport(2, False))
+
+
+def test_unequal_fused_parts_give_each_rank_whole_heads_of_every_part():
+    """'colwise_fused:4|2|2': q | k | v of 4, 2 and 2 heads (of 8 features each) in one Linear;
+    rank 1 of 2 holds q heads 2-3, k head 1 and v head 1, never a plain contiguous column cut."""
+    model = nn.ModuleDict({"qkv": nn.Linear(16, 64)})
+    report = apply_explicit_plan(model, {"qkv": "colwise_fused:4|2|2"}, TPGroup(group=None, size=2, rank=1))
+    rows = model["qkv"].layout.indices(1).tolist()
+    assert rows == [*range(16, 32), *range(40, 48), *range(56, 64)]
+    assert report.entries[0][1] == "colwise_fused:4|2|2"
+    with pytest.raises(ValueError, match=r"'colwise_fused:a\|b\|c'"):
+        apply_explicit_plan(nn.ModuleDict({"qkv": nn.Linear(16, 64)}), {"qkv": "colwise_fused:4|x"}, _tp())

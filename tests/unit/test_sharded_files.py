@@ -82,3 +82,20 @@ def test_a_copy_without_the_versions_folder_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"which is not there: a sharded checkpoint's name points into the hidden "
                                          r"\.ptdp folder beside it\. Copy the checkpoint with `cp -rL`"):
         open_checkpoint(str(tmp_path / "b" / "last.ckpt"))
+
+
+def test_consolidate_keeps_one_submodule_under_its_own_keys_as_safetensors(tmp_path):
+    """`ptdp checkpoint consolidate CKPT out.safetensors --strip-prefix net.model.`: the weights a
+    wrapped model (a transformers model held as ``self.net.model``) loads with its own keys."""
+    from safetensors.torch import load_file
+
+    from lightning_ptdp.checkpoint_tool import main
+
+    state = {"net.model.layer.weight": torch.randn(4, 3), "net.model.norm.bias": torch.randn(3), "head.weight": torch.randn(2)}
+    shard(state, str(tmp_path / "run.ckpt"))
+    out = tmp_path / "model.safetensors"
+    assert main(["consolidate", str(tmp_path / "run.ckpt"), str(out), "--strip-prefix", "net.model."]) == 0
+    loaded = load_file(str(out))
+    assert loaded.keys() == {"layer.weight", "norm.bias"}
+    assert torch.equal(loaded["layer.weight"], state["net.model.layer.weight"])
+    assert torch.equal(loaded["norm.bias"], state["net.model.norm.bias"])
