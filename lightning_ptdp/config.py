@@ -6,8 +6,6 @@ any worker starts or any collective can hang. Messages state the value, the rule
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -62,11 +60,6 @@ class ParallelConfig:
     """Pipeline schedule used when p > 1."""
     kernels: KernelMode = "auto"
     """"auto": Triton kernels where they can run; "triton": force them; "torch": never."""
-    pretrained: Union[str, None] = None
-    """Weights to start from (a .safetensors file or folder, or a torch state_dict): each rank
-    reads only its shards; ``configure_model`` then builds parameters on the meta device."""
-    pretrained_prefix: Union[str, None] = None
-    """The part of the parameter names the weight files leave out (None: found from the keys)."""
 
     def __post_init__(self) -> None:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -83,11 +76,6 @@ class ParallelConfig:
             _check_choice("activation_checkpointing", self.activation_checkpointing, (None, *RECOMPUTE_MODES))
         _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         _check_choice("kernels", self.kernels, KERNEL_MODES)
-        if self.pretrained is not None and not os.path.exists(self.pretrained):
-            raise ValueError(
-                f"pretrained={self.pretrained!r} does not exist; give a .safetensors file, a folder of them "
-                "(a transformers checkpoint) or a torch.save-d state_dict"
-            )
         self._check_combinations()
 
     def _check_combinations(self) -> None:

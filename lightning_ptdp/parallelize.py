@@ -28,7 +28,7 @@ from lightning_ptdp.init import is_on_meta, materialize
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.mesh import ParallelDims
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
-from lightning_ptdp.pretrained import load_pretrained
+from lightning_ptdp.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.sharding import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
@@ -56,6 +56,7 @@ def parallelize(
     training: bool = True,
     pipeline_probe: Optional[Callable[[], tuple[Callable[[], Any], int]]] = None,
     device: torch.device = torch.device("cpu"),
+    pretrained: Optional[Pretrained] = None,
 ) -> Parallelized:
     """Apply steps 1-5 above; ``probe`` runs one ordinary forward (tensor-parallel discovery
     traces the first transformer block on its real inputs); ``pipeline_probe`` gives a forward on
@@ -86,10 +87,10 @@ def parallelize(
         result.pipeline = module.__dict__["_ptdp_pipeline"]
         result.pipeline.check_reusable(config, dims)
     aliases = result.pipeline.split.aliases if result.pipeline is not None else None
-    if config.pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
+    if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
         # step 4b: this rank's pieces of the pretrained weights, read from the files
         module.__dict__["_ptdp_pretrained"] = load_pretrained(
-            module, config.pretrained, prefix=config.pretrained_prefix, aliases=aliases, device=device
+            module, pretrained.path, prefix=pretrained.prefix, aliases=aliases, device=device
         )
     elif is_on_meta(module):
         # built on the meta device (configure_model): allocate and initialise only what TP and the

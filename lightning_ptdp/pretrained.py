@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -25,6 +26,23 @@ from lightning_ptdp.init import allocate
 from lightning_ptdp.shards import pieces, tp_cuts
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pretrained:
+    """Where the starting weights are, and the part of the parameter names the files leave out."""
+
+    path: str
+    prefix: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.path.exists(self.path):
+            raise ValueError(
+                f"pretrained={self.path!r} does not exist; give a .safetensors file, a folder of them "
+                "(a transformers checkpoint) or a torch.save-d state_dict"
+            )
+        if self.prefix is not None and not isinstance(self.prefix, str):
+            raise ValueError(f"pretrained_prefix={self.prefix!r} must be a string such as 'net.' (or None: found from the keys)")
 
 
 class WeightSource:

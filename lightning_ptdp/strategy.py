@@ -42,7 +42,7 @@ from lightning_ptdp import checkpoint, distcp
 from lightning_ptdp.distcp_load import LOADED_IN_PLACE
 from lightning_ptdp.distcp_load import load as load_sharded
 from lightning_ptdp import init as ptdp_init
-from lightning_ptdp.pretrained import parameters_on_meta
+from lightning_ptdp.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
 from lightning_ptdp.resume import resume_at
 from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
@@ -177,9 +177,8 @@ class PTDPStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
-            pretrained=pretrained,
-            pretrained_prefix=pretrained_prefix,
         )
+        self.pretrained = None if pretrained is None else Pretrained(path=str(pretrained), prefix=pretrained_prefix)
         self.tp_plan = _checked_tp_plan(tp_plan, self.parallel_config)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip', 'ignore'; choose one of those")
@@ -325,6 +324,7 @@ class PTDPStrategy(ParallelStrategy):
             training=fitting,
             pipeline_probe=lambda: self._microbatch_probe(trainer),
             device=self.root_device,
+            pretrained=self.pretrained,
         )
         self.model = self._parallelized.module
         if self.pipeline is not None:
@@ -553,7 +553,7 @@ class PTDPStrategy(ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        if self.parallel_config.pretrained is not None:  # values come from the files: buffers stay real
+        if self.pretrained is not None:  # values come from the files: buffers stay real
             with parameters_on_meta(), self.precision_plugin.tensor_init_context():
                 yield
             return

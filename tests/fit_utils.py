@@ -6,6 +6,7 @@ process) and on every rank of a ``DistributedPool``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -97,7 +98,8 @@ def fit_and_record(
     replicas = 1
     strategy: Any = "auto"
     if strategy_kwargs is not None:
-        config = ParallelConfig(**strategy_kwargs)
+        layout = {f.name for f in dataclasses.fields(ParallelConfig)}
+        config = ParallelConfig(**{k: v for k, v in strategy_kwargs.items() if k in layout})
         replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
         # full: "state" is compared with the whole single-process model, not this rank's pieces
         strategy = PTDPStrategy(**{"checkpoint_format": "full", **strategy_kwargs}, tp_plan=tp_plan)

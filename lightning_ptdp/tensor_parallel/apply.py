@@ -110,13 +110,34 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
+@torch.no_grad()
+def acts_as(module: nn.Module, base: type) -> bool:
+    """Whether a subclass of nn.Linear / nn.Embedding with its own forward still computes the
+    base's (Falcon's Linear does; Gemma's embedding scales): checked on a small sample input.
+    The shards run the base computation, so anything else must not be swapped for one."""
+    if type(module).forward is base.forward:
+        return True
+    weight = module.weight
+    if weight.is_meta:  # values unknown: only the class can vouch
+        return False
+    generator = torch.Generator().manual_seed(0)
+    if base is nn.Embedding:
+        sample = torch.randint(0, module.num_embeddings, (2, 3), generator=generator).to(weight.device)
+        expected = nn.Embedding.forward(module, sample)
+    else:
+        sample = torch.randn(2, module.in_features, generator=generator).to(weight.device, weight.dtype)
+        expected = nn.Linear.forward(module, sample)
+    return torch.allclose(module(sample), expected, rtol=1e-4, atol=1e-6)
+
+
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
     for name in (n for region in regions for n in (*region.columns, region.row)):
         linear = block.get_submodule(name)
-        if not is_conv1d(linear) and type(linear).forward is not nn.Linear.forward:
+        if not is_conv1d(linear) and not acts_as(linear, nn.Linear):
             raise TPDiscoveryError(  # a shard runs F.linear: whatever else that forward does would be lost
-                f"tensor parallelism: '{name}' is a {type(linear).__name__} with its own forward, which its "
-                "column/row shard cannot run; keep it an nn.Linear, or pass tp_plan without it"
+                f"tensor parallelism: '{name}' is a {type(linear).__name__} whose own forward does not compute "
+                "F.linear(x, weight, bias), which its column/row shard would; keep it an nn.Linear, or pass "
+                "tp_plan without it"
             )
     def column(linear: nn.Module, layout: ShardLayout) -> nn.Module:
         return ColumnParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else ColumnParallelLinear(linear, layout, tp)
@@ -156,10 +177,10 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         (p, m) for p, m in model.named_modules()
         if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
     ]
-    heads = [(p, m) for p, m in heads[-1:] if type(m).forward is nn.Linear.forward]
-    if type(embedding).forward is not nn.Embedding.forward:
+    heads = [(p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)]
+    if not acts_as(embedding, nn.Embedding):
         # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly
-        report.entries.append((emb_path, "replicated", f"{type(embedding).__name__} has its own forward: kept whole"))
+        report.entries.append((emb_path, "replicated", f"{type(embedding).__name__}'s own forward is not a lookup: kept whole"))
         for head_path, head in heads:
             if head.weight is not embedding.weight:
                 _set_submodule(model, head_path, VocabParallelHead(head, tp))
