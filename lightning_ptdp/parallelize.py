@@ -4,7 +4,7 @@ The order is fixed, each step its own function:
   1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
                       pipeline split drops the other stages' parameters.
   2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
-                      sees its own heads and bias shard (DESIGN.md had kernels first).
+                      sees its own heads and bias shard.
   3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
   4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
                       recomputed blocks, so a block of another chunk is never recomputed.

@@ -124,6 +124,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Te
     return float((actual.double() - expected.double()).norm() / scale.double().norm().clamp_min(1e-30))
 
 
+def noise_only(grad: torch.Tensor) -> bool:
+    """A whole tensor whose gradient is round-off (a separate key bias): nothing to compare."""
+    return bool(grad.abs().max() < 1e-6)
+
+
 def round_off_driven(grad: torch.Tensor) -> torch.Tensor:
     """Elements whose gradient is zero in exact arithmetic and round-off in practice (a key
     bias: softmax is shift invariant per query row): at most 1e-6 of the tensor's largest. Adam
@@ -140,13 +145,15 @@ def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_
     grads = result["first_grads"] if result["first_grads"] is not None else ref["first_grads"]  # None: checked apart
     assert grads.keys() == ref["first_grads"].keys()
     for name, expected in ref["first_grads"].items():
-        if not name.endswith(skip):
+        if not name.endswith(skip) and not noise_only(expected):
             err = relative_error(grads[name], expected, expected)
             assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e} > {grad_rel:.0e}"
     for name, expected in ref["state"].items():
         if not name.endswith(skip):
             actual, initial = result["state"][name], ref["initial"][name]
             grad = ref["first_grads"].get(name)
+            if grad is not None and noise_only(grad):
+                continue
             if grad is not None and grad.shape == expected.shape and round_off_driven(grad).any():
                 keep = ~round_off_driven(grad)
                 actual, expected, initial = actual[keep], expected[keep], initial[keep]
@@ -172,7 +179,7 @@ def assert_ranks_match_reference(
             if name not in ref["first_grads"]:  # a tied weight named by the last stage's module
                 name = next(k for k in ref["first_grads"] if torch.equal(ref["initial"][k], result["initial"][name]))
             seen.add(name)
-            if not name.endswith(skip):
+            if not name.endswith(skip) and not noise_only(ref["first_grads"][name]):
                 err = relative_error(grad, ref["first_grads"][name], ref["first_grads"][name])
                 assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e}"
     assert seen == set(ref["first_grads"]), "some gradients are held by no rank"

@@ -176,6 +176,8 @@ FAMILY_NAMES = {
     "hf_mistral": "transformers MistralForCausalLM", "hf_gpt2": "transformers GPT2LMHeadModel (Conv1D)",
     "hf_neox": "transformers GPTNeoXForCausalLM", "litgpt_llama": "litgpt GPT, Llama-style GQA",
     "litgpt_pythia": "litgpt GPT, Pythia-style", "titan_llama3": "torchtitan llama3 (fused per-group wqkv)",
+    "gpt": "this repository's recipe GPT", "nanogpt": "a nanoGPT-style model (fused c_attn, tied head)",
+    "llama": "a Llama-style model (GQA, RMSNorm, SwiGLU)",
 }
 
 REAL_FAMILIES = {

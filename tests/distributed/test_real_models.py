@@ -54,7 +54,9 @@ LAYOUTS = {
     "d2-zero3": ({"zero_stage": 3}, 2, 0.6),
     "t2-d2-zero1": ({"tensor_parallel_size": 2, "zero_stage": 1}, 4, 0.6),
 }
-MATRIX_FAMILIES = TP_FAMILIES
+MATRIX_FAMILIES = (*TP_FAMILIES, "gpt", "nanogpt", "llama")  # and the repository's own families
+# the repository's families at 4 layers, so p=2 v=2 has a block per chunk (the real ones have 4)
+OVERRIDES = {"gpt": {"num_layers": 4}, "nanogpt": {"num_layers": 4}, "llama": {"num_layers": 4}}
 # Adam divides by the root of the squared gradient: on elements whose gradient is round-off
 # (key biases) it turns 1e-7 differences into visible weight differences. Weights are compared
 # relative to how far training moved them, 1e-3 of the update, as in the other equivalence tests.
@@ -66,7 +68,7 @@ def _reference(family: str) -> dict:
     from tests.fit_utils import fit_and_record
 
     if family not in _REFERENCES:
-        _REFERENCES[family] = fit_and_record(family, steps=STEPS)
+        _REFERENCES[family] = fit_and_record(family, steps=STEPS, model_overrides=OVERRIDES.get(family))
     return _REFERENCES[family]
 
 
@@ -83,7 +85,10 @@ def test_conformance(dist_pool, family, layout):
 
     strategy_kwargs, devices, largest_share = LAYOUTS[layout]
     ref = _reference(family)
-    results = dist_pool(devices).run(fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS)
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS,
+        model_overrides=OVERRIDES.get(family),
+    )
     full = sum(g.numel() for g in ref["first_grads"].values())  # parameters (state_dict hooks may rename)
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     for result in results:
