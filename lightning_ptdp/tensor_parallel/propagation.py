@@ -1,10 +1,10 @@
-"""Follow the sharded dimension of one region through a traced block, rewriting shape arguments.
+"""Follow the sharded dimension of one region through a recorded block, rewriting shape arguments.
 
 From each column-parallel output (sharded along its features, ratio = global / local size) to
 the row-parallel input: views, transposes, splits, indexing, stacking, elementwise ops,
 repeat_interleave and attention keep track of which dimension is split; every shape argument
-that names the global size along it is divided by the ratio (a literal, or a new floordiv node;
-sizes read from already-local tensors are left alone). Anything else raises TPDiscoveryError.
+that names the global size along it is divided by the ratio (the replay keeps a value already
+local at run time: replay.py). Anything else raises TPDiscoveryError.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class ShardPropagation:
     def __init__(self, gm: fx.GraphModule, region: RegionPlan, ratios: dict[str, int], tp_size: int, name: str):
         self.gm, self.region, self.tp_size, self.name = gm, region, tp_size, name
         self.shard: dict[fx.Node, Sharded] = {}
-        self.local_ints: set[fx.Node] = set()
         for n in gm.graph.nodes:
             if n.op == "call_module" and n.target in region.columns:
                 self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], _part_bounds(region, n.target))
@@ -119,21 +118,8 @@ class ShardPropagation:
             handler(node, src, info)
         elif node.target in _ELEMENTWISE or (node.op == "call_method" and name in _ELEMENTWISE_METHODS):
             self._elementwise(node, inputs)
-        elif name in ("dim", "size") or (node.op == "call_function" and node.target is getattr):
-            self._op_size(node, src, info)
         else:
             raise self.fail(node, f"applies '{name}' to a head-sharded tensor, which discovery does not know")
-
-    def _op_size(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        # x.size() of a sharded tensor is already local at run time: never divide it again
-        if node.args[1:] and isinstance(node.args[1], int):
-            if node.args[1] % len(_shape(src)) == info.dim:
-                self.local_ints.add(node)
-            return
-        for user in node.users:
-            if user.target is operator.getitem and isinstance(user.args[1], int):
-                if user.args[1] % len(_shape(src)) == info.dim:
-                    self.local_ints.add(user)
 
     def _elementwise(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         info = self.shard[inputs[0]]
@@ -154,11 +140,6 @@ class ShardPropagation:
         self.shard[node] = Sharded(dim, info.ratio)
 
     def _divide(self, node: fx.Node, arg: Any, ratio: int) -> Any:
-        if isinstance(arg, fx.Node):
-            if arg in self.local_ints:
-                return arg
-            with self.gm.graph.inserting_before(node):
-                return self.gm.graph.call_function(operator.floordiv, (arg, ratio))
         if arg == -1:
             return arg
         if arg % ratio:

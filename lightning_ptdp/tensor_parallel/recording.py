@@ -163,7 +163,8 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
     for value in tree_flatten((args, kwargs))[0]:
         recorder.node_of(value)
     names = {m: n for n, m in block.named_modules() if n}
-    leaves = [m for m in names if is_leaf(m) and not any(is_leaf(p) for p in _parents(m, names))]
+    leaf_paths = {n for m, n in names.items() if is_leaf(m)}
+    leaves = [m for m, n in names.items() if n in leaf_paths and not _inside(n, leaf_paths)]
     handles = []
 
     def enter(module: nn.Module, m_args: tuple, m_kwargs: dict) -> None:
@@ -192,8 +193,7 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
     return RecordedBlock(block, recorder.graph)
 
 
-def _parents(module: nn.Module, names: dict[nn.Module, str]) -> list[nn.Module]:
-    path = names[module]
-    by_path = {n: m for m, n in names.items()}
+def _inside(path: str, paths: set[str]) -> bool:
+    """Whether a module path lies under another path of ``paths`` (an outer leaf records it whole)."""
     parts = path.split(".")
-    return [by_path[".".join(parts[:i])] for i in range(1, len(parts)) if ".".join(parts[:i]) in by_path]
+    return any(".".join(parts[:i]) in paths for i in range(1, len(parts)))
