@@ -68,6 +68,10 @@ def run_part(ctx: Context, name: str, budget_s: float) -> dict:
         record.update(status="timeout", error=f"stopped at its {budget_s:.0f} s budget after {len(rows)} row(s)")
     except Exception as err:  # noqa: BLE001 - the suite goes on to the next part
         record.update(status="error", error=short_error(err), traceback=traceback.format_exc()[-3000:])
+    # the alarm can land in a callback from C++ or a library, which turns it into an ordinary error that a
+    # part's per-row `except Exception` records: a part still running at its deadline timed out
+    if record["status"] != "timeout" and time.monotonic() > ctx.deadline:
+        record.update(status="timeout", error=f"ran past its {budget_s:.0f} s budget ({len(rows)} row(s))")
     record["seconds"] = time.monotonic() - start
     ctx.free()
     return record
