@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.strategy import PTDPStrategy
 
 if PTDPStrategy.strategy_name not in StrategyRegistry:

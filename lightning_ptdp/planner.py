@@ -1,6 +1,6 @@
 """Layout planner (``ptdp plan``): a pure cost model ranking (t, p, d, v, b, recompute) layouts.
 
-No process group, no torch: arithmetic on :mod:`lightning_ptdp.flops`.  Layouts obey ``t*p*d =
+No process group, no torch: arithmetic on :mod:`lightning_ptdp.tools.flops`.  Layouts obey ``t*p*d =
 num_gpus``, ``t | heads``, ``t | hidden``, ``p*v | layers``, ``b*d | B`` (and ``p | m`` to interleave).
 
 * Memory per GPU: model state (``model_state_bytes_per_rank``) + the first stage's activations
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Optional, Union
 
-from lightning_ptdp.flops import (
+from lightning_ptdp.tools.flops import (
     activation_bytes_per_layer,
     gpt_flops_per_iteration,
     gpt_parameter_count,

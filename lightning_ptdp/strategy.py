@@ -34,18 +34,18 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.failure import FAILURE_TIMEOUT, FailureRecords, check_timeout
-from lightning_ptdp.mesh import ParallelDims
-from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
-from lightning_ptdp.parallelize import Parallelized, parallelize
-from lightning_ptdp import checkpoint, distcp
-from lightning_ptdp.distcp_load import LOADED_IN_PLACE
-from lightning_ptdp.distcp_load import load as load_sharded
-from lightning_ptdp import init as ptdp_init
-from lightning_ptdp.pretrained import Pretrained, parameters_on_meta
+from lightning_ptdp.faults.records import FAILURE_TIMEOUT, FailureRecords, check_timeout
+from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.faults.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
+from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
+from lightning_ptdp.checkpoint import dcp_save as distcp, full as checkpoint
+from lightning_ptdp.checkpoint.dcp_load import LOADED_IN_PLACE
+from lightning_ptdp.checkpoint.dcp_load import load as load_sharded
+from lightning_ptdp.parallel import init as ptdp_init
+from lightning_ptdp.checkpoint.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.pipeline import PipelineEngine, split_microbatches
-from lightning_ptdp.resume import resume_at
-from lightning_ptdp.pipeline.grads import average_data_parallel_gradients, sum_tied_gradients
+from lightning_ptdp.checkpoint.resume import resume_at
+from lightning_ptdp.parallel.grads import average_data_parallel_gradients, sum_tied_gradients
 from lightning_ptdp.tensor_parallel.consolidate import clip_grad_norm, sum_partial_gradients
 
 log = logging.getLogger(__name__)
@@ -547,7 +547,7 @@ class PTDPStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device (no memory); after tensor and pipeline
         parallelism cut the model, each rank allocates and initialises only what it holds, with
-        the values the single-process model has (lightning_ptdp.init). ``empty_init=False``, or
+        the values the single-process model has (lightning_ptdp.parallel.init). ``empty_init=False``, or
         ``trainer.init_module()`` before the run: real tensors, as Lightning does."""
         if empty_init is False or self._device_mesh is None:  # outside a run (trainer.init_module()): Lightning's way
             with super().tensor_init_context(empty_init):

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 
-from lightning_ptdp.init import Constant, Init, Normal, initialize, is_on_meta
+from lightning_ptdp.parallel.init import Constant, Init, Normal, initialize, is_on_meta
 
 
 @dataclass(kw_only=True)
@@ -47,7 +47,7 @@ class GPTConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
     init_seed: int | None = None
-    """Seed of the initialisation (lightning_ptdp.init: the same values on any layout); None takes
+    """Seed of the initialisation (lightning_ptdp.parallel.init: the same values on any layout); None takes
     torch's seed at construction (``L.seed_everything``)."""
 
     def __post_init__(self) -> None:
@@ -230,7 +230,7 @@ class GPT(nn.Module):
         return plan
 
     def init_rule(self, name: str) -> Init:
-        """How parameter ``name`` starts (lightning_ptdp.init: equal values on every layout)."""
+        """How parameter ``name`` starts (lightning_ptdp.parallel.init: equal values on every layout)."""
         return self._init_plan[name]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

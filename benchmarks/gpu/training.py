@@ -79,7 +79,7 @@ def build(cfg, device: torch.device):
     """The recipes GPT, its recipe's init rules drawn on ``device`` from seed 0: every variant gets
     the same weights in well under a second (the recipe's layout-independent CPU init of 1.3B
     parameters takes most of a minute)."""
-    from lightning_ptdp.init import Constant
+    from lightning_ptdp.parallel.init import Constant
     from recipes.gpt import GPTLightningModule
 
     with torch.device("meta"):
@@ -101,7 +101,7 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ptdp import PTDPStrategy
-    from lightning_ptdp.flops import gpt_flops_per_iteration
+    from lightning_ptdp.tools.flops import gpt_flops_per_iteration
     from recipes.gpt import GPTConfig
 
     cfg = GPTConfig(**model)
@@ -159,7 +159,7 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
 
 
 def run(ctx: Context, rows: list[dict]) -> dict:
-    from lightning_ptdp.flops import gpt_parameter_count
+    from lightning_ptdp.tools.flops import gpt_parameter_count
 
     model = SMOKE_MODEL if ctx.smoke else GPU_MODEL
     steps, warmup = (3, 1) if ctx.smoke else (12, 4)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_ptdp.checkpoint import detached_cpu
-from lightning_ptdp.failure import FailureRecords
+from lightning_ptdp.checkpoint.full import detached_cpu
+from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit

@@ -1,6 +1,6 @@
 """A rank that fails mid-schedule must not leave its pipeline peers blocked in a receive.
 
-The failing stage records its error in the job's store (``lightning_ptdp.failure``) and then
+The failing stage records its error in the job's store (``lightning_ptdp.faults.records``) and then
 aborts its pipeline process group, which breaks the peers' pending transfers at once where the
 backend can (NCCL; under gloo the failed rank's process exiting does). Recording comes first, so
 a peer whose transfer breaks finds the record when the strategy's ``on_exception`` reports it.
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_ptdp.failure import FailureRecords, is_transport_error, root_cause
+from lightning_ptdp.faults.records import FailureRecords, is_transport_error, root_cause
 
 log = logging.getLogger(__name__)
 

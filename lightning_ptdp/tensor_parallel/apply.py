@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.blocks import find_block_lists, is_conv1d
+from lightning_ptdp.parallel.blocks import find_block_lists, is_conv1d
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import (

@@ -30,7 +30,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
 )
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
-from lightning_ptdp.blocks import is_linear_like
+from lightning_ptdp.parallel.blocks import is_linear_like
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
 
 

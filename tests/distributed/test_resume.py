@@ -39,7 +39,7 @@ def run_epochs(
 
 @pytest.mark.world_size(2)
 def test_resume_on_the_same_and_other_tp_layouts(dist_pool, tmp_path):
-    from lightning_ptdp.checkpoint_tool import consolidate
+    from lightning_ptdp.checkpoint.command import consolidate
 
     path = str(tmp_path / "epoch1.ckpt")
     uninterrupted = dist_pool(2).run(run_epochs, 2, 2, 2, None, None)[0]

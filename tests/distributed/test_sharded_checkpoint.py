@@ -94,7 +94,7 @@ LAYOUTS = {  # chosen so every kind of piece appears
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_pieces_put_together_are_the_unsharded_checkpoint(dist_pool, tmp_path, layout):
-    from lightning_ptdp.checkpoint_tool import consolidate, consolidated_state_dict
+    from lightning_ptdp.checkpoint.command import consolidate, consolidated_state_dict
     from tests.models import build_model
 
     family, strategy, overrides = LAYOUTS[layout]
@@ -123,7 +123,7 @@ def test_the_pieces_put_together_are_the_unsharded_checkpoint(dist_pool, tmp_pat
 
 def _tensor_bytes_per_file(checkpoint: Path) -> dict[str, int]:
     """Bytes of tensor data each rank's file holds, from the checkpoint's own index."""
-    from lightning_ptdp.distcp_load import open_checkpoint
+    from lightning_ptdp.checkpoint.dcp_load import open_checkpoint
 
     _, metadata = open_checkpoint(str(checkpoint.resolve()))
     written: dict[str, int] = {}
@@ -140,8 +140,8 @@ def _tensor_bytes_per_file(checkpoint: Path) -> dict[str, int]:
 def test_converted_checkpoints_load_and_resume_on_other_layouts(dist_pool, tmp_path):
     """Saved at (t2, p2): a plain state_dict made sharded evaluates like the original on t=4; a full
     checkpoint made sharded resumes at t=4 exactly like the sharded checkpoint of the same state."""
-    from lightning_ptdp.checkpoint_tool import consolidated_state_dict
-    from lightning_ptdp.cli import main
+    from lightning_ptdp.checkpoint.command import consolidated_state_dict
+    from lightning_ptdp.tools.cli import main
 
     t2p2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2}
     sharded, full = str(tmp_path / "s.ckpt"), str(tmp_path / "f.ckpt")

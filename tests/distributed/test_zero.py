@@ -73,7 +73,7 @@ def _zero_on_tied_dict_model() -> bool:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ptdp.sharding import apply_zero
+    from lightning_ptdp.data_parallel import apply_zero
     from tests.models import build_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))

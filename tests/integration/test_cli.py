@@ -16,7 +16,8 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_ptdp import PTDPStrategy, cli
+from lightning_ptdp import PTDPStrategy
+from lightning_ptdp.tools import cli
 from recipes.data import MarkovDataModule
 from recipes.gpt import GPTLightningModule
 
@@ -80,7 +81,7 @@ class MarkovWithTestSplit(MarkovDataModule):
 def ptdp_command() -> list[str]:
     """The installed console script when there is one (Lightning re-runs it for rank 1), else -m."""
     script = Path(sys.executable).parent / "ptdp"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "lightning_ptdp.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "lightning_ptdp.tools.cli"]
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -199,7 +200,7 @@ def test_fit_then_validate_from_a_config_file(tmp_path):
 def test_test_and_predict_with_user_classes(tmp_path):
     user_classes = [f"--model={HERE}.EvaluatedGPT", f"--data={HERE}.MarkovWithTestSplit"]
     for subcommand in ("test", "predict"):
-        run([sys.executable, "-m", "lightning_ptdp.cli", subcommand, *QUICK, *user_classes, "--trainer.devices=1",
+        run([sys.executable, "-m", "lightning_ptdp.tools.cli", subcommand, *QUICK, *user_classes, "--trainer.devices=1",
              "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=3", *recorder_args(tmp_path)])
     (tested,) = records(tmp_path, "test")
     assert 0.0 < tested["metrics"]["test_loss"] < 6.0
@@ -223,7 +224,7 @@ def start_two_nodes(out_dir: Path, port: int) -> tuple[list[int], str]:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
             f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
-            "-m", "lightning_ptdp.cli", "fit", *QUICK, "--trainer.num_nodes=2", "--trainer.devices=2",
+            "-m", "lightning_ptdp.tools.cli", "fit", *QUICK, "--trainer.num_nodes=2", "--trainer.devices=2",
             "--trainer.strategy=ptdp", "--trainer.strategy.tensor_parallel_size=2",
             f"--trainer.default_root_dir={out_dir / f'node{node_rank}'}", *recorder_args(out_dir / "ranks"),
         ]

@@ -185,7 +185,7 @@ def saved_step(path: Path, fmt: str) -> int:
     """The global step of a complete checkpoint, read in this process."""
     if fmt == "full":
         return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
-    from lightning_ptdp.checkpoint_tool import consolidate
+    from lightning_ptdp.checkpoint.command import consolidate
 
     assert (path / ".metadata").exists(), f"{path} has no .metadata"
     return consolidate(str(path))["global_step"]

@@ -31,7 +31,7 @@ def test_main_job_learns_the_corpus_under_lightning_launcher(tmp_path):
     # The corpus' entropy rate is the floor; the bound is 90% of the way from context-free guessing.
     assert summary["entropy_floor"] < summary["val_loss"] < summary["loss_bound"]
     # a sharded checkpoint (the default): it puts together on one process into the plain model's weights
-    from lightning_ptdp.checkpoint_tool import consolidated_state_dict
+    from lightning_ptdp.checkpoint.command import consolidated_state_dict
 
     weights = consolidated_state_dict(summary["checkpoint"])
     assert "gpt.token_embedding.weight" in weights and "gpt.blocks.0.attn.query.weight" in weights

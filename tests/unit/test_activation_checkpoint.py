@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ptdp.activation_checkpoint import SavedActivations, apply_activation_checkpointing
+from lightning_ptdp.parallel.recompute import SavedActivations, apply_activation_checkpointing
 from tests.models import build_model
 
 B, T = 2, 32

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from lightning_ptdp import cli, doctor, interconnect
+from lightning_ptdp.tools import cli, doctor, interconnect
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.doctor import FAIL, OK, WARN, Check
-from lightning_ptdp.interconnect import BUS_FACTORS, bench_row, format_size, nvlink_pairs, parse_bytes
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.tools.doctor import FAIL, OK, WARN, Check
+from lightning_ptdp.tools.interconnect import BUS_FACTORS, bench_row, format_size, nvlink_pairs, parse_bytes
+from lightning_ptdp.parallel.dims import ParallelDims
 
 TORCHRUN_ENV = {"RANK": "3", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}

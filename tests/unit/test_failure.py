@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_ptdp import failure
-from lightning_ptdp.failure import FailureRecords
+from lightning_ptdp.faults import records as failure
+from lightning_ptdp.faults.records import FailureRecords
 
 BROKEN = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4498"
 
@@ -100,7 +100,7 @@ def test_a_store_that_died_with_its_host_is_named(monkeypatch, agent_store, wher
 
 def test_an_own_error_the_store_cannot_take_is_only_warned_about(caplog):
     error = ValueError("bad shape")
-    with caplog.at_level(logging.WARNING, logger="lightning_ptdp.failure"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ptdp.faults.records"):
         records(DeadStore(), 1).on_exception(error)
     assert str(error) == "bad shape"
     assert "rank 1 could not record its error in the job's store: Failed to connect" in caplog.text

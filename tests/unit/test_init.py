@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.init import ROWS_PER_DRAW, Constant, Normal, fill, initialize, materialize
+from lightning_ptdp.parallel.init import ROWS_PER_DRAW, Constant, Normal, fill, initialize, materialize
 
 
 @pytest.mark.parametrize(("offsets", "shape"), [((0, 0), (200, 12)), ((70, 4), (61, 5)), ((63, 0), (2, 12)), ((199, 11), (1, 1))])

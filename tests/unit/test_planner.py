@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.planner import (
     TABLE_1,
     Cluster,

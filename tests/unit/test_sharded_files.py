@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from lightning_ptdp.checkpoint_tool import consolidated_state_dict, shard
-from lightning_ptdp.distcp import VERSIONS, _version_dir, remove
-from lightning_ptdp.distcp_load import open_checkpoint
+from lightning_ptdp.checkpoint.command import consolidated_state_dict, shard
+from lightning_ptdp.checkpoint.dcp_save import VERSIONS, _version_dir, remove
+from lightning_ptdp.checkpoint.dcp_load import open_checkpoint
 
 
 def _weights(value: float) -> dict:
@@ -89,7 +89,7 @@ def test_consolidate_keeps_one_submodule_under_its_own_keys_as_safetensors(tmp_p
     wrapped model (a transformers model held as ``self.net.model``) loads with its own keys."""
     from safetensors.torch import load_file
 
-    from lightning_ptdp.checkpoint_tool import main
+    from lightning_ptdp.checkpoint.command import main
 
     state = {"net.model.layer.weight": torch.randn(4, 3), "net.model.norm.bias": torch.randn(3), "head.weight": torch.randn(2)}
     shard(state, str(tmp_path / "run.ckpt"))

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ptdp.activation_checkpoint import apply_activation_checkpointing
+from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.init import is_on_meta, materialize
+from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
-from lightning_ptdp.pretrained import Pretrained, load_pretrained
-from lightning_ptdp.sharding import apply_data_parallel, apply_zero
+from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
+from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
 log = logging.getLogger(__name__)

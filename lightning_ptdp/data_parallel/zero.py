@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ptdp.blocks import find_block_lists
+from lightning_ptdp.parallel.blocks import find_block_lists
 
 
 def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:

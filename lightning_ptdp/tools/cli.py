@@ -29,8 +29,8 @@ DEFAULT_DATA = "recipes.data.MarkovDataModule"
 
 TOOL_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_ptdp.planner", "main"),
-    "doctor": ("lightning_ptdp.doctor", "main"),
-    "checkpoint": ("lightning_ptdp.checkpoint_tool", "main"),
+    "doctor": ("lightning_ptdp.tools.doctor", "main"),
+    "checkpoint": ("lightning_ptdp.checkpoint.command", "main"),
 }
 """Subcommand -> (module, function): ``function(argv) -> exit code``, run without LightningCLI."""
 

@@ -20,8 +20,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_ptdp.distcp import FORMAT_VERSION, MODEL, save
-from lightning_ptdp.distcp_load import open_checkpoint
+from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, save
+from lightning_ptdp.checkpoint.dcp_load import open_checkpoint
 
 _OPTIMIZER = "optimizer_states."
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from lightning_ptdp.checkpoint import describe_mismatch, set_rng_state
-from lightning_ptdp.distcp import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
-from lightning_ptdp.distcp import optimizer_state_pieces
-from lightning_ptdp.shards import Pieces, tp_cuts
+from lightning_ptdp.checkpoint.full import describe_mismatch, set_rng_state
+from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
+from lightning_ptdp.checkpoint.dcp_save import optimizer_state_pieces
+from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 
 LOADED_IN_PLACE = "ptdp_loaded_in_place"
 

@@ -1,6 +1,6 @@
 """Data-parallel axis: replication (ZeRO-0) and, later, ZeRO-1/2/3 sharding."""
 
-from lightning_ptdp.sharding.data_parallel import apply_data_parallel
-from lightning_ptdp.sharding.zero import apply_zero
+from lightning_ptdp.data_parallel.ddp import apply_data_parallel
+from lightning_ptdp.data_parallel.zero import apply_zero
 
 __all__ = ["apply_data_parallel", "apply_zero"]

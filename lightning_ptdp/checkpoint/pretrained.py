@@ -22,8 +22,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.init import allocate
-from lightning_ptdp.shards import pieces, tp_cuts
+from lightning_ptdp.parallel.init import allocate
+from lightning_ptdp.checkpoint.pieces import pieces, tp_cuts
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.shards import pieces, tp_cuts
+from lightning_ptdp.checkpoint.pieces import pieces, tp_cuts
 
 ROWS_PER_DRAW = 64  # rows drawn from one generator: small enough that a shard draws little it discards
 
@@ -75,7 +75,7 @@ def _rule_for(owners: list[tuple[str, nn.Module]], name: str) -> tuple[nn.Module
             return owner, name[len(path) + 1:] if path else name
     raise ValueError(
         f"parameter {name!r} was created on the meta device but no module around it defines init_rule(name); "
-        "give the module that builds it init_rule(name) -> lightning_ptdp.init.Normal | Constant (and init_seed), "
+        "give the module that builds it init_rule(name) -> lightning_ptdp.parallel.init.Normal | Constant (and init_seed), "
         "or build the model in __init__ instead of configure_model"
     )
 

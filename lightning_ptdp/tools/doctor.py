@@ -2,7 +2,7 @@
 
     ptdp doctor -t 8 -p 4 --devices 8 --num-nodes 16      # + this layout; --json for machines
     ptdp doctor --bench                                   # + collectives on 2 local gloo processes
-    torchrun --nproc_per_node=8 -m lightning_ptdp.doctor --bench   # ... on the launched ranks (nccl)
+    torchrun --nproc_per_node=8 -m lightning_ptdp.tools.doctor --bench   # ... on the launched ranks (nccl)
 
 Checks: Python; torch (>= 2.11) and the other packages, required or extras; CUDA, each GPU
 (memory, bf16, known peak FLOP/s), peer access / NVLink; NCCL and gloo; NCCL variables that
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
-from lightning_ptdp.flops import device_peak_flops
-from lightning_ptdp.interconnect import (BenchRow, format_benchmark, format_size, nvidia_smi_nvlink_pairs, parse_bytes,
+from lightning_ptdp.tools.flops import device_peak_flops
+from lightning_ptdp.tools.interconnect import (BenchRow, format_benchmark, format_size, nvidia_smi_nvlink_pairs, parse_bytes,
                                          run_launched_benchmark, run_local_benchmark)
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.parallel.dims import ParallelDims
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_PYTHON = (3, 10)
