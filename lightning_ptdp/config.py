@@ -7,7 +7,8 @@ any worker starts or any collective can hang. Messages state the value, the rule
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from datetime import timedelta
+from typing import Literal, Optional, Union
 
 PipelineSchedule = Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"]
 KernelMode = Literal["auto", "triton", "torch"]
@@ -17,6 +18,17 @@ PIPELINE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "1f1b", "gpipe", "zer
 KERNEL_MODES: tuple[str, ...] = ("auto", "triton", "torch")
 RECOMPUTE_MODES: tuple[str, ...] = ("full", "selective")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip", "ignore")
+CHECKPOINT_FORMATS: tuple[str, ...] = ("sharded", "full")
+PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
+START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Collective timeout: long enough for a slow first NCCL connect, short enough that a dead rank
+turns into an error on the others within minutes instead of torch's 30."""
+FAILURE_TIMEOUT = timedelta(seconds=10)
+"""How long a stopping rank waits on the job's store: it answers in milliseconds while it is up;
+when it died with rank 0, connecting retries until this runs out, and then the rank says so."""
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -100,3 +112,50 @@ class ParallelConfig:
                 "rank, but pipeline_schedule='1f1b' runs one; use 'interleaved_1f1b' (or 'gpipe', 'zero_bubble'), "
                 "or virtual_pipeline_size=1"
             )
+
+
+def check_timeout(timeout: object, name: str = "failure_timeout") -> timedelta:
+    if not isinstance(timeout, timedelta):
+        raise ValueError(f"{name}={timeout!r} must be a datetime.timedelta (e.g. timedelta(seconds=10))")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(
+            f"{name}={timeout} must be positive; it bounds how long a stopping rank waits on the job's store"
+        )
+    return timeout
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How the run behaves around the parallel model: failures, checkpoints, process groups."""
+
+    on_nonfinite: str = "raise"
+    """A non-finite loss or gradient on any rank: "raise" everywhere, "skip" the step everywhere, "ignore"."""
+    checkpoint_format: str = "sharded"
+    """"sharded": each rank writes its pieces (a folder); "full": rank 0 writes one unsharded file."""
+    process_group_backend: Optional[str] = None
+    """None: gloo on CPU, nccl on GPU."""
+    timeout: Optional[timedelta] = DEFAULT_TIMEOUT
+    failure_timeout: timedelta = FAILURE_TIMEOUT
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format={self.checkpoint_format!r} is not one of 'sharded' (each rank writes its pieces, "
+                "a folder) or 'full' (rank 0 writes one file of unsharded tensors); choose one of those"
+            )
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method={self.start_method!r} must be 'popen', 'spawn', 'fork' or 'forkserver'")
+        if self.process_group_backend not in (None, *PROCESS_GROUP_BACKENDS):
+            raise ValueError(
+                f"process_group_backend={self.process_group_backend!r} is not one of "
+                f"{', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)}; or None for gloo on CPU, nccl on GPU"
+            )
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise ValueError(
+                f"timeout={self.timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=10)) or None"
+            )
+        if self.timeout is not None and self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout} must be positive; a dead rank turns into an error after it")
+        check_timeout(self.failure_timeout)

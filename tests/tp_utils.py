@@ -43,7 +43,8 @@ def tp_step(
     import torch.distributed as dist
 
     from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
-    from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict, sum_partial_gradients
+    from lightning_ptdp.parallel.grads import sum_partial_gradients
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict
 
     net = _net(family, overrides or {})
     batch_inputs, targets = token_batch((overrides or {}).get("vocab_size", VOCAB))

@@ -11,11 +11,12 @@ import os
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from lightning_ptdp.checkpoint.full import describe_mismatch, set_rng_state
+from lightning_ptdp.checkpoint.full import describe_mismatch
+from lightning_ptdp.checkpoint.rng import set_rng_state
+from lightning_ptdp.parallel.comm import raise_on_every_rank
 from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
 from lightning_ptdp.checkpoint.dcp_save import optimizer_state_pieces
 from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
@@ -124,20 +125,6 @@ class _OptimizerTarget:
         set_optimizer_state_dict(module, self.optimizer, self.state, options=options)
 
 
-def _raise_everywhere(problems: list[str]) -> None:
-    """Raise the problems any rank found, on every rank, before anyone enters the collective load."""
-    everyone: list[Any] = [problems]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
-    ranks: dict[str, list[int]] = {}
-    for rank, found in enumerate(everyone):
-        for problem in found:
-            ranks.setdefault(problem, []).append(rank)
-    if ranks:  # a problem every rank has is said once; one some ranks have names them
-        raise ValueError("; ".join(p if len(r) == len(everyone) else f"{p} (on ranks {r})" for p, r in ranks.items()))
-
-
 def load(
     path: str, *, module: nn.Module, optimizers: list[Any], aliases: Optional[dict[str, list[str]]], rank: int,
     world_size: int, strict: bool, pipeline: bool,
@@ -168,7 +155,7 @@ def load(
             opt_targets.append(target)
         rng_key = f"rng.{rank}"
         targets |= {"lightning": None, "ptdp": None} | ({rng_key: None} if rng_key in saved else {})
-    _raise_everywhere(problems)
+    raise_on_every_rank(problems)
     planner = PiecesLoadPlanner()
     dcp.load(targets, storage_reader=reader, planner=planner)
     loaded = planner.state_dict  # the non-tensor entries, filled in by the planner

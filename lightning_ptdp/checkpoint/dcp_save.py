@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_ptdp.checkpoint.full import fsync_dir
+from lightning_ptdp.checkpoint.io import fsync_dir
 from lightning_ptdp.checkpoint.pieces import Piece, Pieces, pieces, tp_cuts
 
 MODEL = "state_dict."
@@ -180,7 +180,7 @@ def flat_state(checkpoint: dict[str, Any], rank: int, layout: dict[str, Any]) ->
     """Lightning's checkpoint dict (with ``model_pieces``/``optimizer_pieces`` in it) as DCP entries.
     Entries every rank holds alike are written once, by whichever rank DCP picks; Lightning's dict
     and the layout are rank 0's alone (callback state may differ on other ranks)."""
-    from lightning_ptdp.checkpoint.full import collect_rng_states
+    from lightning_ptdp.checkpoint.rng import collect_rng_states
 
     rest = dict(checkpoint)
     flat: dict[str, Any] = {f"{MODEL}{k}": v for k, v in rest.pop("state_dict", {}).items()}

@@ -14,15 +14,12 @@ Every function here is a collective over the ranks that hold shards: call it on 
 
 from __future__ import annotations
 
-import os
-import pickle
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lightning_ptdp.parallel.comm import detached_cpu, tensor_shape
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 
 
@@ -87,15 +84,11 @@ def describe_mismatch(
     )
 
 
-def _shape(value: Any) -> Optional[tuple[int, ...]]:
-    return tuple(value.shape) if hasattr(value, "shape") else None
-
-
 def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tensor_parallel: bool) -> None:
     """Raise a ValueError saying how a checkpoint's weights differ from ``module``'s, if they do.
     A pipeline stage knows only its own keys; under TP the model holds shards (checkpoints never)."""
     problem = describe_mismatch(
-        {k: _shape(v) for k, v in module.state_dict().items()}, {k: _shape(v) for k, v in state.items()},
+        {k: tensor_shape(v) for k, v in module.state_dict().items()}, {k: tensor_shape(v) for k, v in state.items()},
         check_unexpected=not pipeline, check_shapes=not tensor_parallel,
     )
     if problem:
@@ -148,13 +141,6 @@ def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, 
     return merged
 
 
-def detached_cpu(value: Any) -> Any:
-    """``value`` with every tensor in it detached and copied to CPU (for pickling across ranks)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
-
-
 def stage_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], aliases: dict[str, list[str]]) -> dict[str, Any]:
     """The entries of a whole-model optimizer state this stage's optimizer holds, found under any
     name of the parameter (a single process names a tied weight once, a stage by its own module)."""
@@ -181,101 +167,3 @@ def load_optimizer_state(
     if tensor_parallel:
         state = map_optimizer_state_by_name(module, state, to_full=False)
     set_optimizer_state_dict(module, optimizer, state, options=_options())
-
-
-RNG_KEY = "ptdp_rng_states"  # full format: every rank's generator states, in rank order
-
-
-def collect_rng_states() -> dict[str, Any]:
-    """This rank's torch/CUDA/numpy/python generator states (Lightning's own collector)."""
-    from lightning.fabric.utilities.seed import _collect_rng_states
-
-    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
-    if "numpy" in states:  # its key array as a tensor, so torch.load(weights_only=True) accepts it
-        name, keys, *rest = states["numpy"]
-        states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), *rest)
-    return states
-
-
-def restore_rng_states(states: Optional[list], rank: int) -> bool:
-    """Continue this rank's random streams where the checkpoint left them, if it was saved on as
-    many ranks (on another layout the streams are used differently anyway: start from the seed)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if not states or len(states) != world:
-        return False
-    set_rng_state(states[rank])
-    return True
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Undo ``collect_rng_states``: this rank's generators continue from ``state``."""
-    from lightning.fabric.utilities.seed import _set_rng_states
-
-    state = dict(state)
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, *rest = state["numpy"]
-        state["numpy"] = (name, np.asarray(keys.numpy(), dtype=np.uint32), *rest)
-    _set_rng_states(state)
-
-
-_CUT_FILE = ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF")
-
-
-def fsync_dir(folder: str) -> None:
-    """Sync a directory's entries (a rename into it); some filesystems cannot, which is fine."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed; the file it would have replaced is untouched."""
-
-
-class CheckedCheckpointIO(TorchCheckpointIO):
-    """Torch checkpoint files written so that a crash never leaves a partial file under the real
-    name, and read with an error that says so when a file is not a complete checkpoint.
-
-    A local file is written to ``.<name>.partial`` in the same directory, flushed to disk, then
-    renamed over the target (atomic on POSIX); the rename and the directory entry are synced.
-    Lightning's own writer stages through the system temp directory and moves the file, which is a
-    copy (not atomic) when that is another filesystem. Remote paths keep Lightning's writer."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-        target = os.path.abspath(str(path))
-        folder = os.path.dirname(target)
-        os.makedirs(folder, exist_ok=True)
-        partial = os.path.join(folder, f".{os.path.basename(target)}.partial")
-        try:
-            with open(partial, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, target)
-        except BaseException:
-            if os.path.exists(partial):
-                os.remove(partial)
-            raise
-        fsync_dir(folder)  # make the rename itself durable
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        kwargs = {} if map_location is None else {"map_location": map_location}
-        try:
-            return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
-        except (EOFError, pickle.UnpicklingError, RuntimeError) as error:  # how torch reports a cut file
-            if isinstance(error, RuntimeError) and not any(s in str(error) for s in _CUT_FILE):
-                raise
-            size = os.path.getsize(path) if os.path.exists(path) else 0
-            raise ValueError(
-                f"checkpoint {str(path)!r} ({size} bytes) is truncated or not a torch checkpoint ({type(error).__name__}: "
-                f"{error}); it was not written completely. Resume from an earlier checkpoint"
-            ) from error

@@ -58,3 +58,16 @@ def resume_at(dataloader: Any, batches_done: int) -> Any:
         prefetch_factor=dataloader.prefetch_factor if workers > 0 else None,
         persistent_workers=dataloader.persistent_workers,
     )
+
+
+def resume_dataloader(trainer: Any, dataloader: Any) -> Any:
+    """The training dataloader to use: when fit restarts mid-epoch from a checkpoint, the one that
+    starts at the checkpoint's batch; otherwise ``dataloader`` itself."""
+    if trainer is None or not trainer.training or not trainer.fit_loop.restarting:
+        return dataloader
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    try:
+        total = len(dataloader)
+    except TypeError:
+        total = None
+    return dataloader if total is not None and done >= total else resume_at(dataloader, done)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ptdp.parallel.blocks import find_block_lists
+from lightning_ptdp.parallel.blocks import find_block_lists, outer_modules
 
 
 def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:
@@ -44,8 +44,6 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
         if any(True for _ in block.parameters()):  # under PP, other stages' blocks hold none
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     if pipeline:
-        from lightning_ptdp.pipeline.split import outer_modules
-
         inside = {id(m) for block in blocks for m in block.modules()}
         for name, outer in outer_modules(module, blocks).items():
             if any(id(m) in inside for m in outer.modules()):

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,3 +82,25 @@ def apply_policy(policy: str, bad: dict[str, list[int]], step: int, params: Iter
     for param in params:
         param.grad = None
     return True
+
+
+def check_grad_scaler(precision_plugin: Any, on_nonfinite: str, *, pipeline: bool = False) -> None:
+    """A GradScaler (precision='16-mixed') skips a step whose scaled gradients overflow and lowers
+    the scale: normal in its first steps. The policy here runs before it unscales, so "raise" would
+    stop on those overflows and "skip" would leave it no gradients to check: refused together. The
+    pipeline schedule's backward cannot apply a scaler at all."""
+    if getattr(precision_plugin, "scaler", None) is None:
+        return
+    if pipeline:
+        raise ValueError(
+            "precision='16-mixed' scales the loss with a GradScaler, which the pipeline schedule's backward "
+            "cannot apply; with pipeline_parallel_size > 1 use precision='bf16-mixed', 'bf16-true' or '32-true'"
+        )
+    if on_nonfinite != "ignore":
+        raise ValueError(
+            "precision='16-mixed' scales the loss with a GradScaler, which skips a step whose gradients overflow "
+            "and lowers the scale: that is how it works, not a failure, but "
+            f"on_nonfinite={on_nonfinite!r} would act on it (the check sees the still-scaled gradients). "
+            "With PTDPStrategy use precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
+            "decide alone"
+        )

@@ -30,24 +30,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from lightning_ptdp.config import FAILURE_TIMEOUT
 
-FAILURE_TIMEOUT = timedelta(seconds=10)
-"""How long a stopping rank waits on the job's store: it answers in milliseconds while it is up;
-when it died with rank 0, connecting retries until this runs out, and then the rank says so."""
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "ptdp/failure"
 _SHOWN_RANKS = 16  # a list of silent ranks longer than this is cut, with the count
-
-
-def check_timeout(timeout: Any, name: str = "failure_timeout") -> timedelta:
-    if not isinstance(timeout, timedelta):
-        raise ValueError(f"{name}={timeout!r} must be a datetime.timedelta (e.g. timedelta(seconds=10))")
-    if timeout.total_seconds() <= 0:
-        raise ValueError(
-            f"{name}={timeout} must be positive; it bounds how long a stopping rank waits on the job's store"
-        )
-    return timeout
 
 
 def job_store() -> Any:

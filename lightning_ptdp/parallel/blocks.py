@@ -26,9 +26,8 @@ def is_conv1d(module: nn.Module) -> bool:
 def is_linear_like(module: nn.Module) -> bool:
     """nn.Linear, transformers' Conv1D, or a tensor-parallel shard of one (recompute and ZeRO
     look for blocks after tensor parallelism replaced their Linears)."""
-    from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    return isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) or is_conv1d(module)
+    sharded = getattr(type(module), "_ptdp_linear", False)  # the TP layers' class marker (no upward import)
+    return isinstance(module, nn.Linear) or sharded or is_conv1d(module)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -53,3 +52,13 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         if same_type and sum(is_linear_like(m) for m in children[0].modules()) >= 2:
             found.append((path, children))
     return found
+
+
+def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Module]:
+    """Modules outside the blocks that hold parameters themselves (embeddings, final norm, head)."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if id(module) not in inside and any(True for _ in module.parameters(recurse=False))
+    }

@@ -1,14 +1,28 @@
-"""Gradient work a pipeline step leaves for the optimizer step: tied weights and data parallelism."""
+"""Gradient finishing between backward and the optimizer step: weights tied across pipeline stages,
+gradients TP leaves partial, the dp mean under PP, and the global norm for clipping (one owner:
+``GradientFinisher``, built by ``parallelize``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
+import torch.distributed as dist
+
+from lightning_ptdp.parallel.comm import all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.split import PipelineSplit
-from lightning_ptdp.tensor_parallel.consolidate import all_reduce_grads, flat_all_reduce, local_tensor
+from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+_TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
 
 
 def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
@@ -47,3 +61,145 @@ def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, d
     if dp_size == 1:
         return
     all_reduce_grads([p for p in params if p.requires_grad], dp_group, 1.0 / dp_size)
+
+
+def _replicated_kv(model: nn.Module) -> list[tuple[ColumnParallelLinear, nn.Parameter]]:
+    """KV projection weights and biases replicated over several TP ranks (t > n_kv_heads), in model order."""
+    return [
+        (layer, param)
+        for layer in model.modules()
+        if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1
+        for param in (layer.weight, layer.bias)
+        if param is not None
+    ]
+
+
+def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]], tp: TPGroup) -> None:
+    """Finish the gradients TP leaves partial, once per optimizer step (buffers from the parameter
+    lists, identical on every rank; a rank that did not use a parameter adds zeros):
+
+    - parameters replicated inside sequence-parallel blocks (norms, row biases) saw only this
+      rank's part of the sequence: sum over the group (one flat all-reduce);
+    - KV heads replicated over several ranks (t > n_kv_heads): each copy saw only its ranks'
+      query heads: sum the copies (scatter into the full tensor, all-reduce, take own rows).
+    """
+    all_reduce_grads([getattr(module, name) for module, name in partial], tp.group)
+    replicated = _replicated_kv(model)
+    if not replicated:
+        return
+    if any(hasattr(param, "to_local") for _, param in replicated):
+        raise NotImplementedError(
+            "zero_stage > 0 with key/value heads replicated over tensor-parallel ranks "
+            "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or a smaller t"
+        )
+    rows = [layer.layout.indices(tp.rank).to(param.device) for layer, param in replicated]
+    fulls = []
+    for (layer, param), own in zip(replicated, rows):
+        full = param.new_zeros((layer.layout.size, *param.shape[1:]))
+        if param.grad is not None:
+            full.index_copy_(0, own, param.grad)
+        fulls.append(full)
+    had = torch.tensor([param.grad is not None for _, param in replicated], dtype=torch.float32, device=fulls[0].device)
+    flat_all_reduce([*fulls, had], tp.group)
+    for (_, param), own, full, anywhere in zip(replicated, rows, fulls, had.tolist()):
+        if anywhere and param.grad is None:
+            param.grad = full.index_select(0, own)
+        elif anywhere:
+            param.grad.copy_(full.index_select(0, own))
+
+
+def global_grad_norm(
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, dp_group: Any = None,
+    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
+) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, as a single process would compute it.
+
+    Sharded parameters contribute their squares summed over the tp group; replicated ones (norms,
+    row biases, position embeddings) once; KV heads replicated over r ranks 1/r from each copy.
+    Under ZeRO each dp rank holds a slice of every gradient (summed over ``dp_group``); under
+    pipeline parallelism each stage its own layers (summed over ``pp_group``), a weight tied
+    across stages counted on one of them (the others pass its id in ``exclude``).
+    """
+    weight = {}
+    for layer in model.modules():
+        if isinstance(layer, _TP_LAYERS):
+            replication = getattr(getattr(layer, "layout", None), "replication", 1)
+            for attr, param in layer.named_parameters(recurse=False):
+                replicated_bias = isinstance(layer, RowParallelLinear) and attr == "bias"
+                weight[id(param)] = None if replicated_bias else 1.0 / replication
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        if param.grad is None or id(param) in exclude:
+            continue
+        square = local_tensor(param.grad.detach()).double().pow(2).sum().cpu()
+        share = weight.get(id(param))
+        if share is None:
+            replicated += square
+        else:
+            sharded += square * share
+    device = parameters[0].device if parameters else torch.device("cpu")
+    if tp is not None:
+        sharded = sharded.to(device)
+        dist.all_reduce(sharded, group=tp.group)
+    total = (sharded.cpu() + replicated).to(device)
+    for group in (dp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt().cpu()
+
+
+def clip_grad_norm(
+    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, max_norm: float, dp_group: Any = None,
+    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole parallel model."""
+    total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for param in parameters:
+            if param.grad is not None:
+                local_tensor(param.grad).mul_(scale)
+    return total
+
+
+@dataclass(kw_only=True)
+class GradientFinisher:
+    """The gradient work between backward and the optimizer step, in this order: sum weights tied
+    across pipeline stages; finish what TP leaves partial (sequence-parallel norms, replicated KV
+    heads); average over dp under PP (no DDP there; under ZeRO, FSDP reduce-scatters). ``clip``
+    is Lightning's norm clipping over the whole model instead of this rank's part."""
+
+    model: nn.Module
+    """The LightningModule as parallelized (not a DDP wrapper)."""
+    tp: Optional[TPGroup] = None
+    partial: list[tuple[nn.Module, str]] = field(default_factory=list)
+    """(module, parameter name) of parameters whose gradient each TP rank holds a part of."""
+    split: Optional[PipelineSplit] = None
+    pp_group: Any = None
+    dp_group: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    zero: bool = False
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def clips_globally(self) -> bool:
+        """Whether a rank holds only part of the model (then Lightning's own clipping is per rank)."""
+        return self.tp is not None or self.split is not None
+
+    def finish(self, params: list[nn.Parameter]) -> None:
+        """Called once per optimizer step on every rank, with the optimizer's parameters."""
+        if self.split is not None:
+            zero_dp = (self.dp_rank, self.dp_size) if self.zero else None
+            sum_tied_gradients(self.split, self.pp_group, self.device, zero_dp)
+        if self.tp is not None:
+            sum_partial_gradients(self.model, self.partial, self.tp)
+        if self.split is not None and not self.zero:
+            average_data_parallel_gradients(params, self.dp_group, self.dp_size)
+
+    def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
+        exclude = self.split.norm_exclude() if self.split is not None else frozenset()
+        dp_group = self.dp_group if self.zero else None
+        return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude)

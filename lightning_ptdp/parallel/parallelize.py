@@ -8,6 +8,8 @@ The order is fixed, each step its own function:
   3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
   4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
                       recomputed blocks, so a block of another chunk is never recomputed.
+  4b. values          a model built on meta gets storage and values for what this rank kept only:
+                      read from pretrained files, or the single-process initialisation.
   5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
                       under PP the engine averages gradients over dp once per step instead).
 """
@@ -15,7 +17,7 @@ The order is fixed, each step its own function:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,9 +28,12 @@ from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.kernels import apply_kernels
+from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
+from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
+from lightning_ptdp.parallel.grads import GradientFinisher
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
@@ -37,12 +42,27 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Parallelized:
-    """What ``parallelize`` returns: the module to train and what each step recorded."""
+    """What ``parallelize`` returns: the module to train, what each step recorded, and the two
+    things the strategy delegates to: gradient finishing and what checkpoints need to know."""
 
     module: torch.nn.Module
+    """What the Trainer runs: the model itself, or its DDP wrapper."""
+    root: torch.nn.Module
+    """The model itself (the LightningModule), never a wrapper."""
     tp_group: Optional[TPGroup] = None
     tp_report: Optional[TPReport] = None
     pipeline: Optional[PipelineEngine] = None
+    zero: bool = False
+    gradients: GradientFinisher = field(init=False)
+
+    @property
+    def sharding(self) -> ShardingView:
+        pipeline = self.pipeline
+        return ShardingView(
+            module=self.root, tensor_parallel=self.tp_report is not None, zero=self.zero,
+            pp_group=pipeline.pp_group if pipeline is not None else None,
+            aliases=pipeline.split.aliases if pipeline is not None else None,
+        )
 
 
 def parallelize(
@@ -57,12 +77,13 @@ def parallelize(
     pipeline_probe: Optional[Callable[[], tuple[Callable[[], Any], int]]] = None,
     device: torch.device = torch.device("cpu"),
     pretrained: Optional[Pretrained] = None,
+    failures: Optional[FailureRecords] = None,
 ) -> Parallelized:
-    """Apply steps 1-5 above; ``probe`` runs one ordinary forward (tensor-parallel discovery
+    """Apply steps 1-5 above, in that order; ``probe`` runs one ordinary forward (tensor-parallel discovery
     traces the first transformer block on its real inputs); ``pipeline_probe`` gives a forward on
     one microbatch and its sample count. Data parallelism only when training."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
-    result = Parallelized(module)
+    result = Parallelized(module, root=module, zero=config.zero_stage > 0)
     if dims.tp > 1:
         # a second stage (fit, then validate) finds the model already rewritten: reuse that
         if "_ptdp_tp" not in module.__dict__:
@@ -82,9 +103,10 @@ def parallelize(
             module.__dict__["_ptdp_pipeline"] = apply_pipeline(
                 module, pp=dims.pp, vpp=config.virtual_pipeline_size, rank=mesh["pp"].get_local_rank(),
                 schedule=config.pipeline_schedule, micro_batch_size=config.micro_batch_size,
-                pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows,
+                pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows, failures=failures,
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
+        result.pipeline.failures = failures  # an engine reused from an earlier run records into this run's
         result.pipeline.check_reusable(config, dims)
     aliases = result.pipeline.split.aliases if result.pipeline is not None else None
     if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
@@ -101,6 +123,13 @@ def parallelize(
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
+    pipeline = result.pipeline
+    result.gradients = GradientFinisher(
+        model=module, tp=result.tp_group, partial=result.tp_report.partial_grad_params if result.tp_report else [],
+        split=pipeline.split if pipeline is not None else None, pp_group=pipeline.pp_group if pipeline else None,
+        dp_group=mesh["dp"].get_group(), dp_rank=mesh["dp"].get_local_rank(), dp_size=dims.dp,
+        zero=config.zero_stage > 0, device=device,
+    )
     return result
 
 
@@ -140,12 +169,10 @@ def apply_tensor_parallelism(
     module: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, probe: Callable[[], Any],
     tp_plan: Optional[dict[str, str]],
 ) -> tuple[TPGroup, TPReport]:
-    """Step 2: rewrite the model for its tp group, automatically or from an explicit plan."""
+    """Step 1: rewrite the model for its tp group, automatically or from an explicit plan."""
     tp_mesh = mesh["tp"]
     tp = TPGroup(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
-    if tp_plan is not None:
-        if config.sequence_parallel:
-            raise ValueError("sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel")
+    if tp_plan is not None:  # checked with the layout at strategy construction (explicit_plan.check_plan)
         report = apply_explicit_plan(module, tp_plan, tp)
     else:
         report = apply_tensor_parallel(module, tp, sequence_parallel=config.sequence_parallel, probe=probe)

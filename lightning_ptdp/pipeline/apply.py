@@ -31,7 +31,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def apply_pipeline(
     module: nn.Module, *, pp: int, vpp: int, rank: int, schedule: str, micro_batch_size: Optional[int],
-    pp_group: Any, device: torch.device, probe: Callable[[], Any], probe_rows: int,
+    pp_group: Any, device: torch.device, probe: Callable[[], Any], probe_rows: int, failures: Any = None,
 ) -> PipelineEngine:
     """Cut ``module`` in place to pipeline rank ``rank``'s chunks; ``probe`` runs one ordinary
     forward on a microbatch of ``probe_rows`` samples (every rank still holds the whole model)."""
@@ -45,5 +45,6 @@ def apply_pipeline(
         rank, split.local_chunks, [list(layout.blocks_of(c)) for c in split.local_chunks], kept, len(split.tied),
     )
     return PipelineEngine(
-        module, split, schedule=schedule, micro_batch_size=micro_batch_size, pp_group=pp_group, device=device
+        module, split, schedule=schedule, micro_batch_size=micro_batch_size, pp_group=pp_group, device=device,
+        failures=failures,
     )

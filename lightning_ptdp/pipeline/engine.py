@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_ptdp.checkpoint.full import detached_cpu
+from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
@@ -140,7 +140,7 @@ class PipelineEngine:
 
     def __init__(
         self, module: nn.Module, split: PipelineSplit, *, schedule: str, micro_batch_size: Optional[int],
-        pp_group: Any, device: torch.device,
+        pp_group: Any, device: torch.device, failures: Optional[FailureRecords] = None,
     ) -> None:
         self.module, self.split, self.schedule_name = module, split, schedule
         self.micro_batch_size = micro_batch_size
@@ -158,8 +158,8 @@ class PipelineEngine:
         self._input_shapes: Optional[list[tuple]] = None
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
-        self.failures: Optional[FailureRecords] = None
-        """Where a stage's error is recorded for the other ranks (set by the strategy each run)."""
+        self.failures = failures
+        """Where a stage's error is recorded for the other ranks (the run's; a reused engine gets the new run's)."""
 
     def check_reusable(self, config: Any, dims: Any) -> None:
         """A model already cut for one pipeline (an earlier fit) cannot be cut again for another."""

@@ -28,13 +28,12 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_ptdp.parallel.blocks import outer_modules
+from lightning_ptdp.parallel.comm import divisors
+
 
 class PipelineSplitError(ValueError):
     """The model cannot be cut into the requested pipeline chunks; the message says why and what to do."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class ChunkLayout:
     def __post_init__(self) -> None:
         chunks = self.pp * self.vpp
         if self.num_layers % chunks:
-            fits = [k for k in _divisors(self.num_layers) if k > 1]
+            fits = [k for k in divisors(self.num_layers) if k > 1]
             vs = [v for v in range(1, self.num_layers + 1) if self.num_layers % (self.pp * v) == 0]
             hint = f"virtual_pipeline_size in {vs} works with pipeline_parallel_size={self.pp}; " if vs else ""
             raise PipelineSplitError(
@@ -122,16 +121,6 @@ class _ParamUse(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
                 self.seen.setdefault(id(leaf), set()).add(self.where())
         return func(*args, **(kwargs or {}))
-
-
-def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Module]:
-    """Modules outside the blocks that hold parameters themselves (embeddings, final norm, head)."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if id(module) not in inside and any(True for _ in module.parameters(recurse=False))
-    }
 
 
 def record_forward(

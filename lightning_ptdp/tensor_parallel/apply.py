@@ -33,7 +33,7 @@ from lightning_ptdp.tensor_parallel.discovery import (
     trace_block,
 )
 from lightning_ptdp.tensor_parallel.explicit_plan import (
-    EXPLICIT_STYLES,
+    check_styles,
     ColumnParallelConv1D,
     RowParallelConv1D,
     check_ties,
@@ -306,14 +306,7 @@ def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> 
     "colwise_fused:a|b|c" (parts of a, b, c heads), "rowwise", "vocab_embedding", "vocab_head".
     No sequence parallelism on this path.
     """
-    for path, style in plan.items():
-        kind, _, parts = style.partition(":")
-        fused = kind == "colwise_fused" and fused_parts(parts) is not None
-        if not fused and (kind not in EXPLICIT_STYLES or parts):
-            raise ValueError(
-                f"tp_plan['{path}']={style!r}: use one of {', '.join(EXPLICIT_STYLES)}, 'colwise_fused:K' or "
-                "'colwise_fused:a|b|c'"
-            )
+    check_styles(plan)
     resolved = resolve_plan(model, plan)
     check_ties(model, resolved)
     report = TPReport(tp.size, False)

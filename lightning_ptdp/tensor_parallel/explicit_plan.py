@@ -142,6 +142,34 @@ def fused_parts(parts: str) -> tuple[int, ...] | None:
     return (1,) * int(pieces[0]) if len(pieces) == 1 else tuple(map(int, pieces))
 
 
+def check_plan(plan: object, *, tensor_parallel_size: int, sequence_parallel: bool) -> dict[str, str] | None:
+    """An explicit ``tp_plan`` ({module path or glob: style}) checked against the layout, at
+    strategy construction (before any process starts); None when there is none."""
+    if plan is None:
+        return None
+    check_styles(plan)
+    if tensor_parallel_size == 1:
+        raise ValueError("tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1 or drop tp_plan")
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel")
+    return plan
+
+
+def check_styles(plan: object) -> None:
+    """Every entry of ``plan`` names a module (path or glob) and a style this module knows."""
+    if not isinstance(plan, dict):
+        raise ValueError(f"tp_plan={plan!r} must be a dict of module path -> style, e.g. {{'blocks.0.attn.q': 'colwise'}}")
+    for path, style in plan.items():
+        kind, _, parts = str(style).partition(":")
+        fused = kind == "colwise_fused" and fused_parts(parts) is not None
+        if not isinstance(path, str) or not (fused or style in EXPLICIT_STYLES):
+            raise ValueError(
+                f"tp_plan[{path!r}]={style!r} is not a style: use one of "
+                f"{', '.join(repr(s) for s in EXPLICIT_STYLES)}, 'colwise_fused:K' (K equal parts) or "
+                "'colwise_fused:a|b|c' (parts of a, b, c heads, e.g. q | k | v = 4|2|2)"
+            )
+
+
 def _column(module: nn.Module, parts: str, tp: TPGroup) -> nn.Module:
     units = fused_parts(parts)
     out_features = module.nf if is_conv1d(module) else module.out_features

@@ -21,7 +21,7 @@ def train(root: str, epochs: int, *, resume: str | None = None, model_overrides:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    import lightning_ptdp.checkpoint.full as checkpoint_module
+    import lightning_ptdp.checkpoint.io as checkpoint_module
 
     from lightning_ptdp import PTDPStrategy
     from recipes.data import MarkovDataModule

@@ -1,0 +1,81 @@
+"""Small distributed utilities every layer uses: flat collectives, errors raised on every rank,
+tensors made picklable. Nothing here knows about tensor, pipeline or data parallelism."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in order: the choices an error message offers."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tensor_shape(value: Any) -> Optional[tuple[int, ...]]:
+    """The shape of a tensor-like value (anything with ``.shape``), None for other values."""
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a tensor that ZeRO may have sharded into a DTensor (a view, writable)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def detached_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it detached and copied to CPU (for pickling across ranks)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
+
+
+def flat_all_reduce(tensors: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
+    """All-reduce ``tensors`` in place through one flat buffer per dtype (one collective each)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
+    """Sum (times ``scale``) the gradients of ``params`` over ``group`` in one flat buffer per dtype,
+    built from the parameter list so it is identical on every rank whatever each backward reached:
+    a missing gradient contributes zeros, and stays None only where no rank has one (as one process)."""
+    if not params:
+        return
+    had = [p.grad is not None for p in params]
+    for param, present in zip(params, had):
+        if not present:
+            param.grad = torch.zeros_like(param)
+    flags = torch.tensor(had, dtype=torch.float32, device=local_tensor(params[0]).device)
+    flat_all_reduce([*(local_tensor(p.grad) for p in params), flags], group, scale)
+    for param, anywhere in zip(params, flags.tolist()):
+        if not anywhere:
+            param.grad = None
+
+
+def raise_on_every_rank(problems: list[str], error: type[Exception] = ValueError) -> None:
+    """Raise the problems any rank found, on every rank, before anyone enters a collective that
+    would wait for the rank that stopped. A problem every rank has is said once; one that only
+    some ranks have names them. A collective: every rank calls it, with its own (maybe empty) list."""
+    everyone: list[Any] = [problems]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+    ranks: dict[str, list[int]] = {}
+    for rank, found in enumerate(everyone):
+        for problem in found:
+            ranks.setdefault(problem, []).append(rank)
+    if ranks:
+        raise error("; ".join(p if len(r) == len(everyone) else f"{p} (on ranks {r})" for p, r in ranks.items()))
