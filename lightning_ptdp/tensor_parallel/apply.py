@@ -282,12 +282,12 @@ def _layout_text(block: nn.Module, name: str) -> str:
 
 def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPReport) -> None:
     def split_input(module: nn.Module, args: tuple, kwargs: dict):
-        return (C.scatter_sequence(args[0], tp), *args[1:]), kwargs
+        return (C.scatter_to_sp_region(args[0], tp), *args[1:]), kwargs
 
     def gather_output(module: nn.Module, args: tuple, output: Any):
         if isinstance(output, tuple):
-            return (C.gather_replicated(output[0], tp), *output[1:])
-        return C.gather_replicated(output, tp)
+            return (C.gather_from_sp_region_split_grad(output[0], tp), *output[1:])
+        return C.gather_from_sp_region_split_grad(output, tp)
 
     blocks[0].register_forward_pre_hook(split_input, with_kwargs=True)
     blocks[-1].register_forward_hook(gather_output)

@@ -1,17 +1,11 @@
-"""Megatron's collectives as small autograd functions over one tensor-parallel group.
-
-Notation: t ranks, X the activation, A a weight split by columns A = [A_1 ... A_t] (rank i
-computes X A_i), B a weight split by rows (rank i computes Y_i B_i, then sum_i).
-
-  copy_to_tp          forward identity,        backward all-reduce   (input of a column-parallel region)
-  reduce_from_tp      forward all-reduce,      backward identity     (output of a row-parallel region)
-  gather_sequence     forward all-gather(s),   backward reduce-scatter(s)  (SP: region input)
-  reduce_scatter_seq  forward reduce-scatter,  backward all-gather   (SP: region output)
-  scatter_sequence    forward take own chunk,  backward all-gather   (SP: entering the blocks)
-  gather_replicated   forward all-gather(s),   backward take own chunk (SP: leaving the blocks)
-
-Sequence-parallel functions split dimension 1 (batch-first activations, (B, T, C)).
-All calls go through ``torch.distributed`` module attributes, so a test can count them.
+"""Megatron's collectives as small autograd functions over one tensor-parallel group, by Megatron's names:
+  copy_to_tp_region                 identity / all-reduce                 column-parallel region input
+  reduce_from_tp_region             all-reduce / identity                 row-parallel region output
+  gather_from_sp_region             all-gather(T) / reduce-scatter(T)     SP: region input
+  reduce_scatter_to_sp_region       reduce-scatter(T) / all-gather(T)     SP: region output
+  scatter_to_sp_region              own chunk / all-gather(T)             SP: entering the blocks
+  gather_from_sp_region_split_grad  all-gather(T) / own chunk             SP: leaving the blocks
+(forward / backward; T is dim 1 of batch-first activations.) Calls go through ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -103,12 +97,12 @@ def _identity(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x.view_as(x)
 
 
-copy_to_tp = _conjugate_pair("CopyToTP", _identity, _all_reduce)
-reduce_from_tp = _conjugate_pair("ReduceFromTP", _all_reduce, _identity)
-gather_sequence = _conjugate_pair("GatherSequence", _all_gather_seq, _reduce_scatter_seq)
-reduce_scatter_sequence = _conjugate_pair("ReduceScatterSequence", _reduce_scatter_seq, _all_gather_seq)
-scatter_sequence = _conjugate_pair("ScatterSequence", _own_chunk, _all_gather_seq)
-gather_replicated = _conjugate_pair("GatherReplicated", _all_gather_seq, _own_chunk)
+copy_to_tp_region = _conjugate_pair("CopyToTPRegion", _identity, _all_reduce)
+reduce_from_tp_region = _conjugate_pair("ReduceFromTPRegion", _all_reduce, _identity)
+gather_from_sp_region = _conjugate_pair("GatherFromSPRegion", _all_gather_seq, _reduce_scatter_seq)
+reduce_scatter_to_sp_region = _conjugate_pair("ReduceScatterToSPRegion", _reduce_scatter_seq, _all_gather_seq)
+scatter_to_sp_region = _conjugate_pair("ScatterToSPRegion", _own_chunk, _all_gather_seq)
+gather_from_sp_region_split_grad = _conjugate_pair("GatherFromSPRegionSplitGrad", _all_gather_seq, _own_chunk)
 
 
 def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
 from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard, sequence_parallel_linear
 
@@ -112,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
         if self.region is not None:
             x, shard = self.region.enter(x)
         elif self.comm:
-            x = copy_to_tp(x, self.tp)
+            x = copy_to_tp_region(x, self.tp)
         weight = self.weight.t() if self.transposed else self.weight
         if shard is not None:
             return sequence_parallel_linear(x, weight, self.bias, shard=shard)
@@ -143,9 +143,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.region is not None and self.region.sequence_parallel:
-            y = reduce_scatter_sequence(y, self.tp)
+            y = reduce_scatter_to_sp_region(y, self.tp)
         else:
-            y = reduce_from_tp(y, self.tp)
+            y = reduce_from_tp_region(y, self.tp)
         if self.region is not None:
             self.region.finish()
         return y if self.bias is None else y + self.bias
@@ -202,7 +202,7 @@ class VocabParallelEmbedding(nn.Module):
         # ids of other ranks look up row 0 and are zeroed below, so they add no gradient either
         out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return reduce_from_tp_region(out, self.tp)
 
     def extra_repr(self) -> str:
         return f"vocab rows {self.shard.start}..{self.shard.start + self.shard.local} of {self.shard.padded_size}"
@@ -236,7 +236,7 @@ class VocabParallelHead(nn.Module):
             self.bias = _param(self.shard.slice_rows(linear.bias.unsqueeze(-1)).squeeze(-1), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        local = F.linear(copy_to_tp_region(x, self.tp), self.weight, self.bias)
         return VocabParallelLogits.wrap(local, self.shard, self.tp)
 
     def extra_repr(self) -> str:

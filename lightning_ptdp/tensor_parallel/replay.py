@@ -154,10 +154,10 @@ class RegionEntry:
             self.activate(x)
         if self.entered is None:
             if self.sequence_parallel:
-                self.entered = C.gather_sequence(x, self.tp)
+                self.entered = C.gather_from_sp_region(x, self.tp)
                 self.shard = SequenceShard(x, self.tp) if torch.is_grad_enabled() else None
             else:
-                self.entered = C.copy_to_tp(x, self.tp)
+                self.entered = C.copy_to_tp_region(x, self.tp)
         return self.entered, self.shard
 
     def finish(self) -> None:

@@ -1,7 +1,7 @@
 """Sequence parallelism's column-parallel Linear: keep 1/t of the input for backward, not all of it.
 
 Under SP a region's input X arrives split along the sequence, X = [X_1; ...; X_t], and is
-all-gathered once at the region's entry (``gather_sequence``) for the column Linears
+all-gathered once at the region's entry (``gather_from_sp_region``) for the column Linears
 Y = X A_i. Their weight gradient dA_i = dY^T X needs the whole X, but keeping it costs t times
 the shard; Korthikanti et al. 2022 (Section 4.2.2) and Megatron keep only X_r and all-gather it
 again in backward. Here each column Linear of the region gets ``SequenceShard`` (X_r, and one

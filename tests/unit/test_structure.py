@@ -1,0 +1,124 @@
+"""The code base's shape, held by tests: one home per concern, imports only downward, short modules.
+
+Layers, lowest first (docs/architecture.md draws them). A module imports from its own layer or
+below; the three parallelism axes (tensor_parallel, pipeline, data_parallel) never import each
+other: what they share lives in layer 0.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "lightning_ptdp"
+
+LAYERS: dict[str, int] = {
+    # 0: foundation, knows no parallelism technique
+    "config": 0, "faults": 0, "parallel.dims": 0, "parallel.blocks": 0, "parallel.comm": 0, "testing": 0,
+    "tools.flops": 0,
+    # 1: the three axes, side by side
+    "tensor_parallel": 1, "pipeline": 1, "data_parallel": 1,
+    # 2: what combines an axis with state: kernels, checkpoints, gradient finishing, values, recompute
+    "kernels": 2, "checkpoint": 2, "parallel.grads": 2, "parallel.init": 2, "parallel.recompute": 2,
+    # 3: the fixed order
+    "parallel.parallelize": 3,
+    # 4: Lightning's side
+    "strategy": 4, "strategy_steps": 4, "strategy_collectives": 4, "probe": 4, "callbacks": 4,
+    # 5: commands and the package's front door
+    "tools": 5, "planner": 5, "": 5,
+}
+AXES = {"tensor_parallel", "pipeline", "data_parallel"}
+MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 400, 8
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """The most specific LAYERS entry covering ``module`` (a dotted name inside lightning_ptdp)."""
+    parts = module.split(".") if module else []
+    for end in range(len(parts), -1, -1):
+        key = ".".join(parts[:end])
+        if key in LAYERS:
+            return key, LAYERS[key]
+    raise AssertionError(f"lightning_ptdp.{module} has no layer: add it to LAYERS")
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """lightning_ptdp modules ``path`` imports, lazily or not, relative to the package."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            names += [node.module] if node.module != "lightning_ptdp" else []  # `from pkg import module`
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        known = _modules()
+        for name in names:
+            if name == "lightning_ptdp" or name.startswith("lightning_ptdp."):
+                inner = name.removeprefix("lightning_ptdp").lstrip(".")
+                if inner in known:
+                    out.add(inner)
+    return out
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(edges.items()):
+        home, level = layer_of(module)
+        for target in sorted(targets):
+            their_home, their_level = layer_of(target)
+            axis, their_axis = home.split(".")[0], their_home.split(".")[0]
+            if their_level > level:
+                found.append(f"{module} (layer {level}) imports {target} (layer {their_level}): upward")
+            elif level == 1 and axis != their_axis and {axis, their_axis} <= AXES:
+                found.append(f"{module} imports {target}: sideways between parallelism axes")
+    return found
+
+
+def test_no_module_imports_upward_or_sideways():
+    edges = {name: imports_of(path, name) for name, path in _modules().items()}
+    assert sum(len(t) for t in edges.values()) > 50  # the walk sees the package's imports
+    assert violations(edges) == []
+
+
+def test_the_layer_check_fails_on_a_violation():
+    assert violations({"pipeline.engine": {"tensor_parallel.layers"}}) == [
+        "pipeline.engine imports tensor_parallel.layers: sideways between parallelism axes"
+    ]
+    assert violations({"parallel.comm": {"checkpoint.full"}}) == [
+        "parallel.comm (layer 0) imports checkpoint.full (layer 2): upward"
+    ]
+    assert violations({"strategy": {"tensor_parallel.apply", "config"}}) == []
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_modules_are_short_with_short_docstrings(name):
+    path = _modules()[name]
+    lines = len(path.read_text().splitlines())
+    limit = MAX_STRATEGY_LINES if name == "strategy" else MAX_LINES
+    assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines; split it (limit {limit})"
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert len(doc.strip().splitlines()) <= MAX_DOCSTRING_LINES, (
+        f"{path.relative_to(ROOT)}: module docstring of {len(doc.strip().splitlines())} lines; "
+        f"keep it to {MAX_DOCSTRING_LINES} and move the rest to docs/architecture.md"
+    )
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    tracked = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".yaml", ".toml"} and ".git" not in p.parts]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in tracked
+        if "venv" not in p.parts and p.name != "test_structure.py" and ("DESIGN.md" in p.read_text() or "../shared" in p.read_text())
+    ]
+    assert offenders == []
