@@ -74,6 +74,8 @@ class PipelineTimeline(pl.Callback):
             self.paths = [png, trace]
 
 
+# Not matplotlib: the built-in writer (png.py) draws exact span colours that tests read back pixel by pixel,
+# and needs nothing on GPU images or cluster nodes; the Chrome trace beside it is the interactive view.
 def draw(rows: list[dict], title: str) -> bytes:
     """PNG bytes: one row per pipeline rank; F blue, B green, W orange, later chunks lighter."""
     t0 = min(r["start"] for r in rows)
