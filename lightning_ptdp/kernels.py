@@ -1,21 +1,11 @@
 """Slot the Triton kernels into an ordinary model, without the model changing a line.
 
-* Attention: ``F.scaled_dot_product_attention`` calls made by the model's own forward go to
-  ``triton_kernels.flash_attention`` when it can run them (no mask, no dropout, supported head
-  dim and dtype, CUDA or the interpreter) and to torch otherwise.
-* Bias + GeLU: a Linear whose output feeds only a GeLU (``nn.GELU`` or ``F.gelu``), found by
-  torch.fx tracing each module's own forward, computes ``x @ W^T`` without its bias (``F.linear``,
-  or ``sequence_parallel_linear`` for a column shard under sequence parallelism) and the GeLU
-  becomes ``bias_gelu(x, linear.bias)``, as Megatron fuses them. The bias stays a parameter of
-  the same Linear: parameters, optimizer groups and state_dict keys do not change.
-
-Mechanism: a ``TorchFunctionMode`` (``_KernelRouter``) owned by the model, not global, entered
-by forward hooks on the modules whose forward makes those calls. Hooks, not a wrapper around
-the root's forward, so the routing survives a pipeline split that moves submodules, and an
-activation-checkpoint recompute (which calls the checkpointed module again) takes the same path.
-Matching is by identity of the bias parameter passed to ``F.linear``, re-read every forward, so a
-later tensor-parallel rewrite that swaps in sharded (DTensor) parameters keeps working; a module
-replaced by one that no longer calls ``F.linear(x, w, bias)`` simply runs unfused.
+Attention: the model's ``F.scaled_dot_product_attention`` calls go to ``triton_kernels.flash_attention``
+where it can run them, else to torch. Bias + GeLU: a biased Linear whose only user is a GeLU (found
+by torch.fx tracing each module's own forward) computes ``x @ W^T`` and the GeLU becomes
+``bias_gelu(x, linear.bias)``; the bias stays that Linear's parameter. Mechanism: ``_KernelRouter``,
+a TorchFunctionMode owned by the model and entered by forward hooks (surviving the pipeline split
+and recompute); a fused Linear is matched by its bias's identity, re-read every forward.
 """
 
 from __future__ import annotations

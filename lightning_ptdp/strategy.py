@@ -297,10 +297,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device (no memory); after tensor and pipeline
-        parallelism cut the model, each rank allocates and initialises only what it holds, with
-        the single-process values (parallel/init.py). ``empty_init=False``, or
-        ``trainer.init_module()`` before the run: real tensors, as Lightning does."""
+        """``configure_model`` builds on the meta device (no memory); after TP and the pipeline split cut
+        the model, each rank allocates and initialises only what it holds, with the single-process values
+        (parallel/init.py). ``empty_init=False``, or ``trainer.init_module()`` before the run: real tensors."""
         if empty_init is False or self._device_mesh is None:  # outside a run (trainer.init_module()): Lightning's way
             with super().tensor_init_context(empty_init):
                 yield

@@ -1,12 +1,10 @@
 """Run a function on N gloo ranks, reusing the processes across calls.
 
-Starting a process that imports torch and Lightning costs seconds; a test suite that starts a
-fresh group for every test spends most of its time there. ``DistributedPool`` starts N workers
-once, initialises the default process group once, then runs one function after another on all
-ranks and returns the per-rank results. Each worker looks to Lightning like a torchrun child
-(RANK, LOCAL_RANK, WORLD_SIZE... are set), so a function may build a ``Trainer`` with
-``devices=N`` and call ``fit``. A failure or a timeout tears the pool down: no worker is left
-half-way through a collective for the next call.
+Starting a process that imports torch and Lightning costs seconds. ``DistributedPool`` starts N
+workers and the default process group once, then runs one function after another on all ranks and
+returns the per-rank results. Each worker looks to Lightning like a torchrun child (RANK,
+LOCAL_RANK, WORLD_SIZE... set), so a function may build a ``Trainer(devices=N)`` and call ``fit``.
+A failure or a timeout tears the pool down: no worker is left mid-collective for the next call.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """ReplicaConsistency: every N steps, check that copies of a parameter are bitwise equal.
 
-Copies that must stay identical: each parameter across its data-parallel replicas (same pp and
-tp coordinates; under ZeRO each rank holds a different shard, so there are none), and a weight
-tied across pipeline stages (token embedding = LM head). A silent divergence there (a missed
-all-reduce, a non-deterministic kernel, a bad host) otherwise shows up days later as a loss
-curve nobody can explain. Each rank reduces every parameter to a 64-bit fingerprint (sums of its
-raw bits, plain and position-weighted: any changed bit changes the plain sum), the fingerprints
-are all-gathered over the group, and the first parameter whose copies differ is named.
+Copies that must stay identical: a parameter across its data-parallel replicas (same pp and tp
+coordinates; none under ZeRO, where each rank holds a different shard) and a weight tied across
+pipeline stages. A silent divergence (a missed all-reduce, a non-deterministic kernel, a bad host)
+otherwise surfaces days later as an unexplained loss curve. Each rank reduces every parameter to a
+64-bit fingerprint of its raw bits (plain and position-weighted sums), the fingerprints are
+all-gathered over the group, and the first parameter whose copies differ is named.
 """
 
 from __future__ import annotations

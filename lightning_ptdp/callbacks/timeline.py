@@ -1,13 +1,11 @@
 """PipelineTimeline: the measured schedule of one training step, as a picture and a trace.
 
 Every rank's pipeline engine records when each microbatch's forward (F), backward (B), or under
-zero-bubble input-backward (I) and weight-backward (W) ran. For the chosen step the callback
-gathers those spans from all ranks and rank 0 writes:
-  - ``<name>.png``: one row per pipeline rank (of data-parallel replica 0, tensor rank 0), time
-    left to right, like the paper's schedule figures but measured; the title (also stored in the
-    PNG's tEXt "Title") gives the measured bubble: idle / busy time, mean over pipeline ranks,
-    the quantity the paper's (p-1)/m estimates;
-  - ``<name>.json``: a Chrome trace (chrome://tracing, Perfetto) of every rank.
+zero-bubble input-backward (I) and weight-backward (W) ran. For the chosen step rank 0 gathers the
+spans and writes ``<name>.png`` (one row per pipeline rank of dp replica 0, tp rank 0, like the
+paper's schedule figures but measured; the title, also the PNG's tEXt "Title", gives the measured
+bubble: idle / busy time, mean over pipeline ranks, what the paper's (p-1)/m estimates) and
+``<name>.json`` (a Chrome trace of every rank, for chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations

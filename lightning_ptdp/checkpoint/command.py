@@ -1,14 +1,11 @@
 """Sharded checkpoint <-> one file, on one machine, with no process group.
 
-    ptdp checkpoint consolidate CKPT OUT.pt           the model's plain state_dict
-    ptdp checkpoint consolidate CKPT OUT.safetensors --strip-prefix net.model.
-                                                      the inner model's keys (a transformers model's own)
-    ptdp checkpoint consolidate CKPT OUT.ckpt --full  the whole checkpoint, as checkpoint_format="full" writes it
-    ptdp checkpoint shard IN.pt CKPT                  a plain state_dict or a full checkpoint, as a sharded one
+    ptdp checkpoint consolidate CKPT OUT.pt                  the model's plain state_dict
+    ptdp checkpoint consolidate CKPT OUT.safetensors --strip-prefix net.model.   the inner model's own keys
+    ptdp checkpoint consolidate CKPT OUT.ckpt --full         the whole checkpoint, as checkpoint_format="full" writes it
+    ptdp checkpoint shard IN.pt CKPT                         a plain state_dict or a full checkpoint, as a sharded one
 
-A plain state_dict loads with ``module.load_state_dict`` on one device. A sharded checkpoint made
-from a full one resumes training (``ckpt_path=``) on any layout; one made from a plain state_dict
-holds weights only (``trainer.validate/test/predict(ckpt_path=...)``, or load it before ``fit``).
+Made from a full checkpoint it resumes ``fit`` on any layout; from a state_dict it holds weights only.
 """
 
 from __future__ import annotations

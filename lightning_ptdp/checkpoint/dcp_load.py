@@ -1,4 +1,4 @@
-"""Loading a sharded checkpoint (distcp.py) into the model and optimizers this rank holds now.
+"""Loading a sharded checkpoint (dcp_save.py) into the model and optimizers this rank holds now.
 
 Every rank checks what it will read first (files whole, keys and shapes, optimizer state); the
 problems of all ranks are shared, so each rank raises the same error before any rank enters the

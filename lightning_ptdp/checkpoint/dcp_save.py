@@ -1,26 +1,11 @@
 """Sharded checkpoints: every rank writes its own pieces with torch.distributed.checkpoint (DCP).
 
-Layout of a checkpoint directory (DCP's ``.metadata`` plus one data file per rank):
-  state_dict.<name>                      model tensors, in the single-process model's names and shapes
-  optimizer_states.<i>.state.<name>.<k>  optimizer state per parameter (Adam's exp_avg, ...), same
-  optimizer_states.<i>.param_groups.<r>  hyperparameters per group (lr, betas, ...) and the names of
-                                         rank r's parameters in it, bytes
-  rng.<rank>                             each rank's random-number generator states, bytes
-  ptdp                                   the layout it was saved at (for messages), bytes
-  lightning                              everything else of Lightning's checkpoint (loops, callbacks,
-                                         LR schedulers, hyperparameters, data position), bytes
-Tensors are stored as the original tensors cut into rectangles (shards.py), so DCP's resharding
-reads any other layout's pieces out of them; a weight held by several ranks (dp replicas, a tied
-embedding on two stages) is written once (DCP deduplicates equal pieces).
-
-Why custom planners: a fused q/k/v shard is several rectangles of the original tensor, which
-neither a DTensor placement nor DCP's default planner can describe; ours hand DCP those pieces.
-
-Saving is atomic: DCP writes into a fresh hidden version directory and the checkpoint's name is a
-symlink swapped onto it with one ``os.replace`` once every rank's files are on disk. A crash at
-any moment leaves the name pointing at the previous complete checkpoint. Cleanup deletes only
-version folders the saver created (marked) that no name references; a plain folder found at a
-checkpoint's name is refused, never replaced, moved or deleted.
+Tensors are stored as the original (single-process) tensors cut into rectangles (pieces.py), under
+the original names, so DCP's resharding reads any other layout's pieces out of them; a weight held
+by several ranks is written once. Custom planners hand DCP those pieces: a fused q/k/v shard is
+several rectangles, which neither a DTensor placement nor DCP's default planner describes. Saving
+is atomic: DCP writes a fresh hidden version folder and the checkpoint's name is a symlink swapped
+onto it with one ``os.replace``. Key layout and cleanup rules: docs/architecture.md.
 """
 
 from __future__ import annotations

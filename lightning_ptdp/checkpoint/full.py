@@ -1,15 +1,11 @@
-"""What a checkpoint holds under tensor parallelism and ZeRO, and how it loads back.
+"""The full checkpoint format: unsharded tensors in the original model's keys and shapes.
 
-Model weights are always saved unsharded (the original model's keys and shapes), so a
-checkpoint loads on one device with plain ``load_state_dict`` and on any other layout:
-  - TP: each rank's shards are gathered into the original tensors; on load, cut again for the
-    new t (``consolidate.shard_state_dict``);
-  - ZeRO (FSDP2): torch's distributed-checkpoint state-dict helpers gather to rank 0 and scatter
-    back on load, optimizer state included;
-  - PP: each stage holds its own chunks' entries; they are gathered over the pipeline group (a
-    weight tied across stages appears under each of its names, as in the original state_dict),
-    and on load each stage takes the entries it holds.
-Every function here is a collective over the ranks that hold shards: call it on all of them.
+Loads on one device with plain ``load_state_dict`` and on any layout. TP: shards gathered into the
+original tensors, cut again for the new t on load (``consolidate``). ZeRO (FSDP2): torch's
+distributed-checkpoint state-dict helpers gather to rank 0 and scatter back, optimizer state
+included. PP: each stage's entries gathered over the pipeline group (a weight tied across stages
+under each of its names); on load each stage takes what it holds. Every function here is a
+collective over the ranks that hold shards: call it on all of them.
 """
 
 from __future__ import annotations

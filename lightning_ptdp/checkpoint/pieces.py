@@ -1,12 +1,11 @@
 """Where this rank's data of each tensor sits inside the single-process model's tensor.
 
-A parameter here may be cut twice: by tensor parallelism (our layers hold plain local tensors,
-``ShardLayout``/``VocabShard`` say which rows or columns) and then by ZeRO (FSDP2 makes it a
-DTensor sharded by rows over dp). ``pieces`` maps what this rank holds back to the original
-coordinates as a few rectangles: one per q/k/v block of a fused projection, split again where a
-ZeRO row range crosses a block edge. Vocabulary padding rows are not part of the original, so
-they belong to no piece. Checkpoints are written and read as these pieces (distcp.py), so a file
-saved at one (t, p, d, zero) holds the original tensors and loads on any other layout.
+A parameter may be cut twice: by tensor parallelism (plain local tensors; ``ShardLayout`` /
+``VocabShard`` say which rows or columns) and then by ZeRO (an FSDP2 DTensor sharded by rows over
+dp). ``pieces`` maps what this rank holds back to original coordinates as a few rectangles: one per
+q/k/v block of a fused projection, split again where a ZeRO row range crosses a block edge;
+vocabulary padding belongs to no piece. Checkpoints (dcp_save.py), initialisation and pretrained
+reads use these pieces, so a file saved at one (t, p, d, zero) loads on any other.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Start from pretrained weights, shard by shard: each rank reads only the slices it holds.
 
-``PTDPStrategy(pretrained=PATH)``: PATH is a ``.safetensors`` file, a folder of them (a
-transformers checkpoint, with or without its index), or a ``torch.save``-d state_dict (read
-memory-mapped). ``configure_model`` then builds the parameters on the meta device (buffers stay
-real, so rotary tables computed in ``__init__`` keep their values); after tensor and pipeline
-parallelism cut the model, every rank allocates its pieces and copies exactly those slices from
-the files (``shards.pieces``: the same geometry as checkpoints). Keys are the model's parameter
-names less the longest common module prefix the files do not have (``net.model.`` for a
-transformers model held as ``self.net``), or ``pretrained_prefix``.
+``PTDPStrategy(pretrained=PATH)``: a ``.safetensors`` file, a folder of them (a transformers
+checkpoint, with or without its index), or a ``torch.save``-d state_dict (read memory-mapped).
+``configure_model`` builds parameters on meta (buffers stay real, so rotary tables keep their
+values); after TP and the pipeline split each rank allocates its pieces and copies exactly those
+slices (``pieces.pieces``, the checkpoints' geometry). Keys are the parameter names less the
+longest common prefix the files lack (``net.model.`` for ``self.net``), or ``pretrained_prefix``.
 """
 
 from __future__ import annotations

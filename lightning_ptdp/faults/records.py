@@ -1,22 +1,11 @@
 """When one rank fails, the others stop soon after and say which rank it was.
 
-Lightning calls ``Strategy.on_exception`` on every rank whose fit (validate, test, predict)
-raised. There, through ``FailureRecords``:
-
-* a rank that raised its own error records it in the job's key-value store (the rendezvous store
-  every rank already shares); the first record of a run wins, being the root cause;
-* a rank whose collective broke under it (gloo: "Connection closed by peer" once the failed rank's
-  process is gone) reads that record and rewrites its own error's message to lead with it: which
-  rank failed, with what. The exception keeps its type and traceback, as Lightning's own
-  ``DDPStrategy.on_exception`` does it; raising a new one from the hook would skip the Trainer's
-  teardown (``_call_and_handle_interrupt`` calls the hook, then ``trainer._teardown()``);
-* if no rank recorded anything, one was killed (SIGKILL, the out-of-memory killer): the message
-  names the ranks that had not reported when this one stopped.
-
-Under Lightning's launcher the store lives in global rank 0's process, so when rank 0 is the one
-that failed it takes the store with it, and the others say that instead. Every store operation
-here waits at most ``failure_timeout`` (a strategy argument). The pipeline engine records a
-stage's error from inside its schedule, before it aborts the pipeline group (``pipeline/failure.py``).
+In ``Strategy.on_exception`` (``FailureRecords``): a rank that raised its own error records it in
+the job's rendezvous store (the run's first record wins); a rank whose collective broke because a
+peer stopped rewrites its exception's message to lead with that record, keeping type and traceback
+(a new exception would skip Lightning's teardown); with no record, a rank was killed and the message
+names the ranks that had not reported. Store operations wait at most ``failure_timeout`` (under
+Lightning's launcher the store dies with rank 0). pipeline/failure.py records a stage's error first.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Initialisation that gives every element the same value on any layout, so a model built on the
 meta device can be materialised shard by shard and still equal the single-process model.
 
-A model says how each parameter starts with ``init_rule(name) -> Normal | Constant`` (names
-relative to the module defining it, which also seed the draws: define it on the module that builds
-the whole model, not on a block class, or every block would start alike) and ``init_seed``. A Normal tensor is drawn in blocks of
-``ROWS_PER_DRAW`` rows, each block from its own generator seeded by (seed, name, block index):
-a rank holding any rows (or columns) of it draws only the blocks those rows lie in and keeps its
-part. ``initialize`` fills an ordinary model this way (the single-process reference);
-``materialize`` gives a sharded model built on the meta device its storage and its values.
+A model says how each parameter starts with ``init_rule(name) -> Normal | Constant`` and
+``init_seed``, on the module that builds the whole model (names relative to it also seed the draws,
+so on a block class every block would start alike). A Normal tensor is drawn ``ROWS_PER_DRAW`` rows
+at a time, each block from a generator seeded by (seed, name, block index): a rank draws only the
+blocks its rows lie in. ``initialize`` fills an ordinary model; ``materialize`` a meta-built shard.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
-The order is fixed, each step its own function:
-  1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
-                      pipeline split drops the other stages' parameters.
-  2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
-                      sees its own heads and bias shard.
-  3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
-  4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
-                      recomputed blocks, so a block of another chunk is never recomputed.
-  4b. values          a model built on meta gets storage and values for what this rank kept only:
-                      read from pretrained files, or the single-process initialisation.
-  5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
-                      under PP the engine averages gradients over dp once per step instead).
+``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 2 kernels,
+3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
+this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
+the pipeline engine, the ``GradientFinisher`` and the ``ShardingView`` checkpoints need.
 """
 
 from __future__ import annotations
@@ -79,9 +71,24 @@ def parallelize(
     pretrained: Optional[Pretrained] = None,
     failures: Optional[FailureRecords] = None,
 ) -> Parallelized:
-    """Apply steps 1-5 above, in that order; ``probe`` runs one ordinary forward (tensor-parallel discovery
-    traces the first transformer block on its real inputs); ``pipeline_probe`` gives a forward on
-    one microbatch and its sample count. Data parallelism only when training."""
+    """Apply the steps in this fixed order:
+
+    1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
+                        pipeline split drops the other stages' parameters.
+    2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
+                        sees its own heads and bias shard.
+    3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
+    4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
+                        recomputed blocks, so a block of another chunk is never recomputed.
+    4b. values          a model built on meta gets storage and values for what this rank kept only:
+                        read from pretrained files, or the single-process initialisation.
+    5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
+                        under PP the GradientFinisher averages gradients over dp once per step instead).
+
+    ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
+    block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
+    count. Data parallelism only when training. TP, recompute, the split and the pretrained read are
+    cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module, root=module, zero=config.zero_stage > 0)
     if dims.tp > 1:

@@ -1,5 +1,5 @@
 """Pipeline parallelism: the runtime split (split.py), torch schedules (schedules.py), the
-Lightning-step runner (engine.py) and the gradient work between backward and step (grads.py)."""
+Lightning-step runner (engine.py); the gradient work between backward and step is parallel/grads.py."""
 
 from lightning_ptdp.pipeline.apply import apply_pipeline
 from lightning_ptdp.pipeline.engine import PipelineEngine, Span, StepTimeline, split_microbatches

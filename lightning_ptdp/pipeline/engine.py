@@ -1,13 +1,11 @@
 """Run one Lightning step as a pipeline schedule over microbatches.
 
 The user's own ``training_step`` (or validation/test/predict step) runs once per microbatch on
-every stage, with the model in that stage's chunk mode (see split.py): on the last chunk it
-computes the microbatch loss exactly as written; elsewhere it stops at the chunk's end and its
-activation is sent on. torch.distributed.pipelining's stages and schedules do the ordering and
-the point-to-point transfers. ``self.log`` calls made during the microbatches are collected and
-replayed once per step on every pipeline rank, combined over microbatches by their ``reduce_fx``
-(sum, max, min; mean weighted by ``batch_size``), so loggers, the progress bar and checkpoint
-monitors see the value one process logs for the global batch, everywhere.
+every stage, the model in that stage's chunk mode (split.py): on the last chunk it computes the loss
+as written; elsewhere it stops at the chunk's end and the activation is sent on. torch's
+PipelineStage and schedules order the work and do the transfers. ``self.log`` calls of the
+microbatches are collected and replayed once per step on every pipeline rank, combined by their
+``reduce_fx`` (sum, max, min; mean weighted by ``batch_size``), as one process would log them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Cut an ordinary model into p*v pipeline chunks by running its own forward.
 
-Nothing is traced symbolically. One recording forward (the probe, on one microbatch) notes the
-order in which the transformer blocks run, what each returns, and where every parameter outside
-the blocks is used: before the first block (chunk 0), after the last (the last chunk), or inside
-a block. Each rank then keeps only its chunks' parameters and gates the blocks and the
-parameter-holding modules outside them. During a pipeline step the model's own forward runs on
-every stage:
-  - a block of an earlier chunk hands over the activation received from the previous stage;
-  - the first block after the running chunk stops the forward and returns its input;
-  - a module owned by another chunk returns a zero stand-in of its recorded shape (no compute,
-    no collective).
-So Python control flow, shape checks and side inputs the forward computes (positions, rotary
-tables, masks) work as written; only the residual stream crosses a stage boundary.
-
-torch.distributed.pipelining's own splitter (``pipeline()``) exports the model with torch.export,
-which cannot trace our tensor-parallel blocks (process-group collectives in custom autograd
-functions) and turns user control flow into guards; hence this runtime split.
+One recording forward (one microbatch) notes the blocks' order and outputs and where each parameter
+outside them is used. Each rank keeps its chunks' parameters and gates the blocks and outer modules,
+so the model's own forward runs on every stage: an earlier chunk's block hands over the received
+activation, the first block after the running chunk stops the forward, another chunk's module
+returns a zero stand-in. Only the residual stream crosses a stage. Not torch's ``pipeline()``, whose
+torch.export cannot trace our TP blocks (collectives in autograd Functions) or keep control flow.
 """
 
 from __future__ import annotations

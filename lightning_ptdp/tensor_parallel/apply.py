@@ -1,16 +1,11 @@
 """Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
 
-  1. find the repeated transformer blocks (blocks.py: a ModuleList/Sequential/ModuleDict of
-     same-type modules with Linears) and capture the first block's real inputs with one probe forward;
-  2. record and plan one block per list (discovery.py), then for every block: swap its Linears
-     for their column/row shards and run its own forward under the replay of the rewrites
-     (replay.py), with one collective at each region's input and one at its output (f and g);
-  3. split the token embedding and the LM head by vocabulary (tied weights stay one Parameter);
-  4. with sequence parallelism, the blocks run on 1/t of the sequence: the first block's input
-     is split, the last block's output gathered, region inputs all-gathered (the column Linears
-     keep only the 1/t shard for backward and gather again there) and region outputs
-     reduce-scattered; parameters replicated inside the blocks then get partial gradients,
-     listed in the report for the strategy to sum over the group.
+Find the block lists (parallel/blocks.py), capture the first block's real inputs with one probe
+forward, record and plan one block per list (discovery.py); then for every block swap its Linears
+for column/row shards and run its own forward under the replay (replay.py), one collective at each
+region's input (f) and output (g). Split the token embedding and LM head by vocabulary (ties stay
+one Parameter). Under SP the blocks run on 1/t of the sequence, and parameters replicated inside
+them get partial gradients, listed in the report for ``GradientFinisher`` to sum over the group.
 """
 
 from __future__ import annotations

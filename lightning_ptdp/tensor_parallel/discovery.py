@@ -1,16 +1,11 @@
 """Find the tensor-parallel plan of a transformer block from its dataflow, not from names.
 
-One real forward of a block is recorded (recording.py: Linears and linear-free modules as
-leaves) with every tensor's global shape. Then:
-  - roles: a Linear fed only by the residual stream (no Linear, or only row-parallel ones, on
-    the way back) opens a region (column-parallel); the Linear fed by those closes it (row-parallel);
-  - layouts: a region's split into k equal parts (fused q/k/v, fused gate/up) gives k blocks; the
-    first view that splits the feature dim gives heads (units) and head size;
-  - rewrites: the sharded dimension is followed through views, transposes, splits, elementwise
-    ops and attention; every shape argument that names the global size along it (a head count,
-    a hidden size) is divided by its ratio, so forward code that reads ``self.n_head`` or
-    ``x.size(-1)`` computes the right thing on 1/t of the heads.
-Anything else touching the sharded dimension raises ``TPDiscoveryError`` naming the block and op.
+From one recorded forward with global shapes (recording.py): roles (a Linear fed only by the
+residual stream opens a region, column-parallel; the Linear fed by those closes it, row-parallel),
+layouts (a split into k parts is a fused projection; the first view splitting the feature dim gives
+heads and head size), and rewrites (propagation.py follows the sharded dim and divides each shape
+argument naming its global size, so ``self.n_head`` or ``x.size(-1)`` work on 1/t of the heads).
+Anything else touching the sharded dim raises ``TPDiscoveryError`` naming the block and op.
 """
 
 from __future__ import annotations

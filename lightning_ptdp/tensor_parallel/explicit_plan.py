@@ -1,13 +1,11 @@
 """Explicit tensor-parallel plans: ``tp_plan={"module path or glob": style}``.
 
-Keys are module paths or fnmatch-style globs over them (``"model.layers.*.self_attn.q_proj"``);
-each key must match at least one module, and a module matched by two keys must get one style.
-Each colwise layer brings its own f (copy to the group) and each rowwise its own g (all-reduce,
-then bias), Megatron's way; the forward must take head counts from tensor shapes
-(``view(B, T, -1, head_dim)``). Linear-like layers are nn.Linear and transformers' ``Conv1D``
-(weight stored transposed, (in, out): its shards keep that layout, so checkpoints keep the
-model's own shapes). A weight tied between modules is sharded only as the vocabulary pair
-(vocab_embedding + vocab_head, both in the plan); any other tie is refused, never broken.
+Keys are module paths or fnmatch globs; each must match a module, and a module matched twice must
+get one style. Each colwise layer brings its own f and each rowwise its own g (Megatron's way); the
+forward must take head counts from tensor shapes (``view(B, T, -1, head_dim)``). Linear-likes are
+nn.Linear and transformers' ``Conv1D`` (weight (in, out); shards keep that layout, so checkpoints
+keep the model's shapes). A tied weight is sharded only as the vocabulary pair (vocab_embedding +
+vocab_head, both in the plan); any other tie is refused, never broken.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Tensor-parallel replacements for nn.Linear and nn.Embedding holding this rank's shard.
 
-Parameters are plain local tensors, not DTensors: DTensor placements cannot say "each of the
-q, k, v blocks split by heads" (fused QKV) nor "KV heads replicated across rank pairs" (GQA with
-t > n_kv_heads), and plain tensors keep per-op dispatch cost off the step. Each layer keeps a
-``ShardLayout`` that maps its shard back to the original tensor, for consolidation.
-In a discovered block each layer holds its region's ``RegionEntry`` (replay.py): the columns
-take the region's input entered once (f: copy, or all-gather under sequence parallelism, keeping
-1/t of it for backward: sequence_linear.py), the row reduces (g) and ends the region. From an
-explicit plan (``comm=True``) each layer brings its own f or g.
+Parameters are plain local tensors, not DTensors: no placement says "each of q, k, v split by heads"
+(fused QKV) or "KV heads replicated across rank pairs" (GQA with t > n_kv_heads), and plain tensors
+keep per-op dispatch cost off the step. A ``ShardLayout`` maps each shard back to the original
+tensor. In a discovered block each layer holds its region's ``RegionEntry`` (replay.py): columns
+take the input entered once (f: copy, or all-gather under SP keeping 1/t for backward), the row
+reduces (g). From an explicit plan (``comm=True``) each layer brings its own f or g.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Run a tensor-parallel block's own forward on its shards: the recorded rewrites, applied live.
 
-The block's forward runs as written under ``_ReplayMode`` (a TorchFunctionMode, active only
-while a TP block runs). Calls are matched to the recorded ones by call site (code, instruction,
-function, occurrence), and the mode
-  - gives a shape argument that names a global size along a sharded dim (a head count, a split
-    size) its local value; a value already local (read from a local tensor) is kept;
-  - hands the region's entered input (f: copied to the group, or all-gathered under sequence
-    parallelism) to every call inside the region that reads the region's input, so even size
-    reads see the whole sequence; calls recorded outside the region get the original.
-The column Linears take the same entered input; the row Linear reduces (or reduce-scatters)
-and ends the region. Ops inside leaf modules (Linears, norms) are not matched.
+The forward runs as written under ``_ReplayMode`` (a TorchFunctionMode active only while a TP block
+runs). Calls are matched to recorded ones by call site (code, instruction, function, occurrence):
+a shape argument naming a global size along a sharded dim gets its local value (a value already
+local is kept), and every call inside a region reading the region's input gets the entered input
+(f, or the all-gathered one under SP, so size reads see the whole sequence). The column Linears take
+the same entered input; the row Linear reduces and ends the region. Leaf modules are not matched.
 """
 
 from __future__ import annotations

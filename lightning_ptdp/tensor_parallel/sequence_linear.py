@@ -1,17 +1,11 @@
 """Sequence parallelism's column-parallel Linear: keep 1/t of the input for backward, not all of it.
 
-Under SP a region's input X arrives split along the sequence, X = [X_1; ...; X_t], and is
-all-gathered once at the region's entry (``gather_from_sp_region``) for the column Linears
-Y = X A_i. Their weight gradient dA_i = dY^T X needs the whole X, but keeping it costs t times
-the shard; Korthikanti et al. 2022 (Section 4.2.2) and Megatron keep only X_r and all-gather it
-again in backward. Here each column Linear of the region gets ``SequenceShard`` (X_r, and one
-``Regather`` shared by the region's Linears, so q, k and v gather once in backward, not three
-times), saves X_r, and its backward returns dX = dY A_i at full length; autograd sums the
-Linears' dX and the entry's reduce-scatter makes it 1/t again, one collective per region as before.
-
-Why a Function (Megatron's way), not saved-tensor hooks on the region: ``save_for_backward`` still goes
-through the active hooks (non-reentrant recompute, offload, counters), which a region hook would shadow,
-and it saves in autocast's compute dtype, whose private casts a hook could not recognise as X.
+Under SP a region's input X = [X_1; ...; X_t] is all-gathered once at the region's entry for the
+column Linears Y = X A_i, whose weight gradient needs all of X. As Korthikanti et al. 2022 (4.2.2)
+and Megatron do, each column Linear gets ``SequenceShard`` (X_r and one ``Regather`` shared by the
+region, so q, k, v gather once in backward), saves X_r, and returns dX at full length; the entry's
+reduce-scatter makes it 1/t again. A Function, not saved-tensor hooks on the region: those would
+shadow active hooks (recompute, offload) and could not recognise autocast's casts of X.
 """
 
 from __future__ import annotations

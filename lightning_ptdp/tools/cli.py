@@ -1,20 +1,11 @@
 """The ``ptdp`` command: Lightning's CLI with the PTD-P strategy, plus tool subcommands.
 
-    ptdp fit --trainer.strategy=ptdp --trainer.strategy.data_parallel_size=2 --trainer.devices=2
-    ptdp fit --config run.yaml                 # any LightningCLI config (`ptdp fit --print_config`)
-    ptdp validate --ckpt_path=last.ckpt        # also: test, predict
-    ptdp fit --model=my_pkg.MyModel --data=my_pkg.MyData --model.init_args.width=512
+    ptdp fit --trainer.strategy.tensor_parallel_size=2 --trainer.devices=8   # also validate, test, predict
+    ptdp fit --config run.yaml --model=my_pkg.MyModel --data=my_pkg.MyData
 
-Without ``--model`` / ``--data`` the reference GPT (``recipes.gpt.GPTLightningModule``) trains
-on the embedded Markov corpus (``recipes.data.MarkovDataModule``); any LightningModule and
-LightningDataModule can be named by class path instead. ``--trainer.strategy`` defaults to
-``ptdp`` (plain data parallelism over every device); its degrees are set with
-``--trainer.strategy.tensor_parallel_size=...`` and the other PTDPStrategy arguments.
-
-Subcommands that are not Lightning's (``ptdp plan``, ``ptdp doctor``) are dispatched before
-LightningCLI is built; each is a ``main(argv: list[str]) -> int`` in the module named in
-``TOOL_COMMANDS``. jsonargparse (``pip install "jsonargparse[signatures]"``) is imported only
-when a Lightning subcommand runs.
+Without ``--model`` / ``--data`` the reference GPT trains on the embedded Markov corpus;
+``--trainer.strategy`` defaults to ``ptdp``. Other subcommands (plan, doctor, checkpoint) are each a
+``main(argv) -> int`` named in ``TOOL_COMMANDS``, dispatched before jsonargparse is imported.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """``ptdp doctor``: a preflight before a big run, one OK / WARN / FAIL line per check.
 
     ptdp doctor -t 8 -p 4 --devices 8 --num-nodes 16      # + this layout; --json for machines
-    ptdp doctor --bench                                   # + collectives on 2 local gloo processes
-    torchrun --nproc_per_node=8 -m lightning_ptdp.tools.doctor --bench   # ... on the launched ranks (nccl)
+    torchrun --nproc_per_node=8 -m lightning_ptdp.tools.doctor --bench   # + collectives (nccl)
 
-Checks: Python; torch (>= 2.11) and the other packages, required or extras; CUDA, each GPU
-(memory, bf16, known peak FLOP/s), peer access / NVLink; NCCL and gloo; NCCL variables that
-slow a run; the launcher (SLURM, torchrun or none) against devices x num_nodes; the layout through
-``ParallelConfig`` / ``ParallelDims`` (their errors verbatim), warning when TP groups cross
-nodes. Exit code 0 when nothing FAILs, else 1. Checks are functions returning :class:`Check`;
-only :func:`main` prints.
+Checks: Python, torch (>= 2.11) and packages; CUDA, GPUs, peer access / NVLink; NCCL, gloo and slow
+NCCL variables; the launcher against devices x num_nodes; the layout through ``ParallelConfig`` /
+``ParallelDims``. Exit code 0 when nothing FAILs. Checks return :class:`Check`; only :func:`main` prints.
 """
 
 from __future__ import annotations

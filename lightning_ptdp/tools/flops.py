@@ -1,18 +1,10 @@
 """Analytic cost model for GPT-style training: parameters, FLOPs, time, memory, MFU.
 
-The formulas follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on
-GPU Clusters Using Megatron-LM", Section 5.1 and Appendix) for parameters, FLOPs and training
-time, and Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", Section 4) for activation memory.  Notation used throughout:
-
-    l  number of transformer layers          h  hidden size
-    V  vocabulary size                       s  sequence length
-    B  global batch size (sequences)         b  micro-batch size
-    a  attention heads                       t  tensor-parallel size
-    p  pipeline-parallel size                d  data-parallel size
-
-Everything here is plain arithmetic: no torch, no process group, so the planner, the
-throughput callback and the CLI can all call it anywhere.
+Formulas: Narayanan et al. 2021 (Megatron-LM, Section 5.1 and Appendix) for parameters, FLOPs and
+training time; Korthikanti et al. 2022 (Section 4) for activation memory. Notation: l layers,
+h hidden size, V vocabulary, s sequence length, B global batch, b micro-batch, a attention heads,
+t / p / d tensor / pipeline / data-parallel sizes. Plain arithmetic, no torch and no process group,
+so the planner, the throughput callback and the CLI can call it anywhere.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The GPU interconnect: NVLink pairs from ``nvidia-smi topo -m``, and collective bandwidth
 measured the way nccl-tests reports it (its PERFORMANCE.md).
 
-For a collective over n ranks on a buffer of S bytes taking t seconds, the algorithm bandwidth is
-``algbw = S / t`` and the bus bandwidth ``busbw = algbw * factor(n)``: the traffic each link
-carries, comparable with the hardware's peak whatever n is. S is the whole buffer: all ranks'
-chunks for all-gather (output) and reduce-scatter (input). Times are the mean over ranks.
-
-``run_local_benchmark(n, sizes)`` starts n local gloo processes (CPU); under torchrun or SLURM,
-``run_launched_benchmark(sizes)`` joins the launched group (nccl on GPUs). ``ptdp doctor --bench``
-calls one of the two.
+For a collective over n ranks on S bytes taking t seconds: ``algbw = S / t`` and
+``busbw = algbw * factor(n)``, the traffic per link, comparable with the hardware's peak for any n.
+S is the whole buffer (all ranks' chunks for all-gather and reduce-scatter); times are the mean
+over ranks. ``run_local_benchmark`` uses n local gloo processes, ``run_launched_benchmark`` the
+launched group (nccl on GPUs); ``ptdp doctor --bench`` calls one of them.
 """
 
 from __future__ import annotations
