@@ -72,6 +72,9 @@ class ParallelConfig:
     """Pipeline schedule used when p > 1."""
     kernels: KernelMode = "auto"
     """"auto": Triton kernels where they can run; "triton": force them; "torch": never."""
+    overlap_grad_reduce: bool = True
+    """Under PP with d > 1 (no ZeRO): start each chunk's dp gradient all-reduce as soon as its last
+    backward ran, overlapping the other chunks' compute (Megatron-Core's option of that name)."""
 
     def __post_init__(self) -> None:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -81,8 +84,9 @@ class ParallelConfig:
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.micro_batch_size is not None:
             check_positive_int("micro_batch_size", self.micro_batch_size)
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        for name in ("sequence_parallel", "overlap_grad_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         if self.activation_checkpointing is not None:
             _check_choice("activation_checkpointing", self.activation_checkpointing, (None, *RECOMPUTE_MODES))

@@ -68,6 +68,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         activation_checkpointing: Optional[Literal["full", "selective"]] = None,
         pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
         kernels: Literal["auto", "triton", "torch"] = "auto",
+        overlap_grad_reduce: bool = True,
         tp_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
         pretrained_prefix: Optional[str] = None,
@@ -101,6 +102,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             activation_checkpointing=activation_checkpointing,
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
+            overlap_grad_reduce=overlap_grad_reduce,
         )
         self.options = RunOptions(
             on_nonfinite=on_nonfinite,

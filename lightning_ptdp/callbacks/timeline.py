@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ptdp.callbacks.png import Canvas
 
+_COMM = (150, 80, 190)  # data-parallel gradient buckets, a strip under the compute
 _COLORS = {"F": [(66, 110, 200), (120, 160, 235)], "B": [(60, 160, 90), (130, 205, 150)],
            "I": [(60, 160, 90), (130, 205, 150)], "W": [(230, 150, 60), (245, 190, 120)]}
 _WIDTH, _LEFT, _TOP, _ROW = 1400, 80, 44, 34
@@ -54,6 +55,9 @@ class PipelineTimeline(pl.Callback):
             "end": timeline.end + timeline.wall_offset, "busy": timeline.busy,
             "spans": [(s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
                       for s in timeline.spans],
+            "comm": [(s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
+                     for s in timeline.comm],
+            "exposed_comm": timeline.exposed_comm,
         }
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -93,7 +97,10 @@ def draw(rows: list[dict], title: str) -> bytes:
             label = f"{kind}{microbatch}"
             if x1 - x0 >= 4 * 2 * len(label) + 4:
                 canvas.text(x0 + 3, y + 12, label, color=(255, 255, 255), scale=2)
-    canvas.text(_LEFT, _TOP + _ROW * len(rows) + 4, "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle", scale=1)
+        for _, _, _, start, end in record.get("comm", []):
+            x0, x1 = _LEFT + int((start - t0) * scale), _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1)
+            canvas.rect(min(x0, _WIDTH - 2), y + _ROW - 7, min(x1, _WIDTH - 1), y + _ROW - 4, _COMM)  # past the step: cut
+    canvas.text(_LEFT, _TOP + _ROW * len(rows) + 4, "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle  purple strip: dp gradients", scale=1)
     return canvas.png(title)
 
 
@@ -117,6 +124,9 @@ def chrome_trace(records: list[dict], title: str) -> dict:
         for kind, stage, microbatch, start, end in record["spans"]:
             events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": record["rank"], "tid": stage,
                            "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"microbatch": microbatch, "stage": stage}})
+        for kind, stage, _, start, end in record.get("comm", []):
+            events.append({"name": f"dp grads (chunk {stage})", "cat": "comm", "ph": "X", "pid": record["rank"],
+                           "tid": "dp comm", "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
         for start, end in idle_spans(record):
             events.append({"name": "idle", "cat": "idle", "ph": "X", "pid": record["rank"], "tid": "idle",
                            "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})

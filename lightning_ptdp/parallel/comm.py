@@ -3,6 +3,7 @@ tensors made picklable. Nothing here knows about tensor, pipeline or data parall
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -79,3 +80,51 @@ def raise_on_every_rank(problems: list[str], error: type[Exception] = ValueError
             ranks.setdefault(problem, []).append(rank)
     if ranks:
         raise error("; ".join(p if len(r) == len(everyone) else f"{p} (on ranks {r})" for p, r in ranks.items()))
+
+
+class PendingAllReduce:
+    """``all_reduce_grads`` started without waiting: the collective runs on the process group's own
+    threads while this rank goes on computing; ``wait`` puts the results into ``.grad``."""
+
+    def __init__(self, params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
+        self.params, self.scale = params, scale
+        self.started = time.perf_counter()
+        self.done: Optional[float] = None
+        had = [p.grad is not None for p in params]
+        device = local_tensor(params[0]).device
+        tensors = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in params]
+        tensors.append(torch.tensor(had, dtype=torch.float32, device=device))
+        self._buckets: list[tuple[torch.Tensor, list[int], Any]] = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(index)
+        for indices in by_dtype.values():
+            flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            self._buckets.append((flat, indices, work))
+        self._tensors = tensors
+        works = [work for *_, work in self._buckets]
+        try:  # when the last bucket arrives, for the timeline (gloo and nccl both have futures)
+            works[-1].get_future().then(lambda _: setattr(self, "done", time.perf_counter()))
+        except (AttributeError, RuntimeError):
+            pass
+
+    def wait(self) -> None:
+        for flat, indices, work in self._buckets:
+            work.wait()
+            if self.scale != 1.0:
+                flat.mul_(self.scale)
+            offset = 0
+            for i in indices:
+                tensor = self._tensors[i]
+                self._tensors[i] = flat[offset : offset + tensor.numel()].view_as(tensor)
+                offset += tensor.numel()
+        self.done = self.done or time.perf_counter()
+        flags = self._tensors[-1].tolist()
+        for param, reduced, anywhere in zip(self.params, self._tensors, flags):
+            if not anywhere:  # no rank has a gradient for it: stays None, as in one process
+                param.grad = None
+            elif param.grad is None:
+                param.grad = reduced.clone()
+            else:
+                local_tensor(param.grad).copy_(reduced)

@@ -4,6 +4,7 @@ gradients TP leaves partial, the dp mean under PP, and the global norm for clipp
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
-from lightning_ptdp.parallel.comm import all_reduce_grads, flat_all_reduce, local_tensor
+from lightning_ptdp.parallel.comm import PendingAllReduce, all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
@@ -51,16 +52,6 @@ def sum_tied_gradients(
             local = _dp_shard_shape(shape, *zero_dp) if zero_dp is not None else shape
             grads.append(torch.zeros(local, dtype=dtype, device=device))
     flat_all_reduce(grads, pp_group)
-
-
-def average_data_parallel_gradients(params: list[nn.Parameter], dp_group: Any, dp_size: int) -> None:
-    """Mean of the gradients over the data-parallel replicas, once per optimizer step (not per
-    microbatch): one flat all-reduce per dtype, instead of DDP, whose hooks would fire in every
-    microbatch's backward unless each were wrapped in no_sync. The buffer is built from ``params``,
-    the same on every replica whatever its forward touched."""
-    if dp_size == 1:
-        return
-    all_reduce_grads([p for p in params if p.requires_grad], dp_group, 1.0 / dp_size)
 
 
 def _replicated_kv(model: nn.Module) -> list[tuple[ColumnParallelLinear, nn.Parameter]]:
@@ -167,8 +158,8 @@ def clip_grad_norm(
 class GradientFinisher:
     """The gradient work between backward and the optimizer step, in this order: sum weights tied
     across pipeline stages; finish what TP leaves partial (sequence-parallel norms, replicated KV
-    heads); average over dp under PP (no DDP there; under ZeRO, FSDP reduce-scatters). ``clip``
-    is Lightning's norm clipping over the whole model instead of this rank's part."""
+    heads). (The dp mean is DDP's, FSDP's, or under PP the engine's DataParallelGradSync.)
+    ``clip`` is Lightning's norm clipping over the whole model instead of this rank's part."""
 
     model: nn.Module
     """The LightningModule as parallelized (not a DDP wrapper)."""
@@ -195,11 +186,50 @@ class GradientFinisher:
             sum_tied_gradients(self.split, self.pp_group, self.device, zero_dp)
         if self.tp is not None:
             sum_partial_gradients(self.model, self.partial, self.tp)
-        if self.split is not None and not self.zero:
-            average_data_parallel_gradients(params, self.dp_group, self.dp_size)
 
     def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
         exclude = self.split.norm_exclude() if self.split is not None else frozenset()
         dp_group = self.dp_group if self.zero else None
         return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude)
+
+
+@dataclass(kw_only=True)
+class DataParallelGradSync:
+    """Under PP (no DDP wrapper), the mean of the gradients over the dp replicas, bucket by bucket.
+    The pipeline engine calls ``ready`` with a chunk's parameters once that chunk's last backward
+    has run, and ``finish`` after the schedule. With ``overlap`` (Megatron-Core's
+    ``overlap_grad_reduce``) each bucket's all-reduce starts at ``ready`` and runs while the other
+    chunks compute; without it, every bucket starts in ``finish``. Buckets are launched in the same
+    order on every replica (the same schedule runs there)."""
+
+    group: Any
+    size: int
+    overlap: bool = True
+    _pending: list[PendingAllReduce] = field(default_factory=list)
+    _deferred: list[nn.Parameter] = field(default_factory=list)
+
+    def ready(self, params: list[nn.Parameter]) -> Optional[PendingAllReduce]:
+        if not params:
+            return None
+        if not self.overlap:
+            self._deferred += params
+            return None
+        self._pending.append(PendingAllReduce(params, self.group, 1.0 / self.size))
+        return self._pending[-1]
+
+    def finish(self, rest: list[nn.Parameter]) -> tuple[list[PendingAllReduce], float]:
+        """Start what is left, wait for every bucket; returns the buckets and the seconds this rank
+        waited (the communication the step could not hide)."""
+        left = self._deferred + rest
+        if left:
+            self._pending.append(PendingAllReduce(left, self.group, 1.0 / self.size))
+        start = time.perf_counter()
+        for pending in self._pending:
+            pending.wait()
+        buckets, self._pending, self._deferred = self._pending, [], []
+        return buckets, time.perf_counter() - start
+
+    def abandon(self) -> None:
+        """After a failed step: forget the started buckets (the process group is being torn down)."""
+        self._pending, self._deferred = [], []

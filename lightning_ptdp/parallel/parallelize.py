@@ -25,7 +25,7 @@ from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
-from lightning_ptdp.parallel.grads import GradientFinisher
+from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
@@ -103,6 +103,11 @@ def parallelize(
         module.__dict__["_ptdp_recompute"] = wrapped
         log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
     if dims.pp > 1:
+        # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO FSDP's)
+        dp_sync = training and config.zero_stage == 0 and dims.dp > 1
+        grad_sync = DataParallelGradSync(
+            group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce
+        ) if dp_sync else None
         if "_ptdp_pipeline" not in module.__dict__:
             if pipeline_probe is None:
                 raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
@@ -111,9 +116,11 @@ def parallelize(
                 module, pp=dims.pp, vpp=config.virtual_pipeline_size, rank=mesh["pp"].get_local_rank(),
                 schedule=config.pipeline_schedule, micro_batch_size=config.micro_batch_size,
                 pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows, failures=failures,
+                grad_sync=grad_sync,
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
-        result.pipeline.failures = failures  # an engine reused from an earlier run records into this run's
+        # an engine reused from an earlier run (fit, then validate) takes this run's collaborators
+        result.pipeline.failures, result.pipeline.grad_sync = failures, grad_sync
         result.pipeline.check_reusable(config, dims)
     aliases = result.pipeline.split.aliases if result.pipeline is not None else None
     if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:

@@ -32,6 +32,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def apply_pipeline(
     module: nn.Module, *, pp: int, vpp: int, rank: int, schedule: str, micro_batch_size: Optional[int],
     pp_group: Any, device: torch.device, probe: Callable[[], Any], probe_rows: int, failures: Any = None,
+    grad_sync: Any = None,
 ) -> PipelineEngine:
     """Cut ``module`` in place to pipeline rank ``rank``'s chunks; ``probe`` runs one ordinary
     forward on a microbatch of ``probe_rows`` samples (every rank still holds the whole model)."""
@@ -46,5 +47,5 @@ def apply_pipeline(
     )
     return PipelineEngine(
         module, split, schedule=schedule, micro_batch_size=micro_batch_size, pp_group=pp_group, device=device,
-        failures=failures,
+        failures=failures, grad_sync=grad_sync,
     )

@@ -76,6 +76,10 @@ class StepTimeline:
     spans: list[Span] = field(default_factory=list)
     wall_offset: float = 0.0
     """time.time() - time.perf_counter() at the start: spans + offset are comparable across hosts."""
+    comm: list[Span] = field(default_factory=list)
+    """Data-parallel gradient buckets (kind "D"), from start to arrival: beside compute, not in ``busy``."""
+    exposed_comm: float = 0.0
+    """Seconds this rank waited for those buckets after the schedule: the communication not hidden."""
 
     @property
     def busy(self) -> float:
@@ -138,7 +142,7 @@ class PipelineEngine:
 
     def __init__(
         self, module: nn.Module, split: PipelineSplit, *, schedule: str, micro_batch_size: Optional[int],
-        pp_group: Any, device: torch.device, failures: Optional[FailureRecords] = None,
+        pp_group: Any, device: torch.device, failures: Optional[FailureRecords] = None, grad_sync: Any = None,
     ) -> None:
         self.module, self.split, self.schedule_name = module, split, schedule
         self.micro_batch_size = micro_batch_size
@@ -157,6 +161,11 @@ class PipelineEngine:
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
         self.failures = failures
+        self.grad_sync = grad_sync
+        """Under d > 1 without ZeRO: the dp mean of the gradients, chunk by chunk (parallel/grads.py)."""
+        self._backwards_done: dict[int, int] = {}
+        self._synced: set[int] = set()
+        self._buckets: list[tuple[int, Any]] = []
         """Where a stage's error is recorded for the other ranks (the run's; a reused engine gets the new run's)."""
 
     def check_reusable(self, config: Any, dims: Any) -> None:
@@ -217,9 +226,37 @@ class PipelineEngine:
                 out = _run(mb, *args, **kwargs)
                 kind = "I" if _kind == "B" and kwargs.get("full_backward", True) is False else _kind
                 self._spans.append(Span(kind, stage.stage_index, mb, start, time.perf_counter()))
+                if kind in ("B", "W"):  # a gradient-producing backward of this chunk finished
+                    self._backward_done(stage.stage_index)
                 return out
 
             setattr(stage, attr, timed)
+
+    def _backward_done(self, chunk: int) -> None:
+        """After a chunk's last backward of the step: its gradients are final, start their dp mean
+        (parameters another local chunk still uses wait for that chunk)."""
+        run = self._run
+        self._backwards_done[chunk] = done = self._backwards_done.get(chunk, 0) + 1
+        if self.grad_sync is None or run is None or not run.training or done != len(run.microbatches):
+            return
+        finished = {c for c, n in self._backwards_done.items() if n == len(run.microbatches)}
+        still_used = {id(p) for c in self.split.local_chunks if c not in finished for p in self.split.params_of_chunk(c)}
+        params = [
+            p for p in self.split.params_of_chunk(chunk)
+            if p.requires_grad and id(p) not in self._synced and id(p) not in still_used
+        ]
+        self._synced.update(id(p) for p in params)
+        pending = self.grad_sync.ready(params)
+        if pending is not None:
+            self._buckets.append((chunk, pending))
+
+    def _finish_grad_sync(self, params: list[nn.Parameter]) -> None:
+        rest = [p for p in params if id(p) not in self._synced]
+        buckets, waited = self.grad_sync.finish(rest)
+        chunks = dict((id(b), c) for c, b in self._buckets)
+        assert self.timeline is not None
+        self.timeline.comm = [Span("D", chunks.get(id(b), -1), -1, b.started, b.done or b.started) for b in buckets]
+        self.timeline.exposed_comm = waited
 
     # ------------------------------------------------------------------ one step
     def _forward_chunk(self, chunk: int, received: tuple, index: int) -> torch.Tensor:
@@ -262,8 +299,15 @@ class PipelineEngine:
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self._backwards_done, self._synced, self._buckets = {}, set(), []
         try:
             outputs = self._run_schedule(step, batch, extra, training=True, grad_scale=grad_scale)
+            if self.grad_sync is not None:
+                self._finish_grad_sync(params)
+        except BaseException:
+            if self.grad_sync is not None:
+                self.grad_sync.abandon()
+            raise
         finally:
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, before):
