@@ -176,13 +176,6 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Replicas are the dp ranks: all tp and pp ranks of one replica read the same samples."""
-        dp = self.device_mesh["dp"]
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
-
     # ------------------------------------------------------------------ launch and setup
     @override
     def _configure_launcher(self) -> None:

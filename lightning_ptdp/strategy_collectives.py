@@ -1,5 +1,5 @@
-"""Lightning's collective hooks of PTDPStrategy on the (pp, dp, tp) world: logged values reduce
-over the dp group (tp and pp ranks of one replica hold the same value), decisions over the world."""
+"""Lightning's collective hooks of PTDPStrategy on the (pp, dp, tp) world: samplers and logged values
+follow the dp group (tp and pp ranks of one replica hold the same data), decisions the world."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ class WorldCollectives(ParallelStrategy):
     _device_mesh: Any = None
     _dp_group: Optional[tuple[Any, int]] = None
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Replicas are the dp ranks: all tp and pp ranks of one replica read the same samples."""
+        dp = self.device_mesh["dp"]  # PTDPStrategy.device_mesh: a clear error before setup_environment
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
     @override
     def reduce(
         self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
@@ -28,7 +35,7 @@ class WorldCollectives(ParallelStrategy):
             return tensor
         if group is None and self._device_mesh is not None:
             if self._dp_group is None:
-                dp = self._device_mesh["dp"]
+                dp = self.device_mesh["dp"]  # PTDPStrategy.device_mesh: a clear error before setup_environment
                 self._dp_group = (dp.get_group(), dp.size())
             group, members = self._dp_group
             if members == 1:  # any reduction over one replica is the value itself: no barrier, no all-reduce
