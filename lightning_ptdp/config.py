@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
+# Every choice list, once: the strategy's signature uses the Literal types, validation the tuples.
 PipelineSchedule = Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"]
 KernelMode = Literal["auto", "triton", "torch"]
 RecomputeMode = Literal["full", "selective"]
+NonfinitePolicy = Literal["raise", "skip", "ignore"]
+CheckpointFormat = Literal["sharded", "full"]
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble")
-KERNEL_MODES: tuple[str, ...] = ("auto", "triton", "torch")
-RECOMPUTE_MODES: tuple[str, ...] = ("full", "selective")
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+NONFINITE_POLICIES: tuple[str, ...] = get_args(NonfinitePolicy)
+CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
-NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip", "ignore")
-CHECKPOINT_FORMATS: tuple[str, ...] = ("sharded", "full")
 PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
-START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Collective timeout: long enough for a slow first NCCL connect, short enough that a dead rank

@@ -27,12 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ptdp import config as cfg
 from lightning_ptdp import probe
 from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.checkpoint.resume import resume_dataloader
-from lightning_ptdp.config import DEFAULT_TIMEOUT, FAILURE_TIMEOUT, ParallelConfig, RunOptions
 from lightning_ptdp.faults.nonfinite import apply_policy, check_grad_scaler, nonfinite_ranks
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.dims import ParallelDims
@@ -65,19 +65,19 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         micro_batch_size: Optional[int] = None,
         sequence_parallel: bool = False,
         zero_stage: int = 0,
-        activation_checkpointing: Optional[Literal["full", "selective"]] = None,
-        pipeline_schedule: Literal["interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"] = "interleaved_1f1b",
-        kernels: Literal["auto", "triton", "torch"] = "auto",
+        activation_checkpointing: Optional[cfg.RecomputeMode] = None,
+        pipeline_schedule: cfg.PipelineSchedule = "interleaved_1f1b",
+        kernels: cfg.KernelMode = "auto",
         overlap_grad_reduce: bool = True,
         tp_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
         pretrained_prefix: Optional[str] = None,
-        on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
-        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        on_nonfinite: cfg.NonfinitePolicy = "raise",
+        checkpoint_format: cfg.CheckpointFormat = "sharded",
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
-        failure_timeout: timedelta = FAILURE_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: Optional[timedelta] = cfg.DEFAULT_TIMEOUT,
+        failure_timeout: timedelta = cfg.FAILURE_TIMEOUT,
+        start_method: cfg.StartMethod = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -91,7 +91,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             checkpoint_io=checkpoint_io if checkpoint_io is not None else CheckedCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        self.parallel_config = ParallelConfig(
+        self.parallel_config = cfg.ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
@@ -104,7 +104,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             kernels=kernels,
             overlap_grad_reduce=overlap_grad_reduce,
         )
-        self.options = RunOptions(
+        self.options = cfg.RunOptions(
             on_nonfinite=on_nonfinite,
             checkpoint_format=checkpoint_format,
             process_group_backend=process_group_backend,

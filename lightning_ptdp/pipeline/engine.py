@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.faults.records import FailureRecords
+from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
+from lightning_ptdp.pipeline.step_results import apply_metric_states, metric_states, reduce_logs, to_device
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +328,7 @@ class PipelineEngine:
         stage, concatenated over microbatches, on every pipeline rank."""
         outputs = self._run_schedule(step, batch, extra, training=False)
         payload = self._payload(lambda: {"outputs": _merge([detached_cpu(o) for o in outputs]) if collect else None})
-        return _to_device(payload["outputs"], self.device)
+        return to_device(payload["outputs"], self.device)
 
     def _payload(self, last_stage: Callable[[], dict]) -> dict:
         """Results of the last stage shared with every pipeline rank, then its logs replayed."""
@@ -410,95 +411,20 @@ class PipelineEngine:
         return {name: m._update_count for name, m in self._metric_paths().items()}
 
     def _metric_states(self) -> dict[str, dict]:
-        """State of every torchmetrics Metric the step updated (only the last stage computes them)."""
-        states = {}
-        for name, metric in self._metric_paths().items():
-            if metric._update_count != self._metric_counts.get(name):
-                state = {key: detached_cpu(getattr(metric, key)) for key in metric._defaults}
-                states[name] = (state, metric._update_count, detached_cpu(metric._forward_cache))
-        return states
+        return metric_states(self._metric_paths(), self._metric_counts)
 
     def _apply_metric_states(self, states: dict[str, dict]) -> None:
-        if self.is_last:
-            return
-        for name, (state, count, forward_cache) in states.items():
-            metric = self.module.get_submodule(name)
-            for key, value in state.items():
-                setattr(metric, key, _to_device(value, self.device))
-            metric._update_count, metric._computed = count, None
-            metric._forward_cache = _to_device(forward_cache, self.device)
+        if not self.is_last:
+            apply_metric_states(self.module, states, self.device)
 
     def _reduced_logs(self, logs: list[tuple[int, str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
-        """One entry per logged name: the microbatches' values combined by the call's ``reduce_fx``,
-        its ``batch_size`` (if given) the step's total (a Metric is passed by its path)."""
-        from torchmetrics import Metric
-
-        paths = {id(m): name for name, m in self._metric_paths().items()}
-        values: dict[str, list] = {}
-        sizes: dict[str, list] = {}
-        options: dict[str, dict] = {}
-        for _, name, value, args, kwargs in logs:
-            options[name] = _log_options(args, kwargs)
-            values.setdefault(name, []).append(value)
-            sizes.setdefault(name, []).append(options[name]["batch_size"])
-        reduced = []
-        for name, seen in values.items():
-            kwargs = options[name]
-            if isinstance(seen[-1], Metric):
-                value = paths.get(id(seen[-1]))
-                if value is None:
-                    raise ValueError(f"self.log({name!r}, metric): under pipeline parallelism a logged Metric must be "
-                                     "an attribute of the LightningModule so every stage can log it")
-            else:
-                floats = [float(v.detach() if isinstance(v, torch.Tensor) else v) for v in seen]
-                value = combine_microbatches(floats, sizes[name], kwargs["reduce_fx"])
-                if kwargs["batch_size"] is not None:
-                    kwargs = {**kwargs, "batch_size": sum(size or 0 for size in sizes[name])}
-            reduced.append((name, value, (), kwargs))
-        return reduced
+        return reduce_logs(logs, self._metric_paths())
 
     def share(self, payload: Any) -> Any:
         """``payload`` from the last pipeline stage, on every rank of this pipeline."""
         box = [payload if self.is_last else None]
         dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
         return box[0]
-
-
-_REDUCE_FX = {
-    torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min", min: "min"
-}
-
-
-def _log_options(args: tuple, kwargs: dict) -> dict:
-    """The options of one ``self.log(name, value, *args, **kwargs)`` call by name, with defaults."""
-    import inspect
-
-    import lightning.pytorch as pl
-
-    bound = inspect.signature(pl.LightningModule.log).bind(None, "name", None, *args, **kwargs)
-    bound.apply_defaults()
-    return {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
-
-
-def combine_microbatches(values: list[float], sizes: list[Optional[int]], reduce_fx: Any) -> float:
-    """What one process logs for the whole batch, from each microbatch's value: the sum, max or
-    min of them, or (mean) their mean weighted by ``batch_size`` where given."""
-    fx = reduce_fx.lower() if isinstance(reduce_fx, str) else _REDUCE_FX.get(reduce_fx, reduce_fx)
-    if fx == "sum":
-        return sum(values)
-    if fx == "max":
-        return max(values)
-    if fx == "min":
-        return min(values)
-    if fx not in ("mean", "avg"):  # Lightning refuses it when the value is replayed
-        return values[-1]
-    weights = [1 if size is None else size for size in sizes]
-    return sum(v * w for v, w in zip(values, weights)) / sum(weights)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten([v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
 def _merge(outputs: list[Any]) -> Any:

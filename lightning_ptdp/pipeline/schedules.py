@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-SCHEDULES = ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble")
-
 
 def schedule_runs(name: str, microbatches: int, pp: int) -> bool:
     """Whether torch's implementation of ``name`` accepts ``microbatches`` on ``pp`` ranks."""
@@ -36,9 +34,7 @@ def check_microbatches(name: str, microbatches: int, pp: int, batch_rows: int, m
     )
 
 
-def build_schedule(
-    name: str, stages: list[Any], microbatches: int, loss_fn: Optional[Callable[..., Any]]
-) -> Any:
+def build_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Optional[Callable[..., Any]]) -> Any:
     """torch's schedule object for ``name`` over this rank's stages (one per local chunk).
     ``loss_fn=None`` builds a forward-only schedule (validation, test, predict)."""
     from torch.distributed.pipelining import (
