@@ -63,6 +63,7 @@ def parallelize(
     one microbatch and its sample count. Data parallelism only when training."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module)
+    check_reusable(module, config, dims)
     if dims.tp > 1:
         # a second stage (fit, then validate) finds the model already rewritten: reuse that
         if "_ptdp_tp" not in module.__dict__:
@@ -102,6 +103,24 @@ def parallelize(
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     return result
+
+
+def check_reusable(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
+    """A model an earlier Trainer in this process cut (tensor parallelism rewrote its layers into
+    this rank's shards, a pipeline dropped its other stages) serves a later Trainer only with the
+    same cut: refused otherwise, before anything is changed or run."""
+    cached = module.__dict__.get("_ptdp_tp")
+    if cached is not None and cached[0].size != dims.tp:
+        size = cached[0].size
+        raise ValueError(
+            f"this model was already rewritten for tensor_parallel_size={size} by an earlier Trainer in this process "
+            f"(its layers hold this rank's 1/{size} of their weights), so a Trainer with tensor_parallel_size={dims.tp} "
+            f"cannot use it. Keep tensor_parallel_size={size}, or build the model again for the new layout (to carry "
+            "the trained weights over, save a checkpoint and load it there: checkpoints load on any layout)"
+        )
+    pipeline = module.__dict__.get("_ptdp_pipeline")
+    if pipeline is not None:
+        pipeline.check_reusable(config, dims)
 
 
 def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
