@@ -54,8 +54,8 @@ LATER_LAYOUT = {
     "d2": ({"tensor_parallel_size": 2}, None),  # a data-parallel fit cut nothing: TP may rewrite it now
     "t2": (
         {},
-        r"already rewritten for tensor_parallel_size=2 by an earlier Trainer .* tensor_parallel_size=1 cannot "
-        r"use it\. Keep tensor_parallel_size=2, or build the model again",
+        r"already rewritten for tensor_parallel_size=2 by an earlier Trainer .* tensor_parallel_size=1 cannot use it"
+        + r"\. Keep tensor_parallel_size=2, or build the model again",
     ),
     "p2v2": (
         {"tensor_parallel_size": 2},
@@ -270,7 +270,9 @@ def reference(fn: Any, *args: Any) -> dict:
 
 def assert_losses(actual: list[float], expected: list[float], what: str) -> None:
     assert len(actual) == len(expected) > 0, f"{what}: {len(actual)} losses where one process has {len(expected)}"
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=LOSS_RTOL, atol=0.0, msg=what)
+    torch.testing.assert_close(
+        torch.tensor(actual), torch.tensor(expected), rtol=LOSS_RTOL, atol=0.0, msg=lambda m: f"{what}: losses {m}"
+    )
 
 
 def assert_weights(state: dict, ref_state: dict, initial: dict, what: str, update_rel: float = UPDATE_REL) -> None:
