@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.failure import FAILURE_TIMEOUT, FailureRecords, check_timeout
-from lightning_ptdp.mesh import ParallelDims
+from lightning_ptdp.mesh import ParallelDims, destroy_process_group_at_exit, process_group_failed
 from lightning_ptdp.nonfinite import NONFINITE_POLICIES, apply_policy, nonfinite_ranks
 from lightning_ptdp.parallelize import Parallelized, parallelize
 from lightning_ptdp import checkpoint, distcp
@@ -296,7 +296,10 @@ class PTDPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
+            destroy_process_group_at_exit()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -748,6 +751,7 @@ class PTDPStrategy(ParallelStrategy):
         """Called by Lightning on every rank whose fit/validate/test/predict raised, before its
         teardown: this rank's own error is recorded for its peers; a collective that broke because
         a peer stopped gets a message naming that rank and its error (failure.py)."""
+        process_group_failed()
         if self._failures is not None:
             self._failures.on_exception(exception)
 
