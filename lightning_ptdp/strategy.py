@@ -35,7 +35,7 @@ from lightning_ptdp.checkpoint.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.checkpoint.resume import resume_dataloader
 from lightning_ptdp.faults.nonfinite import apply_policy, check_grad_scaler, nonfinite_ranks
 from lightning_ptdp.faults.records import FailureRecords
-from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.parallel.dims import ParallelDims, destroy_process_group_at_exit, process_group_failed
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
 from lightning_ptdp.strategy_collectives import WorldCollectives
@@ -203,7 +203,10 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         kwargs: dict[str, Any] = {"timeout": self.options.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
+            destroy_process_group_at_exit()
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.options.failure_timeout)
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
@@ -377,6 +380,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         """Called by Lightning on every rank whose run raised, before its teardown: this rank's own
         error is recorded for its peers; one whose collective broke because a peer stopped gets a
         message naming that rank and its error (faults/records.py)."""
+        process_group_failed()
         if self._failures is not None:
             self._failures.on_exception(exception)
 

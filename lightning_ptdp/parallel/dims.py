@@ -79,3 +79,33 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the 3D mesh (a collective over the world: every rank must call it)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+_AT_EXIT = {"registered": False, "failed": False}
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, while the interpreter is still whole.
+
+    Left to finalisation, gloo's worker threads may still hold work objects whose tensors keep
+    Python references; destroying those once the interpreter is being torn down aborts the process
+    ("terminate called without an active exception", SIGABRT: exit code 134) after a run that
+    succeeded. Called by whoever initialised the group (the strategy, in the launched processes);
+    not after a failed run (``process_group_failed``), where a collective may still wait on a peer
+    that is gone and the exit code is non-zero anyway."""
+    import atexit
+
+    if not _AT_EXIT["registered"]:
+        _AT_EXIT["registered"] = True
+        atexit.register(_destroy_at_exit)
+
+
+def process_group_failed() -> None:
+    _AT_EXIT["failed"] = True
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if not _AT_EXIT["failed"] and dist.is_initialized():
+        dist.destroy_process_group()

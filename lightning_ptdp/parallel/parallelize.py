@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
-from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.parallel.init import is_on_meta, materialize
-from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.faults.records import FailureRecords
-from lightning_ptdp.parallel.dims import ParallelDims
-from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
-from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
+from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
+from lightning_ptdp.faults.records import FailureRecords
+from lightning_ptdp.kernels import apply_kernels
+from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
+from lightning_ptdp.parallel.init import is_on_meta, materialize
+from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
+from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def parallelize(
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
     5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
-                        under PP the GradientFinisher averages gradients over dp once per step instead).
+                        under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk).
 
     ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
     block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
@@ -91,6 +91,7 @@ def parallelize(
     cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module, root=module, zero=config.zero_stage > 0)
+    check_reusable(module, config, dims)
     if dims.tp > 1:
         # a second stage (fit, then validate) finds the model already rewritten: reuse that
         if "_ptdp_tp" not in module.__dict__:
@@ -145,6 +146,24 @@ def parallelize(
         zero=config.zero_stage > 0, device=device,
     )
     return result
+
+
+def check_reusable(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
+    """A model an earlier Trainer in this process cut (tensor parallelism rewrote its layers into
+    this rank's shards, a pipeline dropped its other stages) serves a later Trainer only with the
+    same cut: refused otherwise, before anything is changed or run."""
+    cached = module.__dict__.get("_ptdp_tp")
+    if cached is not None and cached[0].size != dims.tp:
+        size = cached[0].size
+        raise ValueError(
+            f"this model was already rewritten for tensor_parallel_size={size} by an earlier Trainer in this process "
+            f"(its layers hold this rank's 1/{size} of their weights), so a Trainer with tensor_parallel_size={dims.tp} "
+            f"cannot use it. Keep tensor_parallel_size={size}, or build the model again for the new layout (to carry "
+            "the trained weights over, save a checkpoint and load it there: checkpoints load on any layout)"
+        )
+    pipeline = module.__dict__.get("_ptdp_pipeline")
+    if pipeline is not None:
+        pipeline.check_reusable(config, dims)
 
 
 def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:

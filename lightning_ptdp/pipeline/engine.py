@@ -176,7 +176,10 @@ class PipelineEngine:
         if now != (layout.pp, layout.vpp):
             raise ValueError(
                 f"this model was already split for pipeline_parallel_size={layout.pp}, virtual_pipeline_size="
-                f"{layout.vpp} (its other stages' parameters are gone); build the model again for p={now[0]}, v={now[1]}"
+                f"{layout.vpp} by an earlier Trainer in this process (its other stages' parameters are gone), so a "
+                f"Trainer with pipeline_parallel_size={now[0]}, virtual_pipeline_size={now[1]} cannot use it. Keep that "
+                "layout, or build the model again for the new one (to carry the trained weights over, save a "
+                "checkpoint and load it there: checkpoints load on any layout)"
             )
         if (config.micro_batch_size, config.pipeline_schedule) != (self.micro_batch_size, self.schedule_name):
             self.micro_batch_size, self.schedule_name = config.micro_batch_size, config.pipeline_schedule
