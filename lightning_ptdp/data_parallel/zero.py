@@ -1,13 +1,8 @@
-"""ZeRO on the dp axis with FSDP2 (``fully_shard``), one unit per transformer block plus a root
-(under pipeline parallelism: plus one per module outside the blocks, see ``apply_zero``). Never a
-container: a ModuleList/ModuleDict has no forward for FSDP to hook, so its children are the units.
-
-Stages map onto FSDP2 as follows:
-  1, 2  parameters stay whole between forward and backward (``reshard_after_forward=False``);
-        gradients are reduce-scattered and the optimizer state is sharded over d. FSDP2 has no
-        "full gradients, sharded optimizer" mode, so stage 1 also shards gradients -- what
-        Megatron's distributed optimizer does too, at the same communication volume.
-  3     parameters are resharded after forward and gathered again for backward.
+"""ZeRO on the dp axis with FSDP2 (``fully_shard``): one unit per transformer block and per module
+holding parameters outside them, never a container (it has no forward to hook). Stages 1 and 2 keep
+parameters whole between forward and backward and reduce-scatter gradients (FSDP2 has no "full
+gradients, sharded optimizer" mode, so stage 1 shards gradients too, as Megatron's distributed
+optimizer does); stage 3 reshards parameters after forward. docs/architecture.md has the why.
 """
 
 from __future__ import annotations
