@@ -110,6 +110,34 @@ def table_1_markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def calibration_markdown(result: dict, command: str) -> str:
+    lines = [
+        f"## {today()} — planner predicted vs measured step time, CPU layouts (issue 18)",
+        "",
+        f"- Hardware: {cpu_description()}; 4 gloo processes, 1 thread each.",
+        f"- Command: `OMP_NUM_THREADS=1 {command}`",
+        (
+            f"- Model: recipes GPT {result['model']}, batch {result['global_batch_size']}, b=1, no recompute. "
+            f"Measured with all 4 ranks busy: one block forward+backward {result['block_forward_backward_s']} s "
+            f"({result['compute_flops_per_rank'] / 1e9:.2f} GFLOP/s per rank), all-reduce bus bandwidth "
+            f"{result['all_reduce_busbw_bytes_per_s'] / 1e9:.2f} GB/s, 4 KB all-reduce {result['all_reduce_4kb_s'] * 1e6:.0f} us."
+        ),
+        "",
+        "| t | p | d | v | m | predicted s | measured s | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["layouts"]:
+        lines.append(
+            f"| {r['t']} | {r['p']} | {r['d']} | {r['v']} | {r['m']} | {r['predicted_s']} "
+            f"| {r['measured_s']} | {r['error']:+.1%} |"
+        )
+    lines += [
+        "",
+        f"- Largest error {result['max_abs_error']:.1%} (target 25%); same ranking: {result['same_ranking']}.",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true", help="also measure CPU layouts on 4 gloo ranks")
@@ -118,7 +146,7 @@ def main() -> None:
     result = table_1()
     write_section("planner_table_1", table_1_markdown(result, "python -m benchmarks.bench_planner"))
     if args.calibrate:
-        from lightning_ptdp.planner.calibrate import calibrate, calibration_markdown
+        from lightning_ptdp.planner.calibrate import calibrate
 
         result["calibration"] = calibrate()
         write_section("planner_calibration", calibration_markdown(result["calibration"], command))
