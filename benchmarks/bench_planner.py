@@ -111,29 +111,47 @@ def table_1_markdown(result: dict, command: str) -> str:
 
 
 def calibration_markdown(result: dict, command: str) -> str:
+    r = result
     lines = [
         f"## {today()} — planner predicted vs measured step time, CPU layouts (issue 18)",
         "",
         f"- Hardware: {cpu_description()}; 4 gloo processes, 1 thread each.",
         f"- Command: `OMP_NUM_THREADS=1 {command}`",
         (
-            f"- Model: recipes GPT {result['model']}, batch {result['global_batch_size']}, b=1, no recompute. "
-            f"Measured with all 4 ranks busy: one block forward+backward {result['block_forward_backward_s']} s "
-            f"({result['compute_flops_per_rank'] / 1e9:.2f} GFLOP/s per rank), all-reduce bus bandwidth "
-            f"{result['all_reduce_busbw_bytes_per_s'] / 1e9:.2f} GB/s, 4 KB all-reduce {result['all_reduce_4kb_s'] * 1e6:.0f} us."
+            f"- Model: recipes GPT {r['model']}, batch {r['global_batch_size']}, b=1, no recompute, AdamW. "
+            "Calibration (all 4 ranks busy at once, CPU seconds of work per call, median after warm-up): "
+            f"one block forward+backward {r['block_cpu_s']['b1']} s at b=1 and {r['block_cpu_s']['b2']} s at b=2, "
+            f"hence {r['flops_per_cpu_second'] / 1e9:.2f} GFLOP per CPU-second and "
+            f"{r['layer_overhead_cpu_s'] * 1e3:.2f} ms fixed per-layer dispatch; AdamW step {r['adam_cpu_s']} s "
+            f"({r['memory_bytes_per_cpu_second'] / 1e9:.2f} GB/s streamed); gloo all-reduce "
+            f"{r['tp_all_reduce_cpu_s'] * 1e3:.2f} ms (128 KB, pairs) and {r['dp_all_reduce_cpu_s'] * 1e3:.1f} ms "
+            f"(all gradients, 4 ranks), hence {r['all_reduce_fp32_bytes_per_cpu_second'] / 1e9:.2f} GB/s and "
+            f"{r['all_reduce_hop_cpu_s'] * 1e6:.0f} us per ring hop. CPU share of a rank: "
+            f"{r['cpu_share_measured']} measured (CPU/wall while all compute), {r['cpu_share_nominal']} nominal "
+            f"({r['cores']} cores / 4 ranks); every CPU-second figure is divided by the measured share. "
+            f"For contrast, wall-clock `ptdp doctor --bench` figures: bus bandwidth "
+            f"{r['wall_clock_doctor_bench']['busbw'] / 1e9:.3f} GB/s, 4 KB all-reduce "
+            f"{r['wall_clock_doctor_bench']['all_reduce_4kb_s'] * 1e6:.0f} us (mostly waiting for a descheduled peer)."
         ),
         "",
-        "| t | p | d | v | m | predicted s | measured s | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["layouts"]:
+    for x in r["layouts"]:
+        parts = " | ".join(
+            str(x["parts_s"][k])
+            for k in ("compute", "tensor_parallel_comm", "pipeline_comm", "bubble", "data_parallel_comm", "optimizer")
+        )
         lines.append(
-            f"| {r['t']} | {r['p']} | {r['d']} | {r['v']} | {r['m']} | {r['predicted_s']} "
-            f"| {r['measured_s']} | {r['error']:+.1%} |"
+            f"| {x['t']} | {x['p']} | {x['d']} | {x['v']} | {x['m']} | {x['predicted_s']} "
+            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} |"
         )
     lines += [
         "",
-        f"- Largest error {result['max_abs_error']:.1%} (target 25%); same ranking: {result['same_ranking']}.",
+        (
+            f"- Largest error {r['max_abs_error']:.1%} (target 25%): {'met' if r['max_abs_error'] <= 0.25 else 'missed'}; "
+            f"same ranking as measured: {r['same_ranking']}. {r.get('verdict', '')}"
+        ),
     ]
     return "\n".join(lines)
 

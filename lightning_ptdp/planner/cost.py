@@ -56,6 +56,12 @@ class Cluster:
     inter_node_bandwidth: float = 25 * GB
     nvlink_hop_latency: float = 3.4e-6
     network_hop_latency: float = 14e-6
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per transformer layer's forward + backward, per microbatch, whatever its size:
+    per-op dispatch (Python, autograd, kernel launch). 0 on GPUs, where the launch queue hides it
+    behind the GEMMs; ``ptdp plan --calibrate`` measures it on the CPU from two block sizes."""
+    tree_all_reduce: bool = True
+    """Whether the collective library has a tree all-reduce (NCCL does; gloo's CPU all-reduce is a ring)."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node", "num_sms"):
@@ -70,6 +76,10 @@ class Cluster:
             "network_hop_latency",
         ):
             check_positive(f"Cluster.{name}", getattr(self, name), integer=False)
+        if isinstance(self.layer_overhead_s, bool) or not (
+            isinstance(self.layer_overhead_s, (int, float)) and self.layer_overhead_s >= 0
+        ):
+            raise ValueError(f"Cluster.layer_overhead_s must be a number >= 0, got {self.layer_overhead_s!r}")
         if (
             isinstance(self.gemm_efficiency, bool)
             or not isinstance(self.gemm_efficiency, (int, float))
@@ -152,7 +162,7 @@ def all_reduce_seconds(nbytes: float, ranks: int, members_per_node: int, cluster
     # tree: up and down a chain inside each node and a binary tree across nodes
     tree_latency = 2 * ((members_per_node - 1) + math.log2(nodes)) * TREE_HOP_LATENCY
     tree = tree_latency + nbytes / (TREE_BANDWIDTH_FACTOR * bandwidth)
-    return min(ring, tree)
+    return min(ring, tree) if cluster.tree_all_reduce else ring
 
 
 def all_gather_seconds(nbytes: float, ranks: int, members_per_node: int, cluster: Cluster) -> float:

@@ -5,7 +5,7 @@ One training step, nothing overlapped (as in Megatron 2021):
 
     step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
 
-* stage compute: the slowest stage, the last (its l/p layers and the logit layer with its loss),
+* stage compute (plus ``cluster.layer_overhead_s`` per layer and microbatch): the slowest stage, the last (its l/p layers and the logit layer with its loss),
   per microbatch. Each linear layer's GEMMs at their (b*s, h/t, ...) shapes through
   ``cost.gemm_seconds``; the memory-bound kernels (layer norms, bias-dropout-add, bias-GeLU,
   softmax and its dropout) by the bytes they stream. Forward once, backward twice its GEMMs and
@@ -92,6 +92,16 @@ def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple
     return total - logits, logits
 
 
+def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
+    """Bytes the memory-bound kernels of one layer's forward stream (backward: twice as many)."""
+    s, h, a = model.seq_length, model.hidden_size, model.num_heads
+    sbh = s * b * h
+    norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
+    gelu = 16 * sbh / t  # bias + GeLU read and write the 4h/t-wide activation
+    softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
+    return norms_residual + gelu + softmax
+
+
 @lru_cache(maxsize=4096)
 def _layer_seconds(
     model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster
@@ -104,11 +114,10 @@ def _layer_seconds(
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
     core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
     sbh = s * b * h
-    norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
-    gelu = 16 * sbh / t  # bias + GeLU read and write the 4h/t-wide activation
-    softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
-    forward = linear_f + core_f + memory_seconds(norms_residual + gelu + softmax, cluster)
-    backward = linear_b + core_b + 2 * memory_seconds(norms_residual + gelu + softmax, cluster)
+    streamed = layer_memory_bytes(model, t, b, sp)
+    softmax = 9 * a * s * s * b / t
+    forward = linear_f + core_f + memory_seconds(streamed, cluster) + cluster.layer_overhead_s
+    backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
     again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
     if t == 1:
         return forward + backward + again, 0.0

@@ -652,3 +652,63 @@ def test_gpt3_175b_is_a_name_everywhere(capsys):
     assert model_size("gpt3_175b") == GPT3_175B
     assert main(["gpt3_175b", "--gpus", "1024", "--global-batch-size", "1536", "--top", "1"]) == 0
     assert "Trainer(strategy=PTDPStrategy(" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ CPU calibration (no processes)
+def _synthetic_machine(rate: float, overhead: float, memory_rate: float, bw: float, hop: float, share: float) -> dict:
+    """What ``measure_machine`` would report on a CPU that follows the model exactly."""
+    from lightning_ptdp.planner.calibrate import WORLD, _size
+    from lightning_ptdp.planner.cost import RING_BASE_LATENCY
+    from lightning_ptdp.planner.estimate import executed_flops, layer_memory_bytes
+
+    size = _size()
+    one = replace(size, num_layers=1)
+    params, tp_bytes = 6_000_000, size.seq_length * size.hidden_size * 4
+    figures = {
+        "cores": 2,
+        "share_b1": share,
+        "share_b2": share,
+        "adam_parameters": params,
+        "adam_cpu_s": 32 * params / memory_rate,
+        "tp_bytes": tp_bytes,
+        "dp_bytes": params * 4,
+        "tp_all_reduce_cpu_s": RING_BASE_LATENCY + 2 * hop + tp_bytes / bw,
+        "dp_all_reduce_cpu_s": RING_BASE_LATENCY + 2 * (WORLD - 1) * hop + 2 * (WORLD - 1) / WORLD * params * 4 / bw,
+        "wall_busbw": 2e7,
+        "wall_4kb_s": 9e-3,
+    }
+    for b in (1, 2):
+        work = executed_flops(one, b, None)[0] / rate + 3 * layer_memory_bytes(size, 1, b, False) / memory_rate
+        figures[f"block_b{b}_cpu_s"] = overhead + work
+    return figures
+
+
+def test_calibration_fit_recovers_the_rates_and_scales_them_by_the_cpu_share():
+    from lightning_ptdp.planner.calibrate import fit_cluster
+
+    machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
+    cluster, figures = fit_cluster([machine] * 4)
+    assert figures["flops_per_cpu_second"] == pytest.approx(30e9, rel=1e-6)
+    assert figures["layer_overhead_cpu_s"] == pytest.approx(8e-3, rel=1e-6)
+    assert figures["memory_bytes_per_cpu_second"] == pytest.approx(5e9, rel=1e-6)
+    assert figures["all_reduce_fp32_bytes_per_cpu_second"] == pytest.approx(1e9, rel=1e-6)
+    assert figures["all_reduce_hop_cpu_s"] == pytest.approx(50e-6, rel=1e-4)
+    # half a core each: every rate halves, every fixed cost doubles; fp32 bytes in 2-byte units
+    assert cluster.peak_flops == pytest.approx(15e9, rel=1e-6)
+    assert cluster.layer_overhead_s == pytest.approx(16e-3, rel=1e-6)
+    assert cluster.hbm_bandwidth == pytest.approx(2.5e9, rel=1e-6)
+    assert cluster.intra_node_bandwidth == pytest.approx(0.25e9, rel=1e-6)
+    assert cluster.nvlink_hop_latency == pytest.approx(100e-6, rel=1e-4)
+    assert not cluster.tree_all_reduce
+
+
+def test_layer_overhead_adds_per_layer_and_microbatch_and_defaults_to_zero():
+    base = Cluster(num_gpus=8)
+    assert base.layer_overhead_s == 0.0 and base.tree_all_reduce
+    slow = replace(base, layer_overhead_s=1e-3)
+    kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "activation_checkpointing": None}
+    size = ModelSize(num_layers=4, hidden_size=512, num_heads=8, seq_length=256, vocab_size=1024)
+    a, b = estimate(size, base, 16, **kwargs), estimate(size, slow, 16, **kwargs)
+    assert b.compute_s - a.compute_s == pytest.approx(4 * 2 * 1e-3)  # 4 layers, m = 16 / 8 = 2
+    with pytest.raises(ValueError, match="layer_overhead_s"):
+        Cluster(num_gpus=8, layer_overhead_s=-1.0)
