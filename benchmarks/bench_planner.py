@@ -134,8 +134,8 @@ def calibration_markdown(result: dict, command: str) -> str:
             f"{r['wall_clock_doctor_bench']['all_reduce_4kb_s'] * 1e6:.0f} us (mostly waiting for a descheduled peer)."
         ),
         "",
-        "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer | CPU share in run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["layouts"]:
         parts = " | ".join(
@@ -144,9 +144,14 @@ def calibration_markdown(result: dict, command: str) -> str:
         )
         lines.append(
             f"| {x['t']} | {x['p']} | {x['d']} | {x['v']} | {x['m']} | {x['predicted_s']} "
-            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} |"
+            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} | {x.get('cpu_share_during_run', '')} |"
         )
     lines += [
+        "",
+        (
+            "Columns compute ... optimizer: the predicted step's parts (s). CPU share in run: a rank's CPU/wall over the "
+            "timed steps, a diagnostic of the load during that run (the prediction uses only the calibration's share)."
+        ),
         "",
         (
             f"- Largest error {r['max_abs_error']:.1%} (target 25%): {'met' if r['max_abs_error'] <= 0.25 else 'missed'}; "

@@ -1,16 +1,23 @@
 """``ptdp plan --calibrate``: the cost model on this machine's CPU, predicted beside measured.
 
-On 4 local gloo processes (one thread each) it measures, with all 4 busy at once as in training:
+On 4 local gloo processes (one thread each), all busy at once as in training, it measures CPU
+seconds of work (``time.process_time``, median of repeated calls after warm-up):
 
-* the compute rate: forward + backward of one transformer block of the small GPT below (t=1,
-  b=1), so the CPU's per-op overheads and memory-bound ops are in the rate (``gemm_efficiency=1``,
-  no tile quantization, memory-bound kernels folded in);
-* the links: all-reduce bus bandwidth at the activation size and the latency of a 4 KB all-reduce
-  (``ptdp doctor --bench``'s ``benchmark_collectives``).
+* one transformer block's forward + backward at b=1 and b=2: the FLOP rate (slope) and the fixed
+  per-layer dispatch cost (intercept, ``Cluster.layer_overhead_s``), apart;
+* an AdamW step over the model: the rate the memory-bound kernels and the optimizer stream at;
+* gloo all-reduces at the sizes and group sizes the layouts use (the fp32 s*h activation in pairs,
+  the fp32 gradients over all 4): ring hop latency and bandwidth (``ptdp doctor --bench``'s wall
+  clock figures are reported beside them);
+* the CPU share a rank gets while all compute (CPU / wall; ``cores / ranks`` nominally).
 
-Then it predicts, with ``estimate``, and measures (``Trainer.fit``, median step after warm-up) the
-layouts (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) with v=2. Torch is imported here
-only, never by ``import lightning_ptdp.planner``.
+CPU seconds, not wall seconds: with more ranks than cores a rank waiting in a collective sleeps and
+its core runs another rank, so what a collective costs the step is its CPU work, and every piece
+of work runs at ``share`` of a core. The CPU ``Cluster`` is these rates times the share. Then it
+predicts, with ``estimate`` (pipeline bubble at the real m, 4 TP all-reduces per layer and
+microbatch, the DP all-reduce, the optimizer), and measures (``Trainer.fit``, median step after
+warm-up) the layouts (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) with v=2. Nothing is
+fitted to those step times. Torch is imported here only, never by ``import lightning_ptdp.planner``.
 """
 
 from __future__ import annotations
@@ -100,8 +107,9 @@ def measure_machine(repeats: int = 12) -> dict:
     return out
 
 
-def measure_layout(t: int, p: int, d: int, v: int) -> float:
-    """Median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout."""
+def measure_layout(t: int, p: int, d: int, v: int) -> tuple[float, float]:
+    """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
+    rank's CPU seconds / wall seconds over the timed steps: a diagnostic, never used to predict)."""
     import lightning as L
     import torch
 
@@ -122,11 +130,13 @@ def measure_layout(t: int, p: int, d: int, v: int) -> float:
     )
     args = layout_arguments(layout, cluster)
     stamps: list[float] = []
+    cpu: list[float] = []
 
     class StepClock(L.Callback):
         def on_train_batch_end(self, trainer, *_: object) -> None:
             if len(stamps) < trainer.global_step + 1:
                 stamps.append(time.perf_counter())
+                cpu.append(time.process_time())
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -153,7 +163,8 @@ def measure_layout(t: int, p: int, d: int, v: int) -> float:
         **{k: v for k, v in args.trainer.items() if k != "num_nodes"},
     )
     trainer.fit(GPTLightningModule(GPTConfig(**MODEL)), data)
-    return statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
+    step = statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
+    return step, (cpu[-1] - cpu[WARMUP - 1]) / (stamps[-1] - stamps[WARMUP - 1])
 
 
 def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
@@ -257,9 +268,11 @@ def calibrate() -> dict:
     pool = DistributedPool(WORLD)
     try:
         machine = pool.run(measure_machine)
-        measured = {layout: statistics.median(pool.run(measure_layout, *layout)) for layout in LAYOUTS}
+        runs = {layout: pool.run(measure_layout, *layout) for layout in LAYOUTS}
     finally:
         pool.close()
+    measured = {layout: statistics.median(step for step, _ in ranks) for layout, ranks in runs.items()}
+    busy = {layout: statistics.median(share for _, share in ranks) for layout, ranks in runs.items()}
     cluster, figures = fit_cluster(machine)
     size = _size()
     rows = []
@@ -283,6 +296,7 @@ def calibrate() -> dict:
                 "predicted_s": round(x.step_time_s, 4),
                 "measured_s": round(seconds, 4),
                 "error": round(x.step_time_s / seconds - 1, 3),
+                "cpu_share_during_run": round(busy[(t, p, d, v)], 3),
                 "parts_s": {
                     k: round(getattr(x, k + "_s"), 4)
                     for k in (
