@@ -134,8 +134,11 @@ def calibration_markdown(result: dict, command: str) -> str:
             f"{r['wall_clock_doctor_bench']['all_reduce_4kb_s'] * 1e6:.0f} us (mostly waiting for a descheduled peer)."
         ),
         "",
-        "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer | CPU share in run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        (
+            "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer "
+            "| share probed | share in run | predicted CPU s | measured CPU s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["layouts"]:
         parts = " | ".join(
@@ -144,13 +147,18 @@ def calibration_markdown(result: dict, command: str) -> str:
         )
         lines.append(
             f"| {x['t']} | {x['p']} | {x['d']} | {x['v']} | {x['m']} | {x['predicted_s']} "
-            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} | {x.get('cpu_share_during_run', '')} |"
+            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} | {x['cpu_share_probed']} "
+            f"| {x['cpu_share_during_run']} | {x['predicted_cpu_s']} | {x['measured_cpu_s']} |"
         )
     lines += [
         "",
         (
-            "Columns compute ... optimizer: the predicted step's parts (s). CPU share in run: a rank's CPU/wall over the "
-            "timed steps, a diagnostic of the load during that run (the prediction uses only the calibration's share)."
+            "Columns compute ... optimizer: the predicted step's parts (s). Share probed: a rank's CPU / wall while "
+            "all 4 ranks run blocks for 1.5 s right before and after that layout's run (median); the prediction "
+            "scales the calibrated CPU rates to it (other users' jobs share this VM). Share in run: CPU / wall over "
+            "the timed steps (a diagnostic, not used). Predicted / measured CPU s: CPU seconds of one rank per step, "
+            "the prediction times the probed share against the measured step times the in-run share: the model's "
+            "work, free of the machine's load."
         ),
         "",
         (

@@ -107,6 +107,24 @@ def measure_machine(repeats: int = 12) -> dict:
     return out
 
 
+def probe_share(seconds: float = 1.5) -> float:
+    """CPU / wall of this rank while every rank runs blocks' forward + backward for ``seconds``: the
+    share of a core a rank gets now (other users' load included), measured beside each layout's run."""
+    import torch
+    import torch.distributed as dist
+
+    from recipes.gpt import GPT, GPTConfig
+
+    block = GPT(GPTConfig(**{**MODEL, "num_layers": 1})).blocks[0]
+    x = torch.randn(1, MODEL["seq_length"], MODEL["hidden_size"], requires_grad=True)
+    block(x).sum().backward()
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        block(x).sum().backward()
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
 def measure_layout(t: int, p: int, d: int, v: int) -> tuple[float, float]:
     """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
     rank's CPU seconds / wall seconds over the timed steps: a diagnostic, never used to predict)."""
@@ -260,6 +278,19 @@ def verdict(rows: list[dict], max_error: float, same: bool) -> str:
     return f"Target {'met' if max_error <= 0.25 and same else 'missed'}: {within}; {ranking}."
 
 
+def at_share(cluster, calibrated: float, share: float):
+    """The CPU ``Cluster`` as it runs when a rank gets ``share`` of a core instead of ``calibrated``."""
+    k = share / calibrated
+    return replace(
+        cluster,
+        peak_flops=cluster.peak_flops * k,
+        hbm_bandwidth=cluster.hbm_bandwidth * k,
+        intra_node_bandwidth=cluster.intra_node_bandwidth * k,
+        nvlink_hop_latency=cluster.nvlink_hop_latency / k,
+        layer_overhead_s=cluster.layer_overhead_s / k,
+    )
+
+
 def calibrate() -> dict:
     """Measure this machine, then predict and measure the five layouts; one dict of the figures."""
     from lightning_ptdp.planner import estimate
@@ -268,7 +299,11 @@ def calibrate() -> dict:
     pool = DistributedPool(WORLD)
     try:
         machine = pool.run(measure_machine)
-        runs = {layout: pool.run(measure_layout, *layout) for layout in LAYOUTS}
+        runs, load = {}, {}
+        for layout in LAYOUTS:  # the machine is shared: its load is measured right before and after each run
+            before = pool.run(probe_share)
+            runs[layout] = pool.run(measure_layout, *layout)
+            load[layout] = statistics.median(before + pool.run(probe_share))
     finally:
         pool.close()
     measured = {layout: statistics.median(step for step, _ in ranks) for layout, ranks in runs.items()}
@@ -277,9 +312,10 @@ def calibrate() -> dict:
     size = _size()
     rows = []
     for (t, p, d, v), seconds in measured.items():
+        share = load[(t, p, d, v)]
         x = estimate(
             size,
-            cluster,
+            at_share(cluster, figures["cpu_share_measured"], share),
             GLOBAL_BATCH,
             tensor_parallel_size=t,
             pipeline_parallel_size=p,
@@ -296,7 +332,10 @@ def calibrate() -> dict:
                 "predicted_s": round(x.step_time_s, 4),
                 "measured_s": round(seconds, 4),
                 "error": round(x.step_time_s / seconds - 1, 3),
+                "cpu_share_probed": round(share, 3),
                 "cpu_share_during_run": round(busy[(t, p, d, v)], 3),
+                "predicted_cpu_s": round(x.step_time_s * share, 4),
+                "measured_cpu_s": round(seconds * busy[(t, p, d, v)], 4),
                 "parts_s": {
                     k: round(getattr(x, k + "_s"), 4)
                     for k in (
