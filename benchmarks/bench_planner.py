@@ -128,7 +128,7 @@ def calibration_markdown(result: dict, command: str) -> str:
             f"(all gradients, 4 ranks), hence {r['all_reduce_fp32_bytes_per_cpu_second'] / 1e9:.2f} GB/s and "
             f"{r['all_reduce_hop_cpu_s'] * 1e6:.0f} us per ring hop. CPU share of a rank: "
             f"{r['cpu_share_measured']} measured (CPU/wall while all compute), {r['cpu_share_nominal']} nominal "
-            f"({r['cores']} cores / 4 ranks); every CPU-second figure is divided by the measured share. "
+            f"({r['cores']} cores / 4 ranks); each layout's prediction runs these CPU-second figures at the share probed around its run. "
             f"For contrast, wall-clock `ptdp doctor --bench` figures: bus bandwidth "
             f"{r['wall_clock_doctor_bench']['busbw'] / 1e9:.3f} GB/s, 4 KB all-reduce "
             f"{r['wall_clock_doctor_bench']['all_reduce_4kb_s'] * 1e6:.0f} us (mostly waiting for a descheduled peer)."
