@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_ptdp import ParallelConfig, PTDPStrategy
-from lightning_ptdp.planner import TABLE_1
+from lightning_ptdp.planner import GPT3_175B, TABLE_1
 from recipes import train
 from recipes.gpt import GPTConfig, OptimConfig
 
@@ -36,8 +36,8 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_options():
-    assert options("model") == sorted(["tiny", "small", *(f"gpt_{size}" for size in SIZES)])
-    assert options("parallel") == sorted(["dp1", "dp2", "dp4", *(f"paper_{size}" for size in SIZES)])
+    assert options("model") == sorted(["tiny", "small", "gpt3_175b", *(f"gpt_{size}" for size in SIZES)])
+    assert options("parallel") == sorted(["dp1", "dp2", "dp4", "paper_gpt3_175b", *(f"paper_{size}" for size in SIZES)])
     assert options("trainer") == ["cpu", "gpu"]
     assert options("data") == ["markov", "text", "tokens"]
     assert options("logger") == ["csv", "tensorboard", "wandb"]
@@ -62,11 +62,21 @@ def test_model_and_layout_match_table_1(size):
     assert row.model.parameters == pytest.approx(row.parameters_billions * 1e9, rel=PARAMETER_RTOL)
     layout = ParallelConfig(**cfg.parallel)
     assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (
-        row.tensor_parallel_size, row.pipeline_parallel_size
+        row.tensor_parallel_size,
+        row.pipeline_parallel_size,
     )
     # Megatron splits heads across t and layers evenly across p stages.
     assert model.num_heads % layout.tensor_parallel_size == 0
     assert model.num_layers % layout.pipeline_parallel_size == 0
+
+
+def test_gpt3_175b_model_and_layout():
+    cfg = compose_config("model=gpt3_175b", "parallel=paper_gpt3_175b")
+    model = GPTConfig(**train.checked_kwargs(GPTConfig, cfg.model, "model"))
+    shape = (model.num_heads, model.hidden_size, model.num_layers, model.vocab_size, model.seq_length)
+    assert shape == (GPT3_175B.num_heads, GPT3_175B.hidden_size, GPT3_175B.num_layers, 51200, 2048)
+    layout = ParallelConfig(**cfg.parallel)
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (8, 12)  # t*p = 96 (Table 2)
 
 
 @pytest.mark.parametrize("name", options("parallel"))
@@ -85,13 +95,20 @@ def test_cpu_models_build(name):
     module = train.build_module(cfg)
     assert module.model_config.num_layers == cfg.model.num_layers
     assert sum(p.numel() for p in module.parameters()) < 2_000_000
-    assert module.optim_config == OptimConfig(**{**OmegaConf.to_container(cfg.optim, resolve=True), "betas": (0.9, 0.95)})
+    assert module.optim_config == OptimConfig(
+        **{**OmegaConf.to_container(cfg.optim, resolve=True), "betas": (0.9, 0.95)}
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "devices"),
-    [(["parallel=dp4"], 4), (["parallel=dp1"], 1), (["parallel=dp4", "trainer.num_nodes=2"], 2),
-     (["parallel=paper_1.7b"], "auto"), (["parallel=dp2", "trainer.devices=2"], 2)],
+    [
+        (["parallel=dp4"], 4),
+        (["parallel=dp1"], 1),
+        (["parallel=dp4", "trainer.num_nodes=2"], 2),
+        (["parallel=paper_1.7b"], "auto"),
+        (["parallel=dp2", "trainer.devices=2"], 2),
+    ],
 )
 def test_devices_follow_the_layout(overrides, devices):
     assert compose_config(*overrides).trainer.devices == devices

@@ -1,0 +1,209 @@
+"""Data-parallel gradient reduction under pipeline parallelism, overlapped with the remaining backward
+(``overlap_grad_reduce=True``) beside the same run with every bucket sent after the schedule.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_overlap [--rounds 3] [--steps 8]
+
+p=2, v=2, d=2 on 4 gloo processes. Rounds alternate the two settings (A B, B A, ...) in the same
+processes. Per setting: the median step time, and the exposed dp communication (the time a rank
+waited for its buckets after the schedule, from the engine's timeline), mean over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import lightning as L
+import torch
+
+from benchmarks.results import paired_ratio, pool_of, spread, stats
+
+TITLE = "dp gradient reduction overlapped with the pipeline's backward (issue 18)"
+MODEL = {"vocab_size": 256, "seq_length": 64, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
+LAYOUT = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 1}
+DEVICES, BATCH_PER_REPLICA = 4, 8
+
+
+class CommRecorder(L.Callback):
+    """Per training step: wall time of the whole step, and the dp communication the schedule left exposed."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        import time
+
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        timeline = trainer.strategy.pipeline.timeline
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.steps.append(
+            {
+                "step_s": time.perf_counter() - self._start,
+                "exposed_s": timeline.exposed_comm,
+                "buckets": len(timeline.comm),
+                "comm_s": sum(s.end - s.start for s in timeline.comm),
+                "loss": float(loss),
+            }
+        )
+
+
+def _data(steps: int, replicas: int, model: dict):
+    from recipes.data import MarkovDataModule
+
+    seq = model["seq_length"]
+    return MarkovDataModule(
+        vocab_size=model["vocab_size"],
+        seq_length=seq,
+        batch_size=BATCH_PER_REPLICA * 2 // replicas,
+        train_tokens=(steps + 2) * BATCH_PER_REPLICA * 2 * (seq + 1),
+        val_tokens=2 * (seq + 1),
+    )
+
+
+def measure(overlap: bool, steps: int, warmup: int, model: dict) -> dict:
+    """One fit on this rank of the pool; the timed steps' medians and every step's loss."""
+    from lightning_ptdp import PTDPStrategy
+    from recipes.gpt import GPTConfig, GPTLightningModule
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    recorder = CommRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=DEVICES,
+        max_steps=steps + warmup,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        strategy=PTDPStrategy(**LAYOUT, overlap_grad_reduce=overlap),
+    )
+    trainer.fit(GPTLightningModule(GPTConfig(**model)), _data(steps + warmup, 2, model))
+    timed = recorder.steps[warmup:]
+    return {
+        "step_s": statistics.median(s["step_s"] for s in timed),
+        "exposed_s": statistics.median(s["exposed_s"] for s in timed),
+        "comm_s": statistics.median(s["comm_s"] for s in timed),
+        "buckets": timed[-1]["buckets"],
+        "losses": [s["loss"] for s in recorder.steps],
+    }
+
+
+def single_process_losses(steps: int, model: dict) -> list[float]:
+    """The same model, data and seed on one process: the losses every layout must reproduce."""
+    from recipes.gpt import GPTConfig, GPTLightningModule
+
+    L.seed_everything(0, verbose=False)
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Losses()],
+    )
+    trainer.fit(GPTLightningModule(GPTConfig(**model)), _data(steps, 1, model))
+    return losses
+
+
+def run(*, rounds: int = 3, steps: int = 8, warmup: int = 2, model: dict | None = None, pool=None) -> dict:
+    model = model or MODEL
+    found: dict[bool, list[dict]] = {True: [], False: []}
+    with pool_of(DEVICES, pool) as workers:
+        for index in range(rounds):
+            for overlap in (True, False) if index % 2 == 0 else (False, True):
+                per_rank = workers.run(measure, overlap, steps, warmup, model)
+                found[overlap].append(
+                    {
+                        "step_s": max(r["step_s"] for r in per_rank),  # the step ends when the slowest rank's does
+                        "exposed_s": statistics.mean(r["exposed_s"] for r in per_rank),
+                        "comm_s": statistics.mean(r["comm_s"] for r in per_rank),
+                        "buckets": per_rank[0]["buckets"],
+                        "losses": per_rank[-1]["losses"],  # the last stage's (every rank logs the same)
+                    }
+                )
+    reference = single_process_losses(steps + warmup, model)
+    on, off = found[True], found[False]
+
+    def loss_error(runs: list[dict]) -> float:
+        return max(abs(a - b) / abs(b) for r in runs for a, b in zip(r["losses"], reference))
+
+    exposed_on = [r["exposed_s"] for r in on]
+    exposed_off = [r["exposed_s"] for r in off]
+    return {
+        "benchmark": "grad_overlap",
+        "sizes": {
+            "layout": {**LAYOUT, "data_parallel_size": 2},
+            "devices": DEVICES,
+            "batch_per_replica": BATCH_PER_REPLICA,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "model": model,
+        },
+        "step_s": {"overlap": stats([r["step_s"] for r in on]), "no_overlap": stats([r["step_s"] for r in off])},
+        "step_ratio_overlap_over_not": paired_ratio([r["step_s"] for r in on], [r["step_s"] for r in off]),
+        "exposed_s": {"overlap": stats(exposed_on), "no_overlap": stats(exposed_off)},
+        "exposed_fraction": paired_ratio(exposed_on, exposed_off),
+        "buckets": {"overlap": on[0]["buckets"], "no_overlap": off[0]["buckets"]},
+        "target_exposed_fraction": 0.3,
+        "max_relative_loss_error_vs_one_process": {"overlap": loss_error(on), "no_overlap": loss_error(off)},
+    }
+
+
+def _ms(s: dict) -> str:
+    return spread({"median": s["median"] * 1e3, "min": s["min"] * 1e3, "max": s["max"] * 1e3, "n": s["n"]}, "{:.1f}")
+
+
+def markdown(result: dict) -> str:
+    s = result["sizes"]
+    fraction = result["exposed_fraction"]
+    met = "met" if fraction["median"] <= result["target_exposed_fraction"] else "not met"
+    errors = result["max_relative_loss_error_vs_one_process"]
+    return f"""- Layout p=2 v=2 d=2 on {s["devices"]} gloo processes, {s["batch_per_replica"]} samples per replica per step
+  (m=8 microbatches of 1), GPT {s["model"]}; {s["rounds"]} rounds alternating the settings, {s["steps"]} timed
+  steps each after {s["warmup_steps"]} warm-up steps. Values: median (min-max, n rounds).
+
+| | overlap_grad_reduce=True | False |
+|---|---|---|
+| step time, ms | {_ms(result["step_s"]["overlap"])} | {_ms(result["step_s"]["no_overlap"])} |
+| exposed dp communication per step, ms | {_ms(result["exposed_s"]["overlap"])} | {_ms(result["exposed_s"]["no_overlap"])} |
+| buckets per step | {result["buckets"]["overlap"]} | {result["buckets"]["no_overlap"]} |
+| max relative loss error vs one process | {errors["overlap"]:.1e} | {errors["no_overlap"]:.1e} |
+
+- Step time ratio overlap / no overlap, per round: {spread(result["step_ratio_overlap_over_not"])}.
+- Exposed communication with overlap as a fraction of the unoverlapped: {spread(fraction)}
+  (target at most {result["target_exposed_fraction"]:.0%}: {met}).
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    print(json.dumps(run(rounds=args.rounds, steps=args.steps, warmup=args.warmup), indent=1))
+
+
+if __name__ == "__main__":
+    main()

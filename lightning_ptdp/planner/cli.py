@@ -1,0 +1,110 @@
+"""``ptdp plan``: rank the layouts of a model on a cluster, estimate one (``--layout``), or check the
+cost model against this machine (``--calibrate``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_ptdp.planner.cost import GB, Cluster
+from lightning_ptdp.planner.estimate import estimate
+from lightning_ptdp.planner.models import MODELS, ModelSize
+from lightning_ptdp.planner.render import format_layout, format_plan
+from lightning_ptdp.planner.search import plan
+
+LAYOUT_KEYS = {
+    "t": "tensor_parallel_size",
+    "p": "pipeline_parallel_size",
+    "v": "virtual_pipeline_size",
+    "b": "micro_batch_size",
+    "recompute": "activation_checkpointing",
+}
+
+
+def parse_layout(text: str) -> dict:
+    """ "t=8,p=64,v=1,b=1" (and optionally recompute=full|selective|none) -> estimate's keyword arguments."""
+    out: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in LAYOUT_KEYS or not value.strip():
+            raise ValueError(
+                f"--layout item {item!r} is not KEY=VALUE with KEY one of {', '.join(LAYOUT_KEYS)}; "
+                f"write e.g. --layout t=8,p=64,v=1,b=1"
+            )
+        if key == "recompute":
+            out[LAYOUT_KEYS[key]] = None if value.strip().lower() == "none" else value.strip()
+            continue
+        try:
+            out[LAYOUT_KEYS[key]] = int(value)
+        except ValueError:
+            raise ValueError(f"--layout {key}={value!r} must be a whole number, e.g. {key}=8") from None
+    missing = [k for k in ("t", "p") if LAYOUT_KEYS[k] not in out]
+    if missing:
+        raise ValueError(
+            f"--layout needs {' and '.join(missing)} (t and p; v, b and recompute are optional), "
+            f"e.g. --layout t=8,p=64,v=1,b=1"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ptdp plan MODEL --gpus N --global-batch-size B [--layout t=8,p=64,v=1,b=1]``, or
+    ``ptdp plan --calibrate``. MODEL is a known name or ``layers,hidden,heads[,vocab,seq]``."""
+    parser = argparse.ArgumentParser(prog="ptdp plan", description="Rank PTD-P layouts by estimated step time.")
+    parser.add_argument("model", nargs="?", help=f"{', '.join(MODELS)}, or layers,hidden,heads[,vocab,seq]")
+    parser.add_argument("--gpus", type=int)
+    parser.add_argument("--global-batch-size", type=int, help="sequences per step")
+    parser.add_argument("--layout", help="estimate this one layout, e.g. t=8,p=64,v=1,b=1 (recompute=full default)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine and compare predicted with measured CPU step times (4 gloo ranks)",
+    )
+    for flag, default in (
+        ("gpus-per-node", 8),
+        ("gpu-memory-gb", 80.0),
+        ("peak-tflops", 312.0),
+        ("intra-node-gb-per-s", 240.0),
+        ("inter-node-gb-per-s", 25.0),
+        ("zero-stage", 0),
+    ):
+        parser.add_argument(f"--{flag}", type=type(default), default=default, help=f"default {default} (per GPU)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--top", type=int, default=5, help="layouts to list")
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        from lightning_ptdp.planner.calibrate import main as calibrate_main
+
+        return calibrate_main([])
+    if args.model is None or args.gpus is None or args.global_batch_size is None:
+        parser.exit(2, "ptdp plan: MODEL, --gpus and --global-batch-size are required (or use --calibrate)\n")
+    names = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+    try:
+        model = ModelSize(**dict(zip(names, map(int, args.model.split(","))))) if "," in args.model else args.model
+        cluster = Cluster(
+            num_gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_bytes=args.gpu_memory_gb * GB,
+            peak_flops=args.peak_tflops * 1e12,
+            intra_node_bandwidth=args.intra_node_gb_per_s * GB,
+            inter_node_bandwidth=args.inter_node_gb_per_s * GB,
+        )
+        if args.layout:
+            layout = estimate(
+                model,
+                cluster,
+                args.global_batch_size,
+                zero_stage=args.zero_stage,
+                sequence_parallel=args.sequence_parallel,
+                **parse_layout(args.layout),
+            )
+            sys.stdout.write(format_layout(layout, cluster) + "\n")
+            return 0
+        layouts = plan(
+            model, cluster, args.global_batch_size, zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel
+        )
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"ptdp plan: {err}\n")
+    sys.stdout.write(format_plan(layouts, cluster, limit=args.top) + "\n")
+    return 0

@@ -1,0 +1,343 @@
+"""Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
+
+Ranks are ordered as in Megatron: t innermost (a TP group is t consecutive GPUs), then d, then p.
+One training step, nothing overlapped (as in Megatron 2021):
+
+    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
+
+* stage compute (plus ``cluster.layer_overhead_s`` per layer and microbatch): the slowest stage, the last (its l/p layers and the logit layer with its loss),
+  per microbatch. Each linear layer's GEMMs at their (b*s, h/t, ...) shapes through
+  ``cost.gemm_seconds``; the memory-bound kernels (layer norms, bias-dropout-add, bias-GeLU,
+  softmax and its dropout) by the bytes they stream. Forward once, backward twice its GEMMs and
+  bytes; full recompute runs the forward again, selective only the attention core.
+* TP: 4 all-reduces of the 2bsh-byte activations per layer and microbatch (2 forward, 2 backward),
+  6 with full recompute; sequence parallelism swaps each for a reduce-scatter + all-gather and
+  re-gathers its saved inputs in backward (one all-reduce's bytes more).
+* P2P: per microbatch and model chunk an activation forward and a gradient backward of 2bsh bytes
+  between stages; with scatter/gather each of the t ranks sends 2bsh/t over its own HCA and the
+  receivers all-gather over NVLink. The tied embedding's gradient is all-reduced between the first
+  and last stage once per step.
+* bubble: (p-1)/(v*m) of the pipelined time for 1F1B (v = 1), interleaved 1F1B and GPipe.
+* DP: all-reduce of the 16-bit gradients of a rank's P/(t*p) parameters (ZeRO-3: 1.5x).
+* optimizer: Adam with fp32 master weights streams ``OPTIMIZER_BYTES_PER_PARAMETER`` per
+  parameter it updates (P/(t*p), over d with ZeRO).
+* memory: model state + activations of the microbatches in flight on the first stage
+  (Korthikanti et al. 2022) + one layer recomputing + fp32 logits; over the limit is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import gcd
+
+from lightning_ptdp.tools.flops import activation_bytes_per_layer, gpt_flops_per_iteration, model_state_bytes_per_rank
+from lightning_ptdp.planner.cost import (
+    GB,
+    Cluster,
+    all_gather_seconds,
+    all_reduce_seconds,
+    gemm_pass_seconds,
+    memory_seconds,
+    send_seconds,
+)
+from lightning_ptdp.planner.models import ModelSize, check_positive, model_size
+
+BF16 = 2  # bytes per activation, gradient and communicated element
+OPTIMIZER_BYTES_PER_PARAMETER = 32
+"""Adam step: read the 16-bit gradient (2), read and write the fp32 master weight, m and v (24),
+write the 16-bit weight (2); the gradient norm reads the gradients (2), zeroing writes them (2)."""
+RECOMPUTE_CHOICES = (None, "selective", "full")
+SCHEDULES = ("interleaved_1f1b", "1f1b", "gpipe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One layout's estimate; times in seconds per training step, memory in bytes per GPU.
+    ``step_time_s`` is the sum of the six ``*_s`` terms."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_size: int
+    micro_batch_size: int
+    activation_checkpointing: str | None
+    num_microbatches: int
+    global_batch_size: int
+    sequence_parallel: bool
+    zero_stage: int
+    pipeline_schedule: str
+    scatter_gather: bool
+    step_time_s: float
+    compute_s: float
+    tensor_parallel_comm_s: float
+    pipeline_comm_s: float
+    bubble_s: float
+    data_parallel_comm_s: float
+    optimizer_s: float
+    bubble_fraction: float
+    memory_bytes_per_gpu: float
+    tflops_per_gpu: float
+    """Executed TFLOP/s per GPU at the estimated step time (the paper's measure)."""
+    reason: str = ""
+
+
+def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
+    """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included."""
+    dims = (batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size)
+    total = gpt_flops_per_iteration(*dims, activation_recompute=recompute == "full")
+    if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
+        total += 4 * batch * model.seq_length**2 * model.hidden_size * model.num_layers
+    logits = 6 * batch * model.seq_length * model.hidden_size * model.vocab_size
+    return total - logits, logits
+
+
+def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
+    """Bytes the memory-bound kernels of one layer's forward stream (backward: twice as many)."""
+    s, h, a = model.seq_length, model.hidden_size, model.num_heads
+    sbh = s * b * h
+    norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
+    gelu = 16 * sbh / t  # bias + GeLU read and write the 4h/t-wide activation
+    softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
+    return norms_residual + gelu + softmax
+
+
+@lru_cache(maxsize=4096)
+def _layer_seconds(
+    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster
+) -> tuple[float, float]:
+    """(compute, TP communication) of one transformer layer for one microbatch, forward + backward."""
+    s, h, a = model.seq_length, model.hidden_size, model.num_heads
+    tokens, head = b * s, h // a
+    linear = [(tokens, 3 * h / t, h), (tokens, h, h / t), (tokens, 4 * h / t, h), (tokens, h, 4 * h / t)]
+    attention = [(s, s, head), (s, head, s)]  # QK^T and scores x V, b*a/t of each
+    linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
+    core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
+    sbh = s * b * h
+    streamed = layer_memory_bytes(model, t, b, sp)
+    softmax = 9 * a * s * s * b / t
+    forward = linear_f + core_f + memory_seconds(streamed, cluster) + cluster.layer_overhead_s
+    backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
+    again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
+    if t == 1:
+        return forward + backward + again, 0.0
+    collectives = (6 if recompute == "full" else 4) + (1 if sp else 0)
+    within = cluster.gpus_per_node % t == 0
+    per_node = t if within else gcd(t, cluster.gpus_per_node)
+    return forward + backward + again, collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster)
+
+
+def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster) -> float:
+    """The last stage's logit GEMM (forward + backward) and vocab-parallel cross entropy over fp32
+    logits (about six passes of 4 bytes per logit)."""
+    tokens, vocab = b * model.seq_length, model.vocab_size / t
+    forward, backward = gemm_pass_seconds(tokens, vocab, model.hidden_size, cluster)
+    return forward + backward + memory_seconds(24 * tokens * vocab, cluster)
+
+
+def memory_bytes(
+    model: ModelSize,
+    t: int,
+    p: int,
+    d: int,
+    v: int,
+    b: int,
+    m: int,
+    recompute: str | None,
+    sp: bool,
+    zero_stage: int,
+    schedule: str,
+) -> float:
+    """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits."""
+    shape_args = (model.seq_length, b, model.hidden_size, model.num_heads, t, sp and t > 1)
+    state = model_state_bytes_per_rank(model.parameters, t, p, d, zero_stage)
+    if schedule == "gpipe":
+        in_flight = m  # every microbatch's forward before any backward
+    else:  # 1F1B keeps min(p, m); interleaving adds (p-1)/(p*v) of it (Narayanan et al., Section 2.2)
+        in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    activations = activation_bytes_per_layer(*shape_args, recompute) * model.num_layers / p * in_flight
+    if recompute == "full":  # the layer being recomputed holds all its activations at once
+        activations += activation_bytes_per_layer(*shape_args, None)
+    logits = b * model.seq_length * model.vocab_size / t * 4
+    return state + activations + logits
+
+
+def cost(
+    model: ModelSize,
+    cluster: Cluster,
+    batch: int,
+    t: int,
+    p: int,
+    v: int,
+    b: int,
+    *,
+    recompute: str | None = "full",
+    sp: bool = False,
+    zero_stage: int = 0,
+    schedule: str = "interleaved_1f1b",
+    scatter_gather: bool = True,
+) -> Layout:
+    """The estimate of an already-validated layout (``estimate`` checks the arguments first)."""
+    d = cluster.num_gpus // (t * p)
+    m = batch // (b * d)
+    layer, tp_layer = _layer_seconds(model, t, b, recompute, sp, cluster)
+    layers_per_stage = model.num_layers / p
+    compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)
+    tp_mb = layers_per_stage * tp_layer
+    pp_mb = embedding = 0.0
+    across = cluster.num_gpus > cluster.gpus_per_node  # the pipeline's slowest hop sets its pace
+    if p > 1:
+        activation = BF16 * b * model.seq_length * model.hidden_size
+        if scatter_gather and t > 1 and across:
+            hop = send_seconds(activation / t, True, cluster) + all_gather_seconds(activation, t, t, cluster)
+        else:
+            hop = send_seconds(activation, across, cluster)
+        pp_mb = 2 * v * hop  # activations forward, gradients backward, for each of the v chunks
+        embedding = all_reduce_seconds(BF16 * model.vocab_size * model.hidden_size / t, 2, 1 if across else 2, cluster)
+    bubble_fraction = (p - 1) / (v * m)
+    bubble = (p - 1) / v * (compute_mb + tp_mb + pp_mb)
+    params = model.parameters / (t * p)
+    dp = 0.0
+    if d > 1:
+        spans = t * d > cluster.gpus_per_node
+        per_node = min(d, max(1, cluster.gpus_per_node // t)) if spans else d
+        dp = (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, d, per_node, cluster)
+    optimizer = memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (d if zero_stage else 1), cluster)
+    step = m * (compute_mb + tp_mb + pp_mb) + embedding + bubble + dp + optimizer
+    layer_flops, logit_flops = executed_flops(model, batch, recompute)
+    return Layout(
+        tensor_parallel_size=t,
+        pipeline_parallel_size=p,
+        data_parallel_size=d,
+        virtual_pipeline_size=v,
+        micro_batch_size=b,
+        activation_checkpointing=recompute,
+        num_microbatches=m,
+        global_batch_size=batch,
+        sequence_parallel=sp and t > 1,
+        zero_stage=zero_stage,
+        pipeline_schedule=schedule,
+        scatter_gather=scatter_gather,
+        step_time_s=step,
+        compute_s=m * compute_mb,
+        tensor_parallel_comm_s=m * tp_mb,
+        pipeline_comm_s=m * pp_mb + embedding,
+        bubble_s=bubble,
+        data_parallel_comm_s=dp,
+        optimizer_s=optimizer,
+        bubble_fraction=bubble_fraction,
+        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule),
+        tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
+    )
+
+
+def estimate(
+    model: str | ModelSize,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    virtual_pipeline_size: int = 1,
+    micro_batch_size: int = 1,
+    activation_checkpointing: str | None = "full",
+    sequence_parallel: bool = False,
+    zero_stage: int = 0,
+    pipeline_schedule: str = "interleaved_1f1b",
+    scatter_gather: bool = True,
+    memory_fraction: float = 0.9,
+) -> Layout:
+    """The estimated ``Layout`` (``tflops_per_gpu``, ``step_time_s`` and its parts) of one layout;
+    d is ``cluster.num_gpus / (t * p)``. A ValueError names the value, the rule it breaks and a fix."""
+    size = model_size(model)
+    t, p, v, b = tensor_parallel_size, pipeline_parallel_size, virtual_pipeline_size, micro_batch_size
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("tensor_parallel_size", t),
+        ("pipeline_parallel_size", p),
+        ("virtual_pipeline_size", v),
+        ("micro_batch_size", b),
+    ):
+        check_positive(name, value)
+    check_options(activation_checkpointing, sequence_parallel, zero_stage, memory_fraction)
+    if sequence_parallel and t == 1:
+        raise ValueError(
+            "sequence_parallel=True needs tensor_parallel_size > 1 (it splits activations inside the "
+            "TP group); set tensor_parallel_size=2 or more, or sequence_parallel=False"
+        )
+    if pipeline_schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {SCHEDULES}; choose one of those")
+    if cluster.num_gpus % (t * p):
+        raise ValueError(
+            f"tensor_parallel_size * pipeline_parallel_size = {t * p} does not divide the cluster's "
+            f"{cluster.num_gpus} GPUs (d = GPUs / (t*p) must be whole); choose t and p whose product "
+            f"divides {cluster.num_gpus}"
+        )
+    if size.num_heads % t or size.hidden_size % t:
+        raise ValueError(
+            f"tensor_parallel_size={t} must divide num_heads={size.num_heads} and hidden_size="
+            f"{size.hidden_size} (each rank takes whole heads); use a common divisor such as 1, 2 or 8"
+        )
+    if size.num_layers % (p * v):
+        raise ValueError(
+            f"pipeline_parallel_size * virtual_pipeline_size = {p} * {v} = {p * v} must divide "
+            f"num_layers={size.num_layers} (each model chunk holds whole layers); use a divisor"
+        )
+    if v > 1 and (p == 1 or pipeline_schedule == "1f1b"):
+        raise ValueError(
+            f"virtual_pipeline_size={v} needs pipeline_parallel_size > 1 and an interleaving schedule "
+            f"(got p={p}, pipeline_schedule={pipeline_schedule!r}); use virtual_pipeline_size=1"
+        )
+    d = cluster.num_gpus // (t * p)
+    if global_batch_size % (b * d):
+        raise ValueError(
+            f"micro_batch_size * data_parallel_size = {b} * {d} = {b * d} must divide "
+            f"global_batch_size={global_batch_size} (every replica runs whole microbatches); change b, "
+            f"the batch or the GPU count"
+        )
+    m = global_batch_size // (b * d)
+    if v > 1 and m % p:
+        raise ValueError(
+            f"interleaving (virtual_pipeline_size={v}) needs the microbatch count m = B/(b*d) = {m} to "
+            f"be a multiple of pipeline_parallel_size={p}; change the batch or micro_batch_size, or use "
+            f"virtual_pipeline_size=1"
+        )
+    layout = cost(
+        size,
+        cluster,
+        global_batch_size,
+        t,
+        p,
+        v,
+        b,
+        recompute=activation_checkpointing,
+        sp=sequence_parallel,
+        zero_stage=zero_stage,
+        schedule=pipeline_schedule,
+        scatter_gather=scatter_gather,
+    )
+    limit = cluster.gpu_memory_bytes * memory_fraction
+    if layout.memory_bytes_per_gpu > limit:
+        raise ValueError(
+            f"t={t}, p={p}, v={v}, b={b}, recompute={activation_checkpointing!r} needs "
+            f"{layout.memory_bytes_per_gpu / GB:.1f} GB per GPU, over the {limit / GB:.1f} GB usable "
+            f"({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} GB); raise t*p, recompute, "
+            f"or use zero_stage=1..3"
+        )
+    return layout
+
+
+def check_options(recompute: object, sequence_parallel: object, zero_stage: object, memory_fraction: object) -> None:
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"activation_checkpointing={recompute!r} is not one of {RECOMPUTE_CHOICES}; choose one")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3) or not isinstance(sequence_parallel, bool):
+        raise ValueError(
+            f"zero_stage must be 0, 1, 2 or 3 and sequence_parallel True or False, "
+            f"got zero_stage={zero_stage!r}, sequence_parallel={sequence_parallel!r}"
+        )
+    if (
+        isinstance(memory_fraction, bool)
+        or not isinstance(memory_fraction, (int, float))
+        or not 0 < memory_fraction <= 1
+    ):
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")

@@ -1,0 +1,153 @@
+"""``plan``: every valid layout of a cluster, estimated and ranked; and the fit of the one constant."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+from lightning_ptdp.planner.cost import GB, Cluster
+from lightning_ptdp.planner.estimate import RECOMPUTE_CHOICES, Layout, check_options, cost
+from lightning_ptdp.planner.models import TABLE_1, ModelSize, check_positive, model_size
+
+FIT_ROWS = ("gpt_1.7b", "gpt_1t")
+"""The Table 1 rows ``cost.GEMM_EFFICIENCY`` is fitted on (the smallest and the largest model)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _shapes(model: ModelSize, num_gpus: int, batch: int, max_b: int) -> Iterator[tuple[int, ...]]:
+    """Every (t, p, v, b) obeying the divisibility rules (and m % p == 0 to interleave)."""
+    for t in _divisors(num_gpus):
+        if model.num_heads % t or model.hidden_size % t:
+            continue
+        for p in _divisors(num_gpus // t):
+            d = num_gpus // (t * p)
+            if model.num_layers % p or batch % d:
+                continue
+            for b in (b for b in _divisors(batch // d) if b <= max_b):
+                m = batch // (b * d)
+                for v in _divisors(model.num_layers // p) if p > 1 else [1]:
+                    if v == 1 or m % p == 0:
+                        yield t, p, v, b
+
+
+def reason(x: Layout, cluster: Cluster, limit: float) -> str:
+    """Why this layout costs what it does, in one line."""
+    t, per_node = x.tensor_parallel_size, cluster.gpus_per_node
+    where = "within a node" if per_node % t == 0 else "across nodes"
+    tp = "no TP" if t == 1 else f"TP {where} (t={t}, {per_node} GPUs/node)"
+    return (
+        f"{tp}; bubble (p-1)/(v*m)={x.bubble_fraction:.3f} (m={x.num_microbatches}); "
+        f"compute {x.compute_s:.2f}s, comm/step TP {x.tensor_parallel_comm_s:.2f}s, PP {x.pipeline_comm_s:.2f}s, "
+        f"DP {x.data_parallel_comm_s:.2f}s; recompute={x.activation_checkpointing}; "
+        f"{x.memory_bytes_per_gpu / GB:.1f} of {limit / GB:.1f} GB usable"
+    )
+
+
+def plan(
+    model: str | ModelSize,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    zero_stage: int = 0,
+    sequence_parallel: bool = False,
+    memory_fraction: float = 0.9,
+    max_micro_batch_size: int = 8,
+    recompute_modes: Sequence[str | None] = RECOMPUTE_CHOICES,
+    scatter_gather: bool = True,
+) -> list[Layout]:
+    """Every layout that fits in memory, fastest estimated step first; ValueError saying why if none.
+
+    ``model``: a ``ModelSize`` or a known name. ``memory_fraction``: of the GPU, what is usable.
+    ``recompute_modes``: the choices tried; ``(None, "full")`` is the paper's toolset (selective
+    recompute came with Korthikanti et al. 2022). ``sequence_parallel`` applies where t > 1."""
+    size = model_size(model)
+    if not recompute_modes or any(mode not in RECOMPUTE_CHOICES for mode in recompute_modes):
+        raise ValueError(
+            f"recompute_modes must be a non-empty selection of {RECOMPUTE_CHOICES}, got {recompute_modes!r}"
+        )
+    check_positive("global_batch_size", global_batch_size)
+    check_positive("max_micro_batch_size", max_micro_batch_size)
+    check_options(None, sequence_parallel, zero_stage, memory_fraction)
+    limit = cluster.gpu_memory_bytes * memory_fraction
+    shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size))
+    if not shapes:
+        raise ValueError(
+            f"no layout of {cluster.num_gpus} GPUs fits the model and batch: every (t, p, d) with "
+            f"t*p*d = {cluster.num_gpus} breaks a rule among t | num_heads ({size.num_heads}), t | "
+            f"hidden_size ({size.hidden_size}), p | num_layers ({size.num_layers}) and d | "
+            f"global_batch_size ({global_batch_size}); change the GPU count or the batch size"
+        )
+    candidates = [
+        cost(
+            size,
+            cluster,
+            global_batch_size,
+            t,
+            p,
+            v,
+            b,
+            recompute=recompute,
+            sp=sequence_parallel,
+            zero_stage=zero_stage,
+            scatter_gather=scatter_gather,
+        )
+        for t, p, v, b in shapes
+        for recompute in recompute_modes
+    ]
+    fitting = [c for c in candidates if c.memory_bytes_per_gpu <= limit]
+    if not fitting:
+        least = min(candidates, key=lambda c: c.memory_bytes_per_gpu)
+        raise ValueError(
+            f"the model ({size.parameters / 1e9:.1f}B parameters) does not fit in GPU memory with any layout "
+            f"of {cluster.num_gpus} GPUs: the smallest need is {least.memory_bytes_per_gpu / GB:.1f} GB per GPU "
+            f"(t={least.tensor_parallel_size}, p={least.pipeline_parallel_size}, recompute="
+            f"{least.activation_checkpointing!r}, b={least.micro_batch_size}), over the "
+            f"{limit / GB:.1f} GB usable ({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} "
+            f"GB); use more GPUs, zero_stage=1..3, sequence_parallel=True or GPUs with more memory"
+        )
+    ranked = sorted(
+        fitting,
+        key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size, c.memory_bytes_per_gpu, c.virtual_pipeline_size),
+    )
+    return [replace(x, reason=reason(x, cluster, limit)) for x in ranked]
+
+
+def paper_layout(name: str, cluster: Cluster | None = None) -> Layout:
+    """A Table 1 row's own layout (its t, p, GPUs and batch; b = 1, v = 1, full recompute)."""
+    row = TABLE_1[name]
+    cluster = cluster or Cluster(num_gpus=row.num_gpus)
+    return cost(
+        row.model,
+        cluster,
+        row.global_batch_size,
+        row.tensor_parallel_size,
+        row.pipeline_parallel_size,
+        1,
+        1,
+        recompute="full",
+    )
+
+
+def table_1_fit_error(gemm_efficiency: float, rows: Sequence[str] = FIT_ROWS) -> float:
+    """Sum over ``rows`` of the squared relative error of the estimate against the paper."""
+    total = 0.0
+    for name in rows:
+        cluster = Cluster(num_gpus=TABLE_1[name].num_gpus, gemm_efficiency=gemm_efficiency)
+        total += (paper_layout(name, cluster).tflops_per_gpu / TABLE_1[name].achieved_tflops_per_gpu - 1) ** 2
+    return total
+
+
+def fit_gemm_efficiency(rows: Sequence[str] = FIT_ROWS, low: float = 0.3, high: float = 1.0) -> float:
+    """The ``gemm_efficiency`` minimising ``table_1_fit_error`` (golden-section search, to 1e-4)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    while high - low > 1e-4:
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        if table_1_fit_error(a, rows) < table_1_fit_error(b, rows):
+            high = b
+        else:
+            low = a
+    return (low + high) / 2
