@@ -2,14 +2,9 @@
 
 ``estimate(model, cluster, B, tensor_parallel_size=t, pipeline_parallel_size=p, ...)`` gives one
 layout's step time and TFLOP/s per GPU; ``plan(model, cluster, B)`` ranks every valid layout.
-No process group and no torch at import: arithmetic on :mod:`lightning_ptdp.tools.flops`.
-
-* ``models``: model shapes (Table 1 of Narayanan et al. 2021, GPT-3 175B);
-* ``cost``: the hardware terms (GEMM roofline with wave quantization, memory-bound kernels, NCCL
-  ring/tree collectives on the node topology) and the one fitted constant, ``GEMM_EFFICIENCY``;
-* ``estimate``: one layout (schedule, bubble, P2P with or without scatter/gather, recompute,
-  optimizer, memory limit); ``search``: the ranking and the fit; ``render``: arguments and tables;
-* ``calibrate``: the same model on this machine's CPU, predicted against measured (``--calibrate``).
+Modules: ``models`` (Table 1 shapes, GPT-3 175B), ``cost`` (hardware terms, the one fitted constant),
+``estimate`` (one layout), ``search``, ``render``, ``calibrate`` (the model on this CPU, ``--calibrate``).
+No process group and no torch at import. docs/architecture.md ("The planner") has every term.
 """
 
 from lightning_ptdp.planner.cli import main

@@ -1,23 +1,10 @@
 """``ptdp plan --calibrate``: the cost model on this machine's CPU, predicted beside measured.
 
-On 4 local gloo processes (one thread each), all busy at once as in training, it measures CPU
-seconds of work (``time.process_time``, median of repeated calls after warm-up):
-
-* one transformer block's forward + backward at b=1 and b=2: the FLOP rate (slope) and the fixed
-  per-layer dispatch cost (intercept, ``Cluster.layer_overhead_s``), apart;
-* an AdamW step over the model: the rate the memory-bound kernels and the optimizer stream at;
-* gloo all-reduces at the sizes and group sizes the layouts use (the fp32 s*h activation in pairs,
-  the fp32 gradients over all 4): ring hop latency and bandwidth (``ptdp doctor --bench``'s wall
-  clock figures are reported beside them);
-* the CPU share a rank gets while all compute (CPU / wall; ``cores / ranks`` nominally).
-
-CPU seconds, not wall seconds: with more ranks than cores a rank waiting in a collective sleeps and
-its core runs another rank, so what a collective costs the step is its CPU work, and every piece
-of work runs at ``share`` of a core. The CPU ``Cluster`` is these rates times the share. Then it
-predicts, with ``estimate`` (pipeline bubble at the real m, 4 TP all-reduces per layer and
-microbatch, the DP all-reduce, the optimizer), and measures (``Trainer.fit``, median step after
-warm-up) the layouts (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) with v=2. Nothing is
-fitted to those step times. Torch is imported here only, never by ``import lightning_ptdp.planner``.
+On 4 local gloo processes it measures CPU seconds (not wall: with more ranks than cores a waiting
+rank's core runs another) of one block's forward + backward at two sizes (FLOP rate and per-layer
+overhead), an AdamW step, gloo all-reduces at the layouts' sizes, and the core share a rank gets.
+It then predicts and measures the step time of (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1) and
+(1,4,1) v=2; nothing is fitted to those times. Torch is imported here only.
 """
 
 from __future__ import annotations

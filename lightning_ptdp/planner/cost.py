@@ -1,16 +1,9 @@
 """The planner's hardware terms: GEMMs, memory-bound kernels and NCCL collectives on a ``Cluster``.
 
-Every time is latency + work / rate, with the rates of the parts named below. One constant is fitted:
-
-* ``GEMM_EFFICIENCY`` (0.741): the fraction of the dense bf16 peak that a GEMM whose tiles fill
-  every SM reaches in training. Fitted by least squares on the relative error of two Table 1 rows,
-  gpt_1.7b (137 TFLOP/s) and gpt_1t (163 TFLOP/s), at their own layouts
-  (``planner.table_1_fit_error`` recomputes it; the other 8 rows are predictions).
-
-Everything else is a data-sheet or source-code figure: the A100's 312 TFLOP/s, 2.039 TB/s HBM and
-108 SMs; NCCL's NVLink rate per link (``SM80_NVLINK_BW`` = 20 GB/s in src/graph/topo.h, 12 links
-on an A100) and its latency model (src/graph/tuning.cc, Simple protocol); 200 Gb/s HDR
-InfiniBand, one HCA per GPU, on the paper's Selene DGX A100 nodes.
+Every time is latency + work / rate. One constant is fitted: ``GEMM_EFFICIENCY`` (0.741), the share
+of the dense bf16 peak a GEMM filling every SM reaches, by least squares on two Table 1 rows
+(gpt_1.7b and gpt_1t at their own layouts; the other 8 rows are predictions). Everything else is a
+data-sheet or NCCL source figure, named where it is used (docs/architecture.md, "The planner").
 """
 
 from __future__ import annotations

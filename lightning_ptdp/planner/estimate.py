@@ -1,28 +1,11 @@
 """Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
 
-Ranks are ordered as in Megatron: t innermost (a TP group is t consecutive GPUs), then d, then p.
-One training step, nothing overlapped (as in Megatron 2021):
-
     step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
 
-* stage compute (plus ``cluster.layer_overhead_s`` per layer and microbatch): the slowest stage, the last (its l/p layers and the logit layer with its loss),
-  per microbatch. Each linear layer's GEMMs at their (b*s, h/t, ...) shapes through
-  ``cost.gemm_seconds``; the memory-bound kernels (layer norms, bias-dropout-add, bias-GeLU,
-  softmax and its dropout) by the bytes they stream. Forward once, backward twice its GEMMs and
-  bytes; full recompute runs the forward again, selective only the attention core.
-* TP: 4 all-reduces of the 2bsh-byte activations per layer and microbatch (2 forward, 2 backward),
-  6 with full recompute; sequence parallelism swaps each for a reduce-scatter + all-gather and
-  re-gathers its saved inputs in backward (one all-reduce's bytes more).
-* P2P: per microbatch and model chunk an activation forward and a gradient backward of 2bsh bytes
-  between stages; with scatter/gather each of the t ranks sends 2bsh/t over its own HCA and the
-  receivers all-gather over NVLink. The tied embedding's gradient is all-reduced between the first
-  and last stage once per step.
-* bubble: (p-1)/(v*m) of the pipelined time for 1F1B (v = 1), interleaved 1F1B and GPipe.
-* DP: all-reduce of the 16-bit gradients of a rank's P/(t*p) parameters (ZeRO-3: 1.5x).
-* optimizer: Adam with fp32 master weights streams ``OPTIMIZER_BYTES_PER_PARAMETER`` per
-  parameter it updates (P/(t*p), over d with ZeRO).
-* memory: model state + activations of the microbatches in flight on the first stage
-  (Korthikanti et al. 2022) + one layer recomputing + fp32 logits; over the limit is an error.
+Ranks are ordered as in Megatron (t innermost, then d, then p); nothing overlaps (Megatron 2021).
+Each term (GEMMs at their shapes, memory-bound kernels by bytes, 4 or 6 TP all-reduces per layer,
+P2P with or without scatter/gather, the bubble, DP, Adam, the memory limit) is in its function
+below; docs/architecture.md ("The planner") lists them with their sources.
 """
 
 from __future__ import annotations
