@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from benchmarks.results import paired_ratio, spread, stats
+from benchmarks.results import paired_ratio, pool_of, spread, stats
 
 WARMUP_STEPS = 10
 TITLE = "data parallelism: ptdp vs Lightning DDPStrategy (issue 2)"
@@ -72,12 +72,10 @@ def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int,
 
 
 def run(*, devices: int = 2, rounds: int = 5, steps: int = 60, warmup: int = WARMUP_STEPS, batch_per_rank: int = 8,
-        seq_length: int = 128) -> dict:
-    from lightning_ptdp.testing import DistributedPool
-
+        seq_length: int = 128, pool=None) -> dict:
     contenders = ("ptdp", "ddp")
     tokens: dict[str, list[float]] = {name: [] for name in contenders}
-    with DistributedPool(devices) as pool:
+    with pool_of(devices, pool) as pool:
         for index in range(rounds):
             for name in contenders if index % 2 == 0 else contenders[::-1]:  # neither always runs first
                 per_rank = pool.run(timed_fit, name, devices, steps, batch_per_rank, seq_length, warmup)

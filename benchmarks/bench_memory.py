@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import statistics
 import threading
@@ -37,7 +38,7 @@ import threading
 import lightning as L
 import torch
 
-from benchmarks.results import stats
+from benchmarks.results import pool_of, stats
 
 TITLE = "model-state memory per rank for each ZeRO stage, from the allocator (issue 5)"
 MODEL = dict(vocab_size=512, seq_length=64, num_layers=4, num_heads=8, hidden_size=256)
@@ -138,6 +139,7 @@ def measure(t: int, p: int, zero: int) -> dict:
     seq = MODEL["seq_length"]
     data = MarkovDataModule(vocab_size=MODEL["vocab_size"], seq_length=seq, batch_size=4,
                             train_tokens=16 * 4 * (seq + 1), val_tokens=2 * (seq + 1))
+    gc.collect()  # the pool's process ran other configurations: their leftovers must not be freed during this one
     callback = Measure()
     model = GPTLightningModule(GPTConfig(**MODEL))
     trainer = L.Trainer(
@@ -161,12 +163,10 @@ def formula(unsharded_params: int, zero: int, d: int, fsdp: bool = False) -> flo
     return unsharded_params * (weight + grad + adam)
 
 
-def run(*, rounds: int = 1) -> dict:
-    from lightning_ptdp.testing import DistributedPool
-
-    configs = [(t, p, zero) for t, p in LAYOUTS for zero in (0, 1, 2, 3)]
+def run(*, rounds: int = 1, layouts: list | None = None, pool=None) -> dict:
+    configs = [(t, p, zero) for t, p in layouts or LAYOUTS for zero in (0, 1, 2, 3)]
     per_config: dict[tuple, list[list[dict]]] = {c: [] for c in configs}
-    with DistributedPool(WORLD_SIZE) as pool:
+    with pool_of(WORLD_SIZE, pool) as pool:
         for index in range(rounds):
             for config in configs if index % 2 == 0 else configs[::-1]:
                 per_config[config].append(pool.run(measure, *config))
@@ -210,7 +210,7 @@ def markdown(result: dict) -> str:
             f"| {peak['median'] / mib:.2f} ({peak['min'] / mib:.2f}-{peak['max'] / mib:.2f}) "
             f"| {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) |"
         )
-    table = "\n".join(lines)
+    table = "\n".join("  " + line for line in lines)
     zero0 = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] == 0]
     sharded = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] > 0]
     return f"""- Sizes: {s["world_size"]} gloo ranks, 1 thread each; recipes GPT l={m["num_layers"]} h={m["hidden_size"]}
@@ -230,7 +230,6 @@ def markdown(result: dict) -> str:
 
   | t | p | d | zero | formula: ZeRO paper | formula: FSDP | formula: tensor bytes | measured at rest | measured peak in step | at rest / FSDP formula |
   |---|---|---|---|---|---|---|---|---|---|
-
 {table}
 
   (MiB per rank; formulas for rank 0, whose pipeline stage holds the embedding.) **At rest, measured

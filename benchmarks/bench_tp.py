@@ -22,7 +22,7 @@ import lightning as L
 import torch
 
 from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
-from benchmarks.results import paired_ratio, spread, stats
+from benchmarks.results import paired_ratio, pool_of, spread, stats
 
 TITLE = "tensor parallelism: ptdp vs ModelParallelStrategy + hand-written DTensor plan (issue 3)"
 MODEL = dict(vocab_size=256, seq_length=128, num_layers=4, num_heads=8, hidden_size=256)
@@ -132,11 +132,9 @@ def collectives_per_layer(pool, batch: int) -> dict:
     return result
 
 
-def run(*, rounds: int = 5, steps: int = 40, warmup: int = WARMUP_STEPS, batch: int = 8) -> dict:
-    from lightning_ptdp.testing import DistributedPool
-
+def run(*, rounds: int = 5, steps: int = 40, warmup: int = WARMUP_STEPS, batch: int = 8, pool=None) -> dict:
     tokens: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    with DistributedPool(TP) as pool:
+    with pool_of(TP, pool) as pool:
         comms = collectives_per_layer(pool, batch)
         for index in range(rounds):
             for name in CONTENDERS if index % 2 == 0 else CONTENDERS[::-1]:
@@ -175,7 +173,7 @@ def markdown(result: dict) -> str:
             f"{_calls(c['measured_per_model'].get('backward', {}))} "
             f"| {max(c['measured_bytes_per_call'].values()):,} | {c['megatron_bytes_per_call']:,} |"
         )
-    table = "\n".join(rows)
+    table = "\n".join("  " + row for row in rows)
     return f"""- Sizes: t={s["tensor_parallel_size"]} on 2 ranks, 1 thread each; recipes GPT l={m["num_layers"]}
   h={m["hidden_size"]} a={m["num_heads"]} V={m["vocab_size"]}, s={m["seq_length"]}, batch {s["batch"]};
   {s["rounds"]} alternated rounds of {s["steps"]} steps, the first {s["warmup_steps"]} untimed. The DTensor plan:

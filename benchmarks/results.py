@@ -9,6 +9,7 @@ spread (min..max), never one run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -66,3 +67,15 @@ def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> di
 def spread(s: dict, fmt: str = "{:.3f}") -> str:
     """'median (min-max, n rounds)' of a ``stats`` dict, for the Markdown."""
     return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])}, n={s['n']})"
+
+
+@contextlib.contextmanager
+def pool_of(world_size: int, pool=None):
+    """``pool`` when it has ``world_size`` ranks (run_all shares one pool between benchmarks), else a new one."""
+    from lightning_ptdp.testing import DistributedPool
+
+    if pool is not None and pool.world_size == world_size and pool.alive:
+        yield pool
+    else:
+        with DistributedPool(world_size) as own:
+            yield own
