@@ -45,7 +45,7 @@ from benchmarks.results import pool_of, stats
 
 TITLE = "activation memory per layer and microbatch: TP, SP, recompute (issue 5)"
 
-MODEL = dict(vocab_size=256, seq_length=256, num_layers=3, num_heads=8, hidden_size=256, dropout=0.1)
+MODEL = {"vocab_size": 256, "seq_length": 256, "num_layers": 3, "num_heads": 8, "hidden_size": 256, "dropout": 0.1}
 BATCH = 2
 WORLD_SIZE = 4
 MEASURED_BLOCK = 1  # neither first nor last: SP's scatter/gather hooks sit on the end blocks
@@ -54,8 +54,17 @@ RECOMPUTE = [None, "selective", "full"]
 
 
 def formula_bytes(
-    *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str | None = None,
-    act_bytes: int = 2, mask_bytes: int = 1, attention_dropout: bool = True,
+    *,
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str | None = None,
+    act_bytes: int = 2,
+    mask_bytes: int = 1,
+    attention_dropout: bool = True,
 ) -> float:
     """Bytes one layer keeps for one microbatch on one rank, term by term as the paper counts
     them; the defaults give the paper's figures (its Table 2)."""
@@ -90,7 +99,7 @@ class SavedBytes:
             self.bytes += storage.nbytes()
         return tensor
 
-    def __enter__(self) -> SavedBytes:
+    def __enter__(self) -> SavedBytes:  # noqa: PYI034 (Self needs Python 3.11)
         self._hooks.__enter__()
         return self
 
@@ -142,8 +151,8 @@ def measure(t: int, sp: bool, recompute: str | None, backend: str, model: dict, 
 
 def row(pool: Any, t: int, sp: bool, recompute: str | None, model: dict, batch: int) -> dict:
     s, h, a = model["seq_length"], model["hidden_size"], model["num_heads"]
-    shape = dict(s=s, b=batch, h=h, a=a, t=t, sp=sp, recompute=recompute)
-    this_run = dict(act_bytes=4, mask_bytes=4, attention_dropout=False)
+    shape = {"s": s, "b": batch, "h": h, "a": a, "t": t, "sp": sp, "recompute": recompute}
+    this_run = {"act_bytes": 4, "mask_bytes": 4, "attention_dropout": False}
     math = formula_bytes(**shape, **this_run)
     # flash keeps no softmax: its output (stored anyway as the projection input) and a b*a*s fp32 log-sum-exp
     flash = formula_bytes(**{**shape, "recompute": recompute or "selective"}, **this_run)
@@ -152,7 +161,8 @@ def row(pool: Any, t: int, sp: bool, recompute: str | None, model: dict, batch: 
     for backend, formula in (("math", math), ("flash", flash)):
         per_rank = pool.run(measure, t, sp, recompute, backend, model, batch)
         result |= {
-            f"{backend}_bytes": stats(per_rank), f"{backend}_formula_fp32": formula,
+            f"{backend}_bytes": stats(per_rank),
+            f"{backend}_formula_fp32": formula,
             f"{backend}_ratio": stats([b / formula for b in per_rank]),
         }
     return result
@@ -163,15 +173,21 @@ def run(*, layouts: list | None = None, model: dict | None = None, batch: int = 
     spread reported is over the ranks."""
     model, layouts = model or MODEL, layouts or LAYOUTS
     rows = []
-    with pool_of(WORLD_SIZE, pool) as pool:
+    with pool_of(WORLD_SIZE, pool) as workers:
         for t, sp in layouts:
             for recompute in RECOMPUTE:
-                rows.append(row(pool, t, sp, recompute, model, batch))
+                rows.append(row(workers, t, sp, recompute, model, batch))
     return {
         "benchmark": "activation_bytes_per_layer",
-        "sizes": {"model": model, "batch": batch, "world_size": WORLD_SIZE, "dtype": "float32",
-                  "layouts": [list(x) for x in layouts], "rounds": 1,
-                  "sbh": model["seq_length"] * batch * model["hidden_size"]},
+        "sizes": {
+            "model": model,
+            "batch": batch,
+            "world_size": WORLD_SIZE,
+            "dtype": "float32",
+            "layouts": [list(x) for x in layouts],
+            "rounds": 1,
+            "sbh": model["seq_length"] * batch * model["hidden_size"],
+        },
         "unsupported": ["t=1 with sequence_parallel (ParallelConfig: SP needs t > 1)"],
         "rows": rows,
     }
@@ -186,7 +202,11 @@ def markdown(result: dict) -> str:
         for backend in ("math", "flash"):
             b, ratio = r[f"{backend}_bytes"], r[f"{backend}_ratio"]
             ranks = "" if b["min"] == b["max"] else f" ({b['min'] / mib:.3f}-{b['max'] / mib:.3f})"
-            cells += [f"{r[f'{backend}_formula_fp32'] / mib:.3f}", f"{b['median'] / mib:.3f}{ranks}", f"{ratio['median']:.3f}"]
+            cells += [
+                f"{r[f'{backend}_formula_fp32'] / mib:.3f}",
+                f"{b['median'] / mib:.3f}{ranks}",
+                f"{ratio['median']:.3f}",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join("  " + line for line in lines)
     ratios = [r[f"{k}_ratio"][x] for r in result["rows"] for k in ("math", "flash") for x in ("min", "max")]

@@ -20,7 +20,7 @@ from benchmarks.results import paired_ratio, pool_of, spread, stats
 
 WARMUP_STEPS = 10
 TITLE = "data parallelism: ptdp vs Lightning DDPStrategy (issue 2)"
-MODEL = dict(vocab_size=256, num_layers=4, num_heads=4, hidden_size=128)
+MODEL = {"vocab_size": 256, "num_layers": 4, "num_heads": 4, "hidden_size": 128}
 
 
 class StepTimer(L.Callback):
@@ -57,34 +57,58 @@ def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int,
     L.seed_everything(0, verbose=False)
     model = GPTLightningModule(GPTConfig(seq_length=seq_length, **MODEL))
     data = MarkovDataModule(
-        vocab_size=MODEL["vocab_size"], seq_length=seq_length, batch_size=batch_per_rank,
-        train_tokens=(steps + 2) * batch_per_rank * devices * (seq_length + 1), val_tokens=2 * (seq_length + 1),
+        vocab_size=MODEL["vocab_size"],
+        seq_length=seq_length,
+        batch_size=batch_per_rank,
+        train_tokens=(steps + 2) * batch_per_rank * devices * (seq_length + 1),
+        val_tokens=2 * (seq_length + 1),
     )
     strategy = PTDPStrategy() if strategy_name == "ptdp" else DDPStrategy()
     timer = StepTimer(warmup)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[timer],
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer],
     )
     trainer.fit(model, data)
     return timer.timed_steps * batch_per_rank * devices * seq_length / (timer.end - timer.start)
 
 
-def run(*, devices: int = 2, rounds: int = 5, steps: int = 60, warmup: int = WARMUP_STEPS, batch_per_rank: int = 8,
-        seq_length: int = 128, pool=None) -> dict:
+def run(
+    *,
+    devices: int = 2,
+    rounds: int = 5,
+    steps: int = 60,
+    warmup: int = WARMUP_STEPS,
+    batch_per_rank: int = 8,
+    seq_length: int = 128,
+    pool=None,
+) -> dict:
     contenders = ("ptdp", "ddp")
     tokens: dict[str, list[float]] = {name: [] for name in contenders}
-    with pool_of(devices, pool) as pool:
+    with pool_of(devices, pool) as workers:
         for index in range(rounds):
             for name in contenders if index % 2 == 0 else contenders[::-1]:  # neither always runs first
-                per_rank = pool.run(timed_fit, name, devices, steps, batch_per_rank, seq_length, warmup)
+                per_rank = workers.run(timed_fit, name, devices, steps, batch_per_rank, seq_length, warmup)
                 tokens[name].append(per_rank[0])
     return {
         "benchmark": "data_parallel_tokens_per_s",
-        "sizes": {"devices": devices, "rounds": rounds, "steps": steps, "warmup_steps": warmup,
-                  "batch_per_rank": batch_per_rank, "seq_length": seq_length,
-                  "model": "recipes GPT l={num_layers} h={hidden_size} a={num_heads} V={vocab_size}".format(**MODEL)},
+        "sizes": {
+            "devices": devices,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "batch_per_rank": batch_per_rank,
+            "seq_length": seq_length,
+            "model": "recipes GPT l={num_layers} h={hidden_size} a={num_heads} V={vocab_size}".format(**MODEL),
+        },
         "tokens_per_s": {name: stats(values) for name, values in tokens.items()},
         "ratio_ptdp_over_ddp": paired_ratio(tokens["ptdp"], tokens["ddp"]),
     }
@@ -111,8 +135,18 @@ def main() -> None:
     parser.add_argument("--batch-per-rank", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=128)
     args = parser.parse_args()
-    print(json.dumps(run(devices=args.devices, rounds=args.rounds, steps=args.steps,
-                         batch_per_rank=args.batch_per_rank, seq_length=args.seq_length), indent=1))
+    print(
+        json.dumps(
+            run(
+                devices=args.devices,
+                rounds=args.rounds,
+                steps=args.steps,
+                batch_per_rank=args.batch_per_rank,
+                seq_length=args.seq_length,
+            ),
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

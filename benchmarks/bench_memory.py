@@ -41,7 +41,7 @@ import torch
 from benchmarks.results import pool_of, stats
 
 TITLE = "model-state memory per rank for each ZeRO stage, from the allocator (issue 5)"
-MODEL = dict(vocab_size=512, seq_length=64, num_layers=4, num_heads=8, hidden_size=256)
+MODEL = {"vocab_size": 512, "seq_length": 64, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
 WORLD_SIZE = 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (t, p) on 4 ranks; d = 4 / (t * p)
 MEASURED_STEP = 1  # global_step of the measured step (the second): Adam's state exists by then
@@ -53,8 +53,21 @@ def _bytes(tensor) -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_in_use() -> int:
@@ -137,15 +150,28 @@ def measure(t: int, p: int, zero: int) -> dict:
     if p > 1:
         kwargs["micro_batch_size"] = 2
     seq = MODEL["seq_length"]
-    data = MarkovDataModule(vocab_size=MODEL["vocab_size"], seq_length=seq, batch_size=4,
-                            train_tokens=16 * 4 * (seq + 1), val_tokens=2 * (seq + 1))
+    data = MarkovDataModule(
+        vocab_size=MODEL["vocab_size"],
+        seq_length=seq,
+        batch_size=4,
+        train_tokens=16 * 4 * (seq + 1),
+        val_tokens=2 * (seq + 1),
+    )
     gc.collect()  # the pool's process ran other configurations: their leftovers must not be freed during this one
     callback = Measure()
     model = GPTLightningModule(GPTConfig(**MODEL))
     trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, max_steps=MEASURED_STEP + 1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback], strategy=PTDPStrategy(**kwargs),
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        max_steps=MEASURED_STEP + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[callback],
+        strategy=PTDPStrategy(**kwargs),
     )
     trainer.fit(model, data)
     return callback.result
@@ -166,10 +192,10 @@ def formula(unsharded_params: int, zero: int, d: int, fsdp: bool = False) -> flo
 def run(*, rounds: int = 1, layouts: list | None = None, pool=None) -> dict:
     configs = [(t, p, zero) for t, p in layouts or LAYOUTS for zero in (0, 1, 2, 3)]
     per_config: dict[tuple, list[list[dict]]] = {c: [] for c in configs}
-    with pool_of(WORLD_SIZE, pool) as pool:
+    with pool_of(WORLD_SIZE, pool) as workers:
         for index in range(rounds):
             for config in configs if index % 2 == 0 else configs[::-1]:
-                per_config[config].append(pool.run(measure, *config))
+                per_config[config].append(workers.run(measure, *config))
     rows = []
     for (t, p, zero), per_round in per_config.items():
         d = WORLD_SIZE // (t * p)
@@ -178,20 +204,31 @@ def run(*, rounds: int = 1, layouts: list | None = None, pool=None) -> dict:
         fsdp = [formula(unsharded[rank], zero, d, fsdp=True) for rank, _ in samples]
         rest = [r["allocator_at_rest"] for _, r in samples]
         rank0 = per_round[0][0]
-        rows.append({
-            "t": t, "p": p, "d": d, "zero": zero,
-            "formula_zero_paper_rank0": formula(unsharded[0], zero, d),
-            "formula_fsdp_rank0": formula(unsharded[0], zero, d, fsdp=True),
-            "formula_tensor_bytes_rank0": rank0["tensor_bytes"],
-            # over every rank and round: median and spread
-            "allocator_at_rest": stats(rest),
-            "allocator_peak_in_step": stats([r["allocator_peak_in_step"] for _, r in samples]),
-            "allocator_at_rest_over_fsdp_formula": stats([m / f for m, f in zip(rest, fsdp)]),
-        })
+        rows.append(
+            {
+                "t": t,
+                "p": p,
+                "d": d,
+                "zero": zero,
+                "formula_zero_paper_rank0": formula(unsharded[0], zero, d),
+                "formula_fsdp_rank0": formula(unsharded[0], zero, d, fsdp=True),
+                "formula_tensor_bytes_rank0": rank0["tensor_bytes"],
+                # over every rank and round: median and spread
+                "allocator_at_rest": stats(rest),
+                "allocator_peak_in_step": stats([r["allocator_peak_in_step"] for _, r in samples]),
+                "allocator_at_rest_over_fsdp_formula": stats([m / f for m, f in zip(rest, fsdp)]),
+            }
+        )
     return {
         "benchmark": "model_state_memory_per_rank",
-        "sizes": {"world_size": WORLD_SIZE, "rounds": rounds, "model": MODEL, "batch": 4,
-                  "micro_batch_size_when_p>1": 2, "measured_step": MEASURED_STEP + 1},
+        "sizes": {
+            "world_size": WORLD_SIZE,
+            "rounds": rounds,
+            "model": MODEL,
+            "batch": 4,
+            "micro_batch_size_when_p>1": 2,
+            "measured_step": MEASURED_STEP + 1,
+        },
         "rows": rows,
     }
 
@@ -201,7 +238,11 @@ def markdown(result: dict) -> str:
     mib = 2**20
     lines = []
     for r in result["rows"]:
-        rest, peak, ratio = r["allocator_at_rest"], r["allocator_peak_in_step"], r["allocator_at_rest_over_fsdp_formula"]
+        rest, peak, ratio = (
+            r["allocator_at_rest"],
+            r["allocator_peak_in_step"],
+            r["allocator_at_rest_over_fsdp_formula"],
+        )
         tensors = sum(r["formula_tensor_bytes_rank0"].values())
         lines.append(
             f"| {r['t']} | {r['p']} | {r['d']} | {r['zero']} | {r['formula_zero_paper_rank0'] / mib:.2f} "

@@ -28,7 +28,7 @@ import torch
 from benchmarks.results import pool_of, spread, stats
 
 TITLE = "pipeline bubble: GPipe, 1F1B, interleaved 1F1B, measured (issue 4)"
-MODEL = dict(vocab_size=256, seq_length=256, num_layers=8, num_heads=8, hidden_size=512)
+MODEL = {"vocab_size": 256, "seq_length": 256, "num_layers": 8, "num_heads": 8, "hidden_size": 512}
 PP = 2
 WARMUP_STEPS = 1
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -43,8 +43,9 @@ class TimelineRecorder(L.Callback):
         self.steps.append((timeline.busy, timeline.end - timeline.start))
 
 
-def measure(schedule: str, vpp: int, microbatches: int, steps: int, warmup: int = WARMUP_STEPS,
-            model: dict | None = None) -> dict:
+def measure(
+    schedule: str, vpp: int, microbatches: int, steps: int, warmup: int = WARMUP_STEPS, model: dict | None = None
+) -> dict:
     from lightning_ptdp import PTDPStrategy
     from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
@@ -54,16 +55,27 @@ def measure(schedule: str, vpp: int, microbatches: int, steps: int, warmup: int 
     L.seed_everything(0, verbose=False)
     seq = model["seq_length"]
     data = MarkovDataModule(
-        vocab_size=model["vocab_size"], seq_length=seq, batch_size=microbatches,
-        train_tokens=(steps + warmup + 2) * microbatches * (seq + 1), val_tokens=2 * (seq + 1),
+        vocab_size=model["vocab_size"],
+        seq_length=seq,
+        batch_size=microbatches,
+        train_tokens=(steps + warmup + 2) * microbatches * (seq + 1),
+        val_tokens=2 * (seq + 1),
     )
     recorder = TimelineRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=PP, max_steps=steps + warmup, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=PP,
+        max_steps=steps + warmup,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         callbacks=[recorder],
-        strategy=PTDPStrategy(pipeline_parallel_size=PP, virtual_pipeline_size=vpp, micro_batch_size=1,
-                              pipeline_schedule=schedule),
+        strategy=PTDPStrategy(
+            pipeline_parallel_size=PP, virtual_pipeline_size=vpp, micro_batch_size=1, pipeline_schedule=schedule
+        ),
     )
     trainer.fit(GPTLightningModule(GPTConfig(**model)), data)
     timed = recorder.steps[warmup:]
@@ -72,16 +84,23 @@ def measure(schedule: str, vpp: int, microbatches: int, steps: int, warmup: int 
     return {"busy_s": busy, "wall_s": wall, "bubble": (wall - busy) / busy}
 
 
-def run(*, rounds: int = 3, steps: int = 2, warmup: int = WARMUP_STEPS, microbatches: tuple[int, ...] = (4, 8),
-        model: dict | None = None, pool=None) -> dict:
+def run(
+    *,
+    rounds: int = 3,
+    steps: int = 2,
+    warmup: int = WARMUP_STEPS,
+    microbatches: tuple[int, ...] = (4, 8),
+    model: dict | None = None,
+    pool=None,
+) -> dict:
     model = model or MODEL
     bubbles: dict[tuple[str, int], list[float]] = {(name, m): [] for m in microbatches for name, _ in SCHEDULES}
-    with pool_of(PP, pool) as pool:
+    with pool_of(PP, pool) as workers:
         for index in range(rounds):
             for m in microbatches:
                 shift = index % len(SCHEDULES)
                 for schedule, vpp in SCHEDULES[shift:] + SCHEDULES[:shift]:
-                    per_rank = pool.run(measure, schedule, vpp, m, steps, warmup, model)
+                    per_rank = workers.run(measure, schedule, vpp, m, steps, warmup, model)
                     bubbles[(schedule, m)].append(statistics.mean(r["bubble"] for r in per_rank))
     rows = []
     for m in microbatches:
@@ -94,8 +113,16 @@ def run(*, rounds: int = 3, steps: int = 2, warmup: int = WARMUP_STEPS, microbat
         rows.append(row)
     return {
         "benchmark": "pipeline_bubble",
-        "sizes": {"p": PP, "v_interleaved": 2, "rounds": rounds, "steps": steps, "warmup_steps": warmup,
-                  "microbatches": list(microbatches), "micro_batch_size": 1, "model": model},
+        "sizes": {
+            "p": PP,
+            "v_interleaved": 2,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "microbatches": list(microbatches),
+            "micro_batch_size": 1,
+            "model": model,
+        },
         "target_cut": 0.8 * (2 - 1) / 2,
         "rows": rows,
     }

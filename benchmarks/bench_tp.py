@@ -25,7 +25,7 @@ from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
 from benchmarks.results import paired_ratio, pool_of, spread, stats
 
 TITLE = "tensor parallelism: ptdp vs ModelParallelStrategy + hand-written DTensor plan (issue 3)"
-MODEL = dict(vocab_size=256, seq_length=128, num_layers=4, num_heads=8, hidden_size=256)
+MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
 TP = 2
 COUNT_DEPTHS = (4, 2)
 CONTENDERS = ("ptdp", "model_parallel_strategy")
@@ -38,8 +38,10 @@ CONTENDERS = ("ptdp", "model_parallel_strategy")
 # (Megatron's LinearWithGradAccumulationAndAsyncCommunication, sequence_parallel=True): one more per region.
 MEGATRON = {
     "tp": {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}},
-    "tp+sp": {"forward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
-              "backward": {"all_gather_into_tensor": 2 + 2, "reduce_scatter_tensor": 2}},
+    "tp+sp": {
+        "forward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+        "backward": {"all_gather_into_tensor": 2 + 2, "reduce_scatter_tensor": 2},
+    },
 }
 
 
@@ -53,8 +55,12 @@ def _dtensor_module():
         def configure_model(self) -> None:
             tp_mesh = self.device_mesh["tensor_parallel"]
             plan = {
-                "attn.query": ColwiseParallel(), "attn.key": ColwiseParallel(), "attn.value": ColwiseParallel(),
-                "attn.proj": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel(),
+                "attn.query": ColwiseParallel(),
+                "attn.key": ColwiseParallel(),
+                "attn.value": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.fc_in": ColwiseParallel(),
+                "mlp.fc_out": RowwiseParallel(),
             }
             for block in self.gpt.blocks:
                 parallelize_module(block, tp_mesh, plan)
@@ -75,12 +81,26 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
     else:
         model, strategy = _dtensor_module(), ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=TP)
     seq = MODEL["seq_length"]
-    data = MarkovDataModule(vocab_size=256, seq_length=seq, batch_size=batch,
-                            train_tokens=(steps + 2) * batch * (seq + 1), val_tokens=2 * (seq + 1))
+    data = MarkovDataModule(
+        vocab_size=256,
+        seq_length=seq,
+        batch_size=batch,
+        train_tokens=(steps + 2) * batch * (seq + 1),
+        val_tokens=2 * (seq + 1),
+    )
     timer = StepTimer(warmup)
-    trainer = L.Trainer(accelerator="cpu", devices=TP, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=TP,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
     trainer.fit(model, data)
     return timer.timed_steps * batch * seq / (timer.end - timer.start)
 
@@ -104,8 +124,10 @@ def count_collectives(sequence_parallel: bool, batch: int, layers: int) -> dict:
         out = blocks(x)
     with CollectiveCounter() as backward:
         out.sum().backward()
-    return {phase: {k: (c.counts[k], c.bytes[k]) for k in c.counts} for phase, c in
-            (("forward", forward), ("backward", backward))}
+    return {
+        phase: {k: (c.counts[k], c.bytes[k]) for k in c.counts}
+        for phase, c in (("forward", forward), ("backward", backward))
+    }
 
 
 def collectives_per_layer(pool, batch: int) -> dict:
@@ -125,8 +147,11 @@ def collectives_per_layer(pool, batch: int) -> dict:
                 calls, nbytes = get[deep][k]
                 bytes_per_call[k] = max(bytes_per_call.get(k, 0), nbytes // calls if calls else 0)
         result[mode] = {
-            "measured_per_layer": per_layer, "measured_per_model": per_model, "measured_bytes_per_call": bytes_per_call,
-            "megatron_per_layer": MEGATRON[mode], "megatron_bytes_per_call": bsh_bytes,
+            "measured_per_layer": per_layer,
+            "measured_per_model": per_model,
+            "measured_bytes_per_call": bytes_per_call,
+            "megatron_per_layer": MEGATRON[mode],
+            "megatron_bytes_per_call": bsh_bytes,
             "agrees": per_layer == {p: {k: float(v) for k, v in c.items()} for p, c in MEGATRON[mode].items()},
         }
     return result
@@ -134,15 +159,22 @@ def collectives_per_layer(pool, batch: int) -> dict:
 
 def run(*, rounds: int = 5, steps: int = 40, warmup: int = WARMUP_STEPS, batch: int = 8, pool=None) -> dict:
     tokens: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    with pool_of(TP, pool) as pool:
-        comms = collectives_per_layer(pool, batch)
+    with pool_of(TP, pool) as workers:
+        comms = collectives_per_layer(workers, batch)
         for index in range(rounds):
             for name in CONTENDERS if index % 2 == 0 else CONTENDERS[::-1]:
-                tokens[name].append(pool.run(timed_fit, name, steps, batch, warmup)[0])
+                tokens[name].append(workers.run(timed_fit, name, steps, batch, warmup)[0])
     return {
         "benchmark": "tensor_parallel_tokens_per_s",
-        "sizes": {"tensor_parallel_size": TP, "rounds": rounds, "steps": steps, "warmup_steps": warmup,
-                  "batch": batch, "model": MODEL, "count_depths": COUNT_DEPTHS},
+        "sizes": {
+            "tensor_parallel_size": TP,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "batch": batch,
+            "model": MODEL,
+            "count_depths": COUNT_DEPTHS,
+        },
         "tokens_per_s": {name: stats(values) for name, values in tokens.items()},
         "ratio_ptdp_over_model_parallel_strategy": paired_ratio(tokens["ptdp"], tokens["model_parallel_strategy"]),
         "collectives_per_layer_and_microbatch": comms,

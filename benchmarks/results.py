@@ -52,8 +52,13 @@ def cpu_description() -> str:
 def stats(values: Sequence[float]) -> dict:
     """Median and spread of repeated rounds: {"values", "median", "min", "max", "n"}."""
     values = list(values)
-    return {"values": values, "median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "values": values,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
