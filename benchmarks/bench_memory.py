@@ -252,8 +252,8 @@ def markdown(result: dict) -> str:
             f"| {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) |"
         )
     table = "\n".join("  " + line for line in lines)
-    zero0 = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] == 0]
-    sharded = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] > 0]
+    ddp = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] == 0 and r["p"] == 1]
+    rest = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] > 0 or r["p"] > 1]
     return f"""- Sizes: {s["world_size"]} gloo ranks, 1 thread each; recipes GPT l={m["num_layers"]} h={m["hidden_size"]}
   a={m["num_heads"]} V={m["vocab_size"]} s={m["seq_length"]}, tied embedding, batch {s["batch"]} per replica
   (microbatches of {s["micro_batch_size_when_p>1"]} when p > 1); fp32, AdamW; step {s["measured_step"]} of
@@ -274,12 +274,12 @@ def markdown(result: dict) -> str:
 {table}
 
   (MiB per rank; formulas for rank 0, whose pipeline stage holds the embedding.) **At rest, measured
-  / FSDP formula: median {statistics.median(zero0):.3f} at ZeRO-0 (range {min(zero0):.3f}-{max(zero0):.3f} over
-  layouts), {statistics.median(sharded):.3f} at ZeRO 1-3 (range {min(sharded):.3f}-{max(sharded):.3f}).** Beyond the
-  formula, at rest, the allocator holds what the run keeps besides the model state: at ZeRO-0 DDP's
-  gradient buckets (a second copy of the gradients, 4 bytes per parameter), and in every row the
-  Trainer's, the strategy's and gloo's own allocations; the peak adds the step's activations and,
-  at ZeRO 1-3, the gathered weights.
+  / FSDP formula: median {statistics.median(ddp):.3f} (range {min(ddp):.3f}-{max(ddp):.3f}) at ZeRO-0 with p = 1,
+  where DDP keeps its gradient buckets, a second copy of the gradients (4 of the 16 bytes per
+  parameter); {statistics.median(rest):.3f} (range {min(rest):.3f}-{max(rest):.3f}) in every other row.** The rest of
+  the excess at rest is what the run allocates besides the model state (the Trainer's, the
+  strategy's and gloo's objects and buffers); the peak adds the step's activations and, at ZeRO 1-3,
+  the gathered weights (stages 1 and 2 keep them from forward to backward, so their peak is above stage 3's).
 """
 
 

@@ -33,13 +33,13 @@ from benchmarks.results import RESULTS, cpu_description, today, write_section
 SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
     "overhead": (
         "benchmarks.bench_overhead",
-        {"rounds": 9, "steps": 30, "warmup": 10, "batch": 8},
+        {"rounds": 7, "steps": 30, "warmup": 10, "batch": 8},
         {"rounds": 2, "steps": 4, "warmup": 2, "batch": 2},
         1,
     ),
     "dp": (
         "benchmarks.bench_dp",
-        {"rounds": 5, "steps": 30, "warmup": 10},
+        {"rounds": 5, "steps": 25, "warmup": 8},
         {"rounds": 2, "steps": 4, "warmup": 2, "batch_per_rank": 2, "seq_length": 32},
         2,
     ),
