@@ -8,7 +8,8 @@ processes and reports median and spread (min-max) and per-round ratios; the size
 and in each section. Prints one JSON object with every section's results, the hardware and the
 command, and writes each benchmark's section of the results file (``--results``; by default
 benchmarks/RESULTS.md for a full run, nothing for ``--quick``), leaving every other section (the
-GPU suite's) as it is. ``--only dp,tp`` runs a subset. The full run takes under 15 minutes on the
+GPU suite's) as it is. ``--only dp,tp`` runs a subset; ``--render RUN.json`` rewrites the sections from a run's JSON
+(``--json``) without running anything. The full run takes under 15 minutes on the
 2-core CPU machine.
 """
 
@@ -136,6 +137,19 @@ def section_markdown(name: str, result: dict, info: dict, command: str) -> str:
 """
 
 
+def run_markdown(record: dict) -> str:
+    """The summary section: what ran, for how long, and where each section's figures are."""
+    info = record["info"]
+    times = ", ".join(f"{name} {result['elapsed_s']:.0f} s" for name, result in record["sections"].items())
+    return f"""## {info["date"]} — the CPU suite: `{info["command"]}`
+
+- Hardware: {info["cpu"]}, {info["memory"]}, CPU only, shared with other jobs; torch {info["torch"]},
+  lightning {info["lightning"]}, Python {info["python"]}.
+- Ran {", ".join(record["sections"])} in {record["elapsed_s"] / 60:.1f} minutes ({times}); each section below
+  states its sizes, rounds and the load average after it.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", required=True, help="the CPU suite (the GPU one: benchmarks.gpu)")
@@ -143,14 +157,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--results", type=Path, default=None, help="results file to write (default: see above)")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON there")
+    parser.add_argument("--render", type=Path, default=None, help="write the sections from this JSON; run nothing")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
         parser.error(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     results_path = args.results or (None if args.quick else RESULTS)
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    command = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} python -m benchmarks.run_all {argv_text}".strip()
+    # the options that decide the figures (not where the output went)
+    options = " --quick" if args.quick else ""
+    options += f" --only {','.join(names)}" if names != list(SECTIONS) else ""
+    command = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} python -m benchmarks.run_all --cpu{options}"
+    if args.render is not None:  # the sections again from a run's JSON, e.g. after a change of wording
+        record = json.loads(args.render.read_text())
+        for name, result in record["sections"].items():
+            write_section(
+                name,
+                section_markdown(name, result, record["info"], record["info"]["command"]),
+                path=results_path or RESULTS,
+            )
+        write_section("cpu-run", run_markdown(record), path=results_path or RESULTS)
+        return 0
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     from lightning_ptdp.testing import DistributedPool
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         for pool in pools.values():
             pool.close()
     record["elapsed_s"] = time.perf_counter() - started
+    if results_path is not None:
+        write_section("cpu-run", run_markdown(record), path=results_path)
     text = json.dumps(record, indent=1, default=str)
     print(text)
     if args.json is not None:

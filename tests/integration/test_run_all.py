@@ -62,6 +62,7 @@ def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
     assert list(record["sections"]) == list(SECTIONS)
     text = results.read_text()
     assert "<!-- section:gpu-suite -->\nGPU figures\n<!-- /section:gpu-suite -->" in text  # others' sections kept
+    assert "<!-- section:cpu-run -->" in text and "minutes" in text
     for name, result in record["sections"].items():
         spreads = _spreads(result)
         assert spreads, name
