@@ -1,7 +1,7 @@
 """Every CPU benchmark in one command; rewrites their sections of benchmarks/RESULTS.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu            # the figures RESULTS.md and the README quote
-    OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu --quick --results /tmp/R.md   # tiny sizes, a smoke run
+    OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu --quick --results R.md   # tiny sizes, a smoke run
 
 Each benchmark runs repeated rounds with its contenders alternated (A B, B A, ...) in the same
 processes and reports median and spread (min-max) and per-round ratios; the sizes are in the JSON
