@@ -36,13 +36,16 @@ backend; the paper's 16-bit figure is printed beside them. Prints JSON.
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-MODEL = dict(vocab_size=256, seq_length=256, num_layers=3, num_heads=8, hidden_size=256, dropout=0.1)
+from benchmarks.results import pool_of, stats
+
+TITLE = "activation memory per layer and microbatch: TP, SP, recompute (issue 5)"
+
+MODEL = {"vocab_size": 256, "seq_length": 256, "num_layers": 3, "num_heads": 8, "hidden_size": 256, "dropout": 0.1}
 BATCH = 2
 WORLD_SIZE = 4
 MEASURED_BLOCK = 1  # neither first nor last: SP's scatter/gather hooks sit on the end blocks
@@ -51,8 +54,17 @@ RECOMPUTE = [None, "selective", "full"]
 
 
 def formula_bytes(
-    *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str | None = None,
-    act_bytes: int = 2, mask_bytes: int = 1, attention_dropout: bool = True,
+    *,
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str | None = None,
+    act_bytes: int = 2,
+    mask_bytes: int = 1,
+    attention_dropout: bool = True,
 ) -> float:
     """Bytes one layer keeps for one microbatch on one rank, term by term as the paper counts
     them; the defaults give the paper's figures (its Table 2)."""
@@ -87,7 +99,7 @@ class SavedBytes:
             self.bytes += storage.nbytes()
         return tensor
 
-    def __enter__(self) -> SavedBytes:
+    def __enter__(self) -> SavedBytes:  # noqa: PYI034 (Self needs Python 3.11)
         self._hooks.__enter__()
         return self
 
@@ -137,38 +149,97 @@ def measure(t: int, sp: bool, recompute: str | None, backend: str, model: dict, 
         return block_saved_bytes(net, net.blocks[MEASURED_BLOCK], lambda: net(ids))
 
 
-def row(pool: Any, t: int, sp: bool, recompute: str | None) -> dict:
-    s, h, a = MODEL["seq_length"], MODEL["hidden_size"], MODEL["num_heads"]
-    shape = dict(s=s, b=BATCH, h=h, a=a, t=t, sp=sp, recompute=recompute)
-    this_run = dict(act_bytes=4, mask_bytes=4, attention_dropout=False)
+def row(pool: Any, t: int, sp: bool, recompute: str | None, model: dict, batch: int) -> dict:
+    s, h, a = model["seq_length"], model["hidden_size"], model["num_heads"]
+    shape = {"s": s, "b": batch, "h": h, "a": a, "t": t, "sp": sp, "recompute": recompute}
+    this_run = {"act_bytes": 4, "mask_bytes": 4, "attention_dropout": False}
     math = formula_bytes(**shape, **this_run)
     # flash keeps no softmax: its output (stored anyway as the projection input) and a b*a*s fp32 log-sum-exp
     flash = formula_bytes(**{**shape, "recompute": recompute or "selective"}, **this_run)
-    flash += 4 * BATCH * a * s / t if recompute is None else 0
+    flash += 4 * batch * a * s / t if recompute is None else 0
     result = {"t": t, "sp": sp, "recompute": recompute, "paper_16bit": formula_bytes(**shape)}
     for backend, formula in (("math", math), ("flash", flash)):
-        per_rank = pool.run(measure, t, sp, recompute, backend, MODEL, BATCH)
+        per_rank = pool.run(measure, t, sp, recompute, backend, model, batch)
         result |= {
-            f"{backend}_bytes": per_rank[0], f"{backend}_formula_fp32": formula,
-            f"{backend}_ratio": round(per_rank[0] / formula, 4), f"{backend}_ranks_equal": len(set(per_rank)) == 1,
+            f"{backend}_bytes": stats(per_rank),
+            f"{backend}_formula_fp32": formula,
+            f"{backend}_ratio": stats([b / formula for b in per_rank]),
         }
     return result
 
 
-def main() -> None:
-    from lightning_ptdp.testing import DistributedPool
-
+def run(*, layouts: list | None = None, model: dict | None = None, batch: int = BATCH, pool=None) -> dict:
+    """One round: the bytes are a count (the same on every rank and every run), not a timing; the
+    spread reported is over the ranks."""
+    model, layouts = model or MODEL, layouts or LAYOUTS
     rows = []
-    with DistributedPool(WORLD_SIZE) as pool:
-        for t, sp in LAYOUTS:
+    with pool_of(WORLD_SIZE, pool) as workers:
+        for t, sp in layouts:
             for recompute in RECOMPUTE:
-                rows.append(row(pool, t, sp, recompute))
-    sbh = MODEL["seq_length"] * BATCH * MODEL["hidden_size"]
-    print(json.dumps({
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "model": MODEL,
-        "batch": BATCH, "world_size": WORLD_SIZE, "dtype": "float32", "sbh": sbh,
-        "unsupported": ["t=1 with sequence_parallel (ParallelConfig: SP needs t > 1)"], "rows": rows,
-    }, indent=1))
+                rows.append(row(workers, t, sp, recompute, model, batch))
+    return {
+        "benchmark": "activation_bytes_per_layer",
+        "sizes": {
+            "model": model,
+            "batch": batch,
+            "world_size": WORLD_SIZE,
+            "dtype": "float32",
+            "layouts": [list(x) for x in layouts],
+            "rounds": 1,
+            "sbh": model["seq_length"] * batch * model["hidden_size"],
+        },
+        "unsupported": ["t=1 with sequence_parallel (ParallelConfig: SP needs t > 1)"],
+        "rows": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    s, m = result["sizes"], result["sizes"]["model"]
+    mib = 2**20
+    lines = []
+    for r in result["rows"]:
+        cells = [str(r["t"]), "yes" if r["sp"] else "no", r["recompute"] or "none", f"{r['paper_16bit'] / mib:.3f}"]
+        for backend in ("math", "flash"):
+            b, ratio = r[f"{backend}_bytes"], r[f"{backend}_ratio"]
+            ranks = "" if b["min"] == b["max"] else f" ({b['min'] / mib:.3f}-{b['max'] / mib:.3f})"
+            cells += [
+                f"{r[f'{backend}_formula_fp32'] / mib:.3f}",
+                f"{b['median'] / mib:.3f}{ranks}",
+                f"{ratio['median']:.3f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join("  " + line for line in lines)
+    ratios = [r[f"{k}_ratio"][x] for r in result["rows"] for k in ("math", "flash") for x in ("min", "max")]
+    equal = all(r[f"{k}_bytes"]["min"] == r[f"{k}_bytes"]["max"] for r in result["rows"] for k in ("math", "flash"))
+    as_h = m["num_heads"] * m["seq_length"] / m["hidden_size"]
+    return f"""- Sizes: {s["world_size"]} gloo ranks (d = {s["world_size"]}/t); recipes GPT l={m["num_layers"]} h={m["hidden_size"]}
+  a={m["num_heads"]} V={m["vocab_size"]} s={m["seq_length"]}, b={s["batch"]}, dropout {m.get("dropout", 0)}, fp32; as/h = {as_h:g}.
+- Measured: the bytes autograd saves for backward while block 1 runs its forward on each rank
+  (saved-tensor hooks; each storage once; parameters and buffers excluded), after `parallelize`
+  applied TP, SP and recompute as the strategy does. A count, not a timing: one round; the median
+  is over ranks ({"every rank counted the same bytes in every row" if equal else "ranks differ where a range is shown"}).
+- Formulas: Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks, attention
+  dropout): sbh(34 + 5as/h) unparallelised. Re-derived term by term for this run (`formula_bytes`):
+  4-byte activations, 4-byte dropout masks (eager CPU dropout saves a float scale tensor of the
+  input's dtype), no attention dropout (the recipes GPT has none): sbh(72 + 4as/h) unparallelised.
+  "math" is SDPA's unfused backend (the a*s^2*b softmax is saved); "flash" (torch's CPU default)
+  saves its output and a b*a*s log-sum-exp instead, so its formula is the selective one + 4bas/t bytes.
+  t=1 with SP is not a layout (`ParallelConfig` refuses sequence_parallel without t > 1).
+
+  | t | SP | recompute | paper, 16-bit | fp32 formula, math | measured, math | ratio | fp32 formula, flash | measured, flash | ratio |
+  |---|---|---|---|---|---|---|---|---|---|
+{table}
+
+  (MiB per layer per microbatch per rank.) **Measured / re-derived formula: {min(ratios):.3f} to
+  {max(ratios):.3f} over every row and backend**; the excess is LayerNorm's saved mean and rstd (16sb
+  bytes), which the paper leaves out. Under SP the column Linears of a region save only their 1/t
+  input shard (`tensor_parallel/sequence_linear.py`) and the region gathers it again in backward, as
+  Megatron does (the extra all-gathers are in the tensor-parallel section's collective table).
+"""
+
+
+def main() -> None:
+    print(json.dumps(run(), indent=1))
 
 
 if __name__ == "__main__":

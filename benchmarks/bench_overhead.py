@@ -30,7 +30,7 @@ MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 4, 
 CONTENDERS = ("ptdp", "lightning")
 
 
-def timed_fit(name: str, steps: int, batch: int) -> tuple[float, float, list[float]]:
+def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> tuple[float, float, list[float]]:
     """Train the recipes GPT for ``steps`` steps on one CPU device; tokens per wall second and per
     CPU second of this process (all its threads) after the warm-up, and each timed step's CPU seconds."""
     from lightning_ptdp import PTDPStrategy
@@ -47,7 +47,7 @@ def timed_fit(name: str, steps: int, batch: int) -> tuple[float, float, list[flo
         train_tokens=(steps + 2) * batch * (seq + 1),
         val_tokens=2 * (seq + 1),
     )
-    timer = StepTimer()
+    timer = StepTimer(warmup)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -77,14 +77,14 @@ def _ratios(values: dict[str, list[float]]) -> dict:
     }
 
 
-def measure(*, rounds: int, steps: int, batch: int) -> dict:
+def measure(*, rounds: int, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> dict:
     wall: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     step_cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for index in range(rounds):
         order = CONTENDERS if index % 2 == 0 else CONTENDERS[::-1]  # neither always runs first
         for name in order:
-            per_wall_s, per_cpu_s, steps_cpu = timed_fit(name, steps, batch)
+            per_wall_s, per_cpu_s, steps_cpu = timed_fit(name, steps, batch, warmup)
             wall[name].append(per_wall_s)
             cpu[name].append(per_cpu_s)
             step_cpu[name].extend(steps_cpu)
@@ -96,7 +96,7 @@ def measure(*, rounds: int, steps: int, batch: int) -> dict:
         ),
         "batch": batch,
         "steps": steps,
-        "warmup_steps": WARMUP_STEPS,
+        "warmup_steps": warmup,
         "rounds": rounds,
         "kernels": "torch",
         "layout": "t=p=d=1, one CPU process",
@@ -118,18 +118,17 @@ def measure(*, rounds: int, steps: int, batch: int) -> dict:
     }
 
 
-def markdown(result: dict, command: str) -> str:
+TITLE = "strategy overhead: PTDPStrategy() at t=p=d=1 vs plain Lightning (issue 17)"
+
+
+def body(result: dict) -> str:
+    """The section's figures (run_all and ``markdown`` put the heading, hardware and command above)."""
     wall, cpu = result["ratio"], result["ratio_cpu_time"]
     rounds = "; ".join(
         f"{p:.0f} / {q:.0f}" for p, q in zip(result["tokens_per_s"]["ptdp"], result["tokens_per_s"]["lightning"])
     )
-    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
-    return f"""## {today()} — strategy overhead: PTDPStrategy() at t=p=d=1 vs plain Lightning (issue 17)
-
-- Hardware: {result["cpu"]}, CPU only, shared (load average at the end {load}); torch {result["torch"]},
-  lightning {result["lightning"]}; OMP_NUM_THREADS={result["omp_num_threads"]} (torch threads {result["torch_threads"]}).
-- Command: `{command}` ({result["model"]}, batch {result["batch"]}, kernels="torch";
-  {result["rounds"]} alternated rounds of {result["steps"]} steps, the first {result["warmup_steps"]} untimed).
+    return f"""- Sizes: {result["model"]}, batch {result["batch"]}, kernels="torch", one CPU process;
+  {result["rounds"]} alternated rounds of {result["steps"]} steps, the first {result["warmup_steps"]} untimed.
 - Tokens/s per round, ptdp / Lightning: {rounds}.
 - **Ratio ptdp / Lightning, tokens per wall second: median of the per-round ratios {wall["median"]:.3f}
   (range {wall["min"]:.3f}-{wall["max"]:.3f}), best round over best round {wall["of_best_rounds"]:.3f}; tokens per
@@ -140,7 +139,17 @@ def markdown(result: dict, command: str) -> str:
 - Per step the strategy adds, at t=p=d=1: one fused finite check of the loss and gradients
   (`on_nonfinite="raise"`, which plain Lightning does not do); no collective (the barrier + all-reduce
   of every `self.log(sync_dist=True)` and the all-gather of the finite flags are skipped for a group of one).
-  Written by `benchmarks/bench_overhead.py`.
+"""
+
+
+def markdown(result: dict, command: str) -> str:
+    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
+    return f"""## {today()} — {TITLE}
+
+- Hardware: {result["cpu"]}, CPU only, shared (load average at the end {load}); torch {result["torch"]},
+  lightning {result["lightning"]}; OMP_NUM_THREADS={result["omp_num_threads"]} (torch threads {result["torch_threads"]}).
+- Command: `{command}`.
+{body(result)}  Written by `benchmarks/bench_overhead.py`.
 """
 
 

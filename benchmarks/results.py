@@ -3,14 +3,19 @@
 Each script owns one section, fenced by HTML comments (invisible in the rendered Markdown):
 ``<!-- section:NAME -->`` ... ``<!-- /section:NAME -->``. Writing replaces the section in place,
 or appends it when the file has none yet, so a rerun updates the figures instead of adding more.
+``stats`` and ``paired_ratio`` are the one way every benchmark reports repeated rounds: median and
+spread (min..max), never one run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import re
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -42,3 +47,40 @@ def cpu_description() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores visible"
+
+
+def stats(values: Sequence[float]) -> dict:
+    """Median and spread of repeated rounds: {"values", "median", "min", "max", "n"}."""
+    values = list(values)
+    return {
+        "values": values,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
+    """Ratios of the contenders round by round (both ran in the same round, alternated), as ``stats``,
+    plus the ratio of the two medians."""
+    result = stats([a / b for a, b in zip(numerator, denominator)])
+    result["of_medians"] = statistics.median(numerator) / statistics.median(denominator)
+    return result
+
+
+def spread(s: dict, fmt: str = "{:.3f}") -> str:
+    """'median (min-max, n rounds)' of a ``stats`` dict, for the Markdown."""
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])}, n={s['n']})"
+
+
+@contextlib.contextmanager
+def pool_of(world_size: int, pool=None):
+    """``pool`` when it has ``world_size`` ranks (run_all shares one pool between benchmarks), else a new one."""
+    from lightning_ptdp.testing import DistributedPool
+
+    if pool is not None and pool.world_size == world_size and pool.alive:
+        yield pool
+    else:
+        with DistributedPool(world_size) as own:
+            yield own

@@ -1,0 +1,111 @@
+"""`python -m benchmarks.run_all --cpu --quick` runs every CPU benchmark at tiny sizes, so the one
+command that regenerates benchmarks/RESULTS.md cannot rot; it writes only into a temporary file."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.results import paired_ratio, stats, write_section
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spreads(node) -> list[dict]:
+    """Every {"median", "min", "max"} dict inside a JSON value."""
+    found = []
+    if isinstance(node, dict):
+        if {"median", "min", "max"} <= node.keys():
+            found.append(node)
+        for value in node.values():
+            found += _spreads(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _spreads(value)
+    return found
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
+    from benchmarks.run_all import SECTIONS
+
+    repository_results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n<!-- section:gpu-suite -->\nGPU figures\n<!-- /section:gpu-suite -->\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run_all",
+            "--cpu",
+            "--quick",
+            "--results",
+            str(results),
+            "--json",
+            str(tmp_path / "run_all.json"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "run_all.json").read_text())
+    assert json.loads(proc.stdout) == record
+    assert record["info"]["quick"] and record["info"]["torch"] and "cores visible" in record["info"]["cpu"]
+    assert list(record["sections"]) == list(SECTIONS)
+    text = results.read_text()
+    assert "<!-- section:gpu-suite -->\nGPU figures\n<!-- /section:gpu-suite -->" in text  # others' sections kept
+    assert "<!-- section:cpu-run -->" in text and "minutes" in text
+    for name, result in record["sections"].items():
+        spreads = _spreads(result)
+        assert spreads, name
+        assert all(s["min"] <= s["median"] <= s["max"] for s in spreads), name
+        section = text.split(f"<!-- section:{name} -->")[1].split(f"<!-- /section:{name} -->")[0]
+        assert "Hardware:" in section and "python -m benchmarks.run_all --cpu --quick" in section, name
+        assert "Written by `benchmarks/run_all.py`" in section, name
+    # contenders alternated over repeated rounds
+    assert record["sections"]["dp"]["tokens_per_s"]["ptdp"]["n"] == 2
+    assert record["sections"]["tp"]["ratio_ptdp_over_model_parallel_strategy"]["n"] == 2
+    assert all(row["interleaved_cut_of_1f1b_bubble"]["n"] == 2 for row in record["sections"]["pipeline"]["rows"])
+    # the collective count agrees with Megatron's, backward re-gather of the SP input shards included
+    assert all(c["agrees"] for c in record["sections"]["tp"]["collectives_per_layer_and_microbatch"].values())
+    # memory measured from the allocator: positive, at least the model state's formula, peak above rest
+    for row in record["sections"]["memory"]["rows"]:
+        assert row["allocator_at_rest_over_fsdp_formula"]["min"] >= 0.99, row
+        assert row["allocator_peak_in_step"]["median"] > row["allocator_at_rest"]["median"], row
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == repository_results  # never the repository's file
+
+
+def test_stats_and_paired_ratio():
+    assert stats([3.0, 1.0, 2.0]) == {"values": [3.0, 1.0, 2.0], "median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    ratio = paired_ratio([2.0, 4.0], [1.0, 4.0])
+    assert ratio["median"] == 1.5 and ratio["min"] == 1.0 and ratio["max"] == 2.0 and ratio["of_medians"] == 1.2
+
+
+def test_write_section_replaces_its_own_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "R.md"
+    write_section("a", "## A\nold", path=path)
+    write_section("gpu-suite", "## GPU\nkept", path=path)
+    write_section("a", "## A\nnew", path=path)
+    text = path.read_text()
+    assert "new" in text and "old" not in text and "## GPU\nkept" in text
+    assert text.index("## A") < text.index("## GPU")
+
+
+def test_quick_without_results_writes_nothing(monkeypatch):
+    from benchmarks import run_all
+
+    written = []
+    monkeypatch.setattr(run_all, "write_section", lambda *a, **k: written.append(a))
+    monkeypatch.setattr(
+        run_all, "run_section", lambda name, quick, pools: {"elapsed_s": 0.0, "load_average_after": (0, 0, 0)}
+    )
+    assert run_all.main(["--cpu", "--quick", "--only", "overhead"]) == 0
+    assert written == []
