@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
+from lightning_ptdp.pipeline.grad_buckets import LastBackwardBuckets
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.pipeline.step_results import apply_metric_states, metric_states, reduce_logs, to_device
@@ -227,30 +228,36 @@ class PipelineEngine:
 
             def timed(mb: int, *args: Any, _run: Callable = run, _kind: str = kind, **kwargs: Any) -> Any:
                 start = time.perf_counter()
-                out = _run(mb, *args, **kwargs)
                 kind = "I" if _kind == "B" and kwargs.get("full_backward", True) is False else _kind
+                armed = self._arm_last_backward(stage.stage_index) if kind in ("B", "W") else None
+                out = _run(mb, *args, **kwargs)
                 self._spans.append(Span(kind, stage.stage_index, mb, start, time.perf_counter()))
-                if kind in ("B", "W"):  # a gradient-producing backward of this chunk finished
-                    self._backward_done(stage.stage_index)
+                if armed is not None:  # the chunk's gradients are final: send what the hooks have not
+                    armed.close()
                 return out
 
             setattr(stage, attr, timed)
 
-    def _backward_done(self, chunk: int) -> None:
-        """After a chunk's last backward of the step: its gradients are final, start their dp mean
+    def _arm_last_backward(self, chunk: int) -> Optional[LastBackwardBuckets]:
+        """Before a gradient-producing backward of ``chunk``: when it is the chunk's last of the step,
+        its final gradients go to the dp mean bucket by bucket as backward accumulates them
         (parameters another local chunk still uses wait for that chunk)."""
         run = self._run
         self._backwards_done[chunk] = done = self._backwards_done.get(chunk, 0) + 1
         if self.grad_sync is None or run is None or not run.training or done != len(run.microbatches):
-            return
-        finished = {c for c, n in self._backwards_done.items() if n == len(run.microbatches)}
-        still_used = {id(p) for c in self.split.local_chunks if c not in finished for p in self.split.params_of_chunk(c)}
+            return None
+        pending = {c for c in self.split.local_chunks if self._backwards_done.get(c, 0) < len(run.microbatches)}
+        still_used = {id(p) for c in pending for p in self.split.params_of_chunk(c)}
         params = [
-            p for p in self.split.params_of_chunk(chunk)
+            p
+            for p in self.split.params_of_chunk(chunk)
             if p.requires_grad and id(p) not in self._synced and id(p) not in still_used
         ]
         self._synced.update(id(p) for p in params)
-        pending = self.grad_sync.ready(params)
+        return LastBackwardBuckets(params, lambda bucket: self._launch(chunk, bucket))
+
+    def _launch(self, chunk: int, bucket: list[nn.Parameter]) -> None:
+        pending = self.grad_sync.ready(bucket)
         if pending is not None:
             self._buckets.append((chunk, pending))
 
