@@ -24,7 +24,13 @@ class _MetaScalarsAsZero(TorchFunctionMode):
     """A value read out of a meta tensor (``.item()``, ``bool(mask.any())``: transformers checks
     for packed sequences so) is 0: the probe needs shapes only, and such checks guard rare paths."""
 
-    _READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__}
+    _READS = {
+        torch.Tensor.item,
+        torch.Tensor.__bool__,
+        torch.Tensor.tolist,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+    }
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func in self._READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:

@@ -74,9 +74,7 @@ class DistributedPool:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main, args=(rank, world_size, port, child, threads_per_rank), daemon=True
-            )
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, threads_per_rank), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

@@ -61,9 +61,13 @@ class GPTConfig:
                 "choose a hidden size that is a multiple of the head count"
             )
         if self.ffn_hidden_size is not None and (
-            isinstance(self.ffn_hidden_size, bool) or not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
+            isinstance(self.ffn_hidden_size, bool)
+            or not isinstance(self.ffn_hidden_size, int)
+            or self.ffn_hidden_size < 1
         ):
-            raise ValueError(f"GPTConfig.ffn_hidden_size={self.ffn_hidden_size!r} must be a positive integer or None (4 * hidden_size)")
+            raise ValueError(
+                f"GPTConfig.ffn_hidden_size={self.ffn_hidden_size!r} must be a positive integer or None (4 * hidden_size)"
+            )
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if not 0.0 <= self.dropout < 1.0:
@@ -72,7 +76,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.position_embedding={self.position_embedding!r}: use 'learned' or 'rotary'")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r} must be True or False")
-        _check_range("GPTConfig.init_std", self.init_std, low=0.0, low_open=True, fix="a small positive value such as 0.02")
+        _check_range(
+            "GPTConfig.init_std", self.init_std, low=0.0, low_open=True, fix="a small positive value such as 0.02"
+        )
         if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
             raise ValueError(f"GPTConfig.init_seed={self.init_seed!r} must be an integer or None (torch's seed)")
         if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
@@ -103,13 +109,25 @@ class OptimConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
                 least = 0 if name == "warmup_steps" else 1
                 raise ValueError(f"OptimConfig.{name}={value!r} must be an integer >= {least}")
-        _check_range("OptimConfig.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0, high_open=False,
-                     fix="the final LR as a fraction of lr, e.g. 0.1")
+        _check_range(
+            "OptimConfig.min_lr_ratio",
+            self.min_lr_ratio,
+            low=0.0,
+            high=1.0,
+            high_open=False,
+            fix="the final LR as a fraction of lr, e.g. 0.1",
+        )
 
 
 def _check_range(
-    name: str, value: object, *, low: float, high: float = float("inf"), low_open: bool = False,
-    high_open: bool = True, fix: str,
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float = float("inf"),
+    low_open: bool = False,
+    high_open: bool = True,
+    fix: str,
 ) -> None:
     """Raise unless ``value`` is a real number in the interval (bounds open or closed as given)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -260,7 +278,9 @@ def cosine_with_warmup(step: int, *, warmup_steps: int, max_steps: int, min_lr_r
 class GPTLightningModule(L.LightningModule):
     """Next-token prediction on batches of (input ids, target ids), each (B, T)."""
 
-    def __init__(self, model: GPTConfig | None = None, optim: OptimConfig | None = None, *, deferred_init: bool = False) -> None:
+    def __init__(
+        self, model: GPTConfig | None = None, optim: OptimConfig | None = None, *, deferred_init: bool = False
+    ) -> None:
         """``deferred_init``: build the GPT in ``configure_model``, where a strategy may place it on the
         meta device (ptdp then materialises only each rank's shards: models too big for one rank)."""
         super().__init__()

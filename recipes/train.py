@@ -84,7 +84,9 @@ def build_module(cfg: DictConfig):
     model = GPTConfig(**checked_kwargs(GPTConfig, cfg.model, "model"))
     # above ~1e8 parameters build in configure_model: under ptdp on the meta device, then each
     # rank materialises only its shards (no rank ever holds the whole model)
-    deferred = 12 * model.num_layers * model.hidden_size**2 + model.vocab_size * model.hidden_size > DEFERRED_INIT_PARAMS
+    deferred = (
+        12 * model.num_layers * model.hidden_size**2 + model.vocab_size * model.hidden_size > DEFERRED_INIT_PARAMS
+    )
     return GPTLightningModule(model, OptimConfig(**optim), deferred_init=deferred)
 
 

@@ -33,7 +33,9 @@ class LossRecorder(L.Callback):
 
             self.first_grads = {name: g.detach().cpu().clone() for name, g in full_gradients(pl_module).items()}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"].detach()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
@@ -41,8 +43,12 @@ class LossRecorder(L.Callback):
 def zoo_data(batch_size: int, train_tokens: int, val_tokens: int) -> MarkovDataModule:
     """The embedded corpus at the zoo models' vocabulary and context, in order (no shuffle)."""
     return MarkovDataModule(
-        vocab_size=VOCAB, seq_length=SEQ, batch_size=batch_size, shuffle=False,
-        train_tokens=train_tokens, val_tokens=val_tokens,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        batch_size=batch_size,
+        shuffle=False,
+        train_tokens=train_tokens,
+        val_tokens=val_tokens,
     )
 
 
@@ -67,8 +73,13 @@ def use_distributed_order(datamodule: MarkovDataModule, seed: int) -> None:
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     return L.Trainer(**{**defaults, **kwargs})
 
@@ -114,7 +125,10 @@ def fit_and_record(
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {
-        "losses": recorder.losses, "first_grads": recorder.first_grads, "initial": initial, "state": state,
+        "losses": recorder.losses,
+        "first_grads": recorder.first_grads,
+        "initial": initial,
+        "state": state,
         "local_numel": local_numel,
     }
 
@@ -152,7 +166,9 @@ def without_key_third(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor[:third], tensor[2 * third :]])
 
 
-def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_rel: float, update_rel: float, skip: tuple = ()) -> None:
+def assert_matches_reference(
+    result: dict, ref: dict, *, loss_rtol: float, grad_rel: float, update_rel: float, skip: tuple = ()
+) -> None:
     """Per-step losses element-wise; first-step gradients relative to the gradient's norm; final
     weights relative to how far training moved them (||w - w_ref|| / ||w_ref - w_init||), without
     the elements a round-off gradient drives (``round_off_driven``; only they, not the tensor)."""
@@ -167,7 +183,10 @@ def assert_matches_reference(result: dict, ref: dict, *, loss_rtol: float, grad_
             assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e} > {grad_rel:.0e}"
     for name, expected in ref["state"].items():
         if not name.endswith(skip):
-            actual, initial = without_key_third(name, result["state"][name]), without_key_third(name, ref["initial"][name])
+            actual, initial = (
+                without_key_third(name, result["state"][name]),
+                without_key_third(name, ref["initial"][name]),
+            )
             expected = without_key_third(name, expected)
             grad = ref["first_grads"].get(name)
             grad = None if grad is None else without_key_third(name, grad)
@@ -190,8 +209,12 @@ def assert_ranks_match_reference(
     for result in results:
         state = result["state"] or ref["state"]  # ranks without the full state compare losses and gradients
         assert_matches_reference(
-            {**result, "first_grads": None, "state": state}, ref,
-            loss_rtol=loss_rtol, grad_rel=grad_rel, update_rel=update_rel, skip=skip,
+            {**result, "first_grads": None, "state": state},
+            ref,
+            loss_rtol=loss_rtol,
+            grad_rel=grad_rel,
+            update_rel=update_rel,
+            skip=skip,
         )
         assert state.keys() == ref["state"].keys()
         for name, grad in result["first_grads"].items():

@@ -34,14 +34,27 @@ def build_hf_model(family: str, vocab_size: int = 64, seq_length: int = 32) -> C
 
     if family == "hfplan_gpt2":
         config = transformers.GPT2Config(
-            vocab_size=vocab_size, n_positions=seq_length, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+            vocab_size=vocab_size,
+            n_positions=seq_length,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
         )
         return HFCausalLM(transformers.GPT2LMHeadModel(config))
     if family in ("hfplan_llama_tied", "hfplan_llama_tied_labels"):
         config = transformers.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=seq_length, tie_word_embeddings=True,
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq_length,
+            tie_word_embeddings=True,
             attn_implementation="sdpa",
         )
         return HFCausalLM(transformers.LlamaForCausalLM(config), loss="labels" if family.endswith("labels") else "own")

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.real_models import REAL_FAMILIES
 from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig, apply_rotary, rotary_tables
+from tests.real_models import REAL_FAMILIES
 
 
 @dataclass(kw_only=True)
@@ -179,7 +179,12 @@ class FlatLlama(CausalLM):
         L.LightningModule.__init__(self)
         self.lr = lr
         llama = Llama(cfg)  # the same parameters, held directly
-        self.tok_embeddings, self.layers, self.norm, self.output = llama.tok_embeddings, llama.layers, llama.norm, llama.output
+        self.tok_embeddings, self.layers, self.norm, self.output = (
+            llama.tok_embeddings,
+            llama.layers,
+            llama.norm,
+            llama.output,
+        )
         self.register_buffer("cos", llama.cos, persistent=False)
         self.register_buffer("sin", llama.sin, persistent=False)
 

@@ -38,32 +38,62 @@ def _hf(config_cls: str, model_cls: str, attention: str = "sdpa", **kwargs) -> n
 
 def hf_llama(tied: bool = False) -> nn.Module:
     return _hf(
-        "LlamaConfig", "LlamaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=SEQ, tie_word_embeddings=tied,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
     )
 
 
 def hf_mistral() -> nn.Module:
     return _hf(
-        "MistralConfig", "MistralForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=SEQ, sliding_window=None,
+        "MistralConfig",
+        "MistralForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ,
+        sliding_window=None,
     )
 
 
 def hf_gpt2() -> nn.Module:
     return _hf(
-        "GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
 
 
 def hf_neox() -> nn.Module:
     return _hf(
-        "GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=SEQ, rotary_pct=0.5,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=SEQ,
+        rotary_pct=0.5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
 
 
@@ -76,15 +106,25 @@ def _litgpt(**kwargs) -> nn.Module:
 
 def litgpt_llama() -> nn.Module:
     return _litgpt(
-        n_query_groups=KV_HEADS, intermediate_size=FFN, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
-        bias=False, rotary_percentage=1.0, parallel_residual=False,
+        n_query_groups=KV_HEADS,
+        intermediate_size=FFN,
+        mlp_class_name="LLaMAMLP",
+        norm_class_name="RMSNorm",
+        bias=False,
+        rotary_percentage=1.0,
+        parallel_residual=False,
     )
 
 
 def litgpt_pythia() -> nn.Module:
     return _litgpt(
-        n_query_groups=HEADS, intermediate_size=4 * HIDDEN, mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm",
-        bias=True, rotary_percentage=0.25, parallel_residual=True,
+        n_query_groups=HEADS,
+        intermediate_size=4 * HIDDEN,
+        mlp_class_name="GptNeoxMLP",
+        norm_class_name="LayerNorm",
+        bias=True,
+        rotary_percentage=0.25,
+        parallel_residual=True,
     )
 
 
@@ -106,12 +146,21 @@ def titan_llama3() -> nn.Module:
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     layers = _build_llama3_layers(
-        n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
-        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="flex",
+        n_layers=LAYERS,
+        dim=HIDDEN,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        hidden_dim=FFN,
+        fuse_qkv=True,
+        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=SEQ, theta=10000.0),
+        attn_backend="flex",
     )
     config = Llama3Model.Config(
-        dim=HIDDEN, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
-        norm=RMSNorm.Config(normalized_shape=HIDDEN), lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
+        dim=HIDDEN,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
+        norm=RMSNorm.Config(normalized_shape=HIDDEN),
+        lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
         layers=layers,
     )
     model = config.build()
@@ -157,32 +206,58 @@ MORE_HF = {
     "hf_stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=KV_HEADS)),
     "hf_olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=KV_HEADS)),
     # eager attention written out (matmul, softmax, matmul), softcapping, alternating sliding windows
-    "hf_gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, attention="eager")),
+    "hf_gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, attention="eager"),
+    ),
     # eager attention returning its weights from the block, parallel attention and MLP
-    "hf_gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=SEQ, attention="eager")),
+    "hf_gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=SEQ, attention="eager"),
+    ),
 }
 
 
 def more_hf(family: str) -> nn.Module:
     config_cls, model_cls, extra = MORE_HF[family]
     return _hf(
-        config_cls, model_cls, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, max_position_embeddings=SEQ, **extra,
+        config_cls,
+        model_cls,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=SEQ,
+        **extra,
     )
 
 
 FAMILY_NAMES = {
-    "hf_llama": "transformers LlamaForCausalLM", "hf_llama_tied": "transformers Llama, tied embeddings",
-    "hf_mistral": "transformers MistralForCausalLM", "hf_gpt2": "transformers GPT2LMHeadModel (Conv1D)",
-    "hf_neox": "transformers GPTNeoXForCausalLM", "litgpt_llama": "litgpt GPT, Llama-style GQA",
-    "litgpt_pythia": "litgpt GPT, Pythia-style", "titan_llama3": "torchtitan llama3 (fused per-group wqkv)",
-    "gpt": "this repository's recipe GPT", "nanogpt": "a nanoGPT-style model (fused c_attn, tied head)",
+    "hf_llama": "transformers LlamaForCausalLM",
+    "hf_llama_tied": "transformers Llama, tied embeddings",
+    "hf_mistral": "transformers MistralForCausalLM",
+    "hf_gpt2": "transformers GPT2LMHeadModel (Conv1D)",
+    "hf_neox": "transformers GPTNeoXForCausalLM",
+    "litgpt_llama": "litgpt GPT, Llama-style GQA",
+    "litgpt_pythia": "litgpt GPT, Pythia-style",
+    "titan_llama3": "torchtitan llama3 (fused per-group wqkv)",
+    "gpt": "this repository's recipe GPT",
+    "nanogpt": "a nanoGPT-style model (fused c_attn, tied head)",
     "llama": "a Llama-style model (GQA, RMSNorm, SwiGLU)",
 }
 
 REAL_FAMILIES = {
-    "hf_llama": hf_llama, "hf_llama_tied": lambda: hf_llama(tied=True), "hf_mistral": hf_mistral,
-    "hf_gpt2": hf_gpt2, "hf_neox": hf_neox, "litgpt_llama": litgpt_llama, "litgpt_pythia": litgpt_pythia,
-    "titan_llama3": titan_llama3, "hf_llama_from": hf_llama_from,
+    "hf_llama": hf_llama,
+    "hf_llama_tied": lambda: hf_llama(tied=True),
+    "hf_mistral": hf_mistral,
+    "hf_gpt2": hf_gpt2,
+    "hf_neox": hf_neox,
+    "litgpt_llama": litgpt_llama,
+    "litgpt_pythia": litgpt_pythia,
+    "titan_llama3": titan_llama3,
+    "hf_llama_from": hf_llama_from,
     **{family: functools.partial(more_hf, family) for family in MORE_HF},
 }

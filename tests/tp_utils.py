@@ -37,13 +37,17 @@ def reference_step(family: str, overrides: dict | None = None, inputs: torch.Ten
 
 
 def tp_step(
-    family: str, sequence_parallel: bool, overrides: dict | None = None, count: bool = False, kernels: str = "torch",
+    family: str,
+    sequence_parallel: bool,
+    overrides: dict | None = None,
+    count: bool = False,
+    kernels: str = "torch",
     inputs: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
     from lightning_ptdp.parallel.grads import sum_partial_gradients
+    from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict
 
     net = _net(family, overrides or {})
@@ -68,8 +72,15 @@ def tp_step(
     sum_partial_gradients(net, report.partial_grad_params, tp)
     local_shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     return {
-        "loss": loss.item(), "grads": full_gradients(net), "state": state, "local_shapes": local_shapes,
-        "report": report.summary(), "kernel_report": [*kernel_report.attention, *kernel_report.bias_gelu], "kernel_calls": kernel_calls, "logits_local_vocab": logits.shape[-1], "attention_heads": heads.seen,
+        "loss": loss.item(),
+        "grads": full_gradients(net),
+        "state": state,
+        "local_shapes": local_shapes,
+        "report": report.summary(),
+        "kernel_report": [*kernel_report.attention, *kernel_report.bias_gelu],
+        "kernel_calls": kernel_calls,
+        "logits_local_vocab": logits.shape[-1],
+        "attention_heads": heads.seen,
         "forward_counts": forward_counts,
         "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
     }

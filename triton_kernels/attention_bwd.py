@@ -20,26 +20,65 @@ from .tuning import autotuned
 
 
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
-                    num_heads, q_len, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attn_bwd_delta(
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_db,
+    stride_dh,
+    stride_dm,
+    num_heads,
+    q_len,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch_head = tl.program_id(1)
     batch, head, _ = _head_indices(batch_head, num_heads, 1)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    o = tl.load(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + batch * stride_db + head * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(
+        O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + batch * stride_db + head * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + batch_head.to(tl.int64) * q_len + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                  offs_n, offs_d, start, stop, q_len, kv_len, qk_scale,
-                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dkdv_q_sweep(
+    dk,
+    dv,
+    kt,
+    vt,
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    stride_qm,
+    stride_dm,
+    offs_n,
+    offs_d,
+    start,
+    stop,
+    q_len,
+    kv_len,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Adds the contributions of query blocks [start, stop) to one key block's dK and dV."""
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -69,12 +108,41 @@ def _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, 
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
-                   num_heads, group_size, q_len, kv_len, qk_scale, scale, seq_bucket,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_db,
+    stride_dh,
+    stride_dm,
+    num_heads,
+    group_size,
+    q_len,
+    kv_len,
+    qk_scale,
+    scale,
+    seq_bucket,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     start_n = tl.program_id(0) * BLOCK_N
     batch_kv_head = tl.program_id(1)
     num_kv_heads = num_heads // group_size
@@ -110,15 +178,78 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         do_ptr = DO + batch * stride_db + head * stride_dh
         lse_ptr = LSE + row_offset
         delta_ptr = DELTA + row_offset
-        dk, dv = _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                               offs_n, offs_d, start, first_full, q_len, kv_len, qk_scale,
-                               BLOCK_M, True, CAUSAL, PRECISION, UPCAST)
-        dk, dv = _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                               offs_n, offs_d, first_full, last_full, q_len, kv_len, qk_scale,
-                               BLOCK_M, False, CAUSAL, PRECISION, UPCAST)
-        dk, dv = _dkdv_q_sweep(dk, dv, kt, vt, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                               offs_n, offs_d, last_full, q_len, q_len, kv_len, qk_scale,
-                               BLOCK_M, True, CAUSAL, PRECISION, UPCAST)
+        dk, dv = _dkdv_q_sweep(
+            dk,
+            dv,
+            kt,
+            vt,
+            q_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            stride_qm,
+            stride_dm,
+            offs_n,
+            offs_d,
+            start,
+            first_full,
+            q_len,
+            kv_len,
+            qk_scale,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            PRECISION,
+            UPCAST,
+        )
+        dk, dv = _dkdv_q_sweep(
+            dk,
+            dv,
+            kt,
+            vt,
+            q_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            stride_qm,
+            stride_dm,
+            offs_n,
+            offs_d,
+            first_full,
+            last_full,
+            q_len,
+            kv_len,
+            qk_scale,
+            BLOCK_M,
+            False,
+            CAUSAL,
+            PRECISION,
+            UPCAST,
+        )
+        dk, dv = _dkdv_q_sweep(
+            dk,
+            dv,
+            kt,
+            vt,
+            q_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            stride_qm,
+            stride_dm,
+            offs_n,
+            offs_d,
+            last_full,
+            q_len,
+            q_len,
+            kv_len,
+            qk_scale,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            PRECISION,
+            UPCAST,
+        )
 
     # DK and DV are contiguous (batch, kv_heads, kv_len, HEAD_DIM).
     dkv_offs = batch_kv_head.to(tl.int64) * kv_len * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -127,10 +258,28 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _dq_kv_sweep(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, offs_m, offs_d,
-                 start, stop, kv_len, qk_scale,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dq_kv_sweep(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_ptr,
+    v_ptr,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    start,
+    stop,
+    kv_len,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Adds the contributions of key blocks [start, stop) to one query block's dQ."""
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -155,12 +304,40 @@ def _dq_kv_sweep(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, offs
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
-                 num_heads, group_size, q_len, kv_len, qk_scale, scale, seq_bucket,
-                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_db,
+    stride_dh,
+    stride_dm,
+    num_heads,
+    group_size,
+    q_len,
+    kv_len,
+    qk_scale,
+    scale,
+    seq_bucket,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch, head, kv_head = _head_indices(batch_head, num_heads, group_size)
@@ -179,18 +356,64 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, end = _kv_bounds(start_m, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_kv_sweep(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, offs_m, offs_d,
-                      0, full_end, kv_len, qk_scale, BLOCK_N, False, CAUSAL, PRECISION, UPCAST)
-    dq = _dq_kv_sweep(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, offs_m, offs_d,
-                      full_end, end, kv_len, qk_scale, BLOCK_N, True, CAUSAL, PRECISION, UPCAST)
+    dq = _dq_kv_sweep(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        kv_len,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        PRECISION,
+        UPCAST,
+    )
+    dq = _dq_kv_sweep(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        full_end,
+        end,
+        kv_len,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        PRECISION,
+        UPCAST,
+    )
     # DQ is contiguous (batch, heads, q_len, HEAD_DIM).
     dq_offs = row_offset * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + dq_offs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def attention_backward(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of flash attention, each contiguous and in its input's dtype."""
     check_interpreted(_attn_bwd_dq)
@@ -206,15 +429,27 @@ def attention_backward(
     delta = torch.empty_like(lse)
     tiles = attention_tiles(head_dim, "bwd", q.dtype)  # delta: a row-wise pass, not tuned
     _attn_bwd_delta[(triton.cdiv(q_len, tiles.block_m), batch * heads)](
-        out, do, delta, *out.stride()[:3], *do.stride()[:3], heads, q_len,
-        BLOCK_M=tiles.block_m, HEAD_DIM=head_dim, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        out,
+        do,
+        delta,
+        *out.stride()[:3],
+        *do.stride()[:3],
+        heads,
+        q_len,
+        BLOCK_M=tiles.block_m,
+        HEAD_DIM=head_dim,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     shape_args = (heads, heads // kv_heads, q_len, kv_len, scale * LOG2E, scale, seq_bucket(max(q_len, kv_len)))
     meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype))
     _attn_bwd_dkdv_tuned[lambda m: (triton.cdiv(kv_len, m["BLOCK_N"]), batch * kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *shape_args, **meta)
+        q, k, v, do, lse, delta, dk, dv, *strides, *shape_args, **meta
+    )
     _attn_bwd_dq_tuned[lambda m: (triton.cdiv(q_len, m["BLOCK_M"]), batch * heads)](
-        q, k, v, do, lse, delta, dq, *strides, *shape_args, **meta)
+        q, k, v, do, lse, delta, dq, *strides, *shape_args, **meta
+    )
     return dq, dk, dv
 
 

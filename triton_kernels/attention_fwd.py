@@ -30,10 +30,27 @@ def _mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kv_sweep(acc, row_max, row_sum, q, k_ptr, v_ptr, stride_kn, stride_vn,
-                  offs_m, offs_d, start, stop, kv_len, qk_scale,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd_kv_sweep(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    k_ptr,
+    v_ptr,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    start,
+    stop,
+    kv_len,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Folds key/value blocks [start, stop) into the running (acc, row_max, row_sum).
 
     MASKED=False is the fast path for blocks every query row may fully see; the masked
@@ -86,12 +103,37 @@ def _kv_bounds(start_m, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CA
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
-              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-              num_heads, group_size, q_len, kv_len, qk_scale, seq_bucket,
-              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    group_size,
+    q_len,
+    kv_len,
+    qk_scale,
+    seq_bucket,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # seq_bucket is unused here: it is the autotuning key (tuning.py)
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
@@ -110,11 +152,47 @@ def _attn_fwd(Q, K, V, O, LSE,
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     full_end, end = _kv_bounds(start_m, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_max, row_sum = _fwd_kv_sweep(
-        acc, row_max, row_sum, q, k_ptr, v_ptr, stride_kn, stride_vn, offs_m, offs_d,
-        0, full_end, kv_len, qk_scale, BLOCK_N, False, CAUSAL, PRECISION, UPCAST)
+        acc,
+        row_max,
+        row_sum,
+        q,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        kv_len,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        PRECISION,
+        UPCAST,
+    )
     acc, row_max, row_sum = _fwd_kv_sweep(
-        acc, row_max, row_sum, q, k_ptr, v_ptr, stride_kn, stride_vn, offs_m, offs_d,
-        full_end, end, kv_len, qk_scale, BLOCK_N, True, CAUSAL, PRECISION, UPCAST)
+        acc,
+        row_max,
+        row_sum,
+        q,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        full_end,
+        end,
+        kv_len,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        PRECISION,
+        UPCAST,
+    )
 
     out = acc / row_sum[:, None]
     o_ptrs = O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
@@ -134,10 +212,25 @@ def attention_forward(
     if q_len == 0:
         return out, lse
     _attn_fwd_tuned[lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * heads)](
-        q, k, v, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        heads, heads // k.shape[1], q_len, k.shape[2], scale * LOG2E, seq_bucket(max(q_len, k.shape[2])),
-        CAUSAL=causal, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        heads,
+        heads // k.shape[1],
+        q_len,
+        k.shape[2],
+        scale * LOG2E,
+        seq_bucket(max(q_len, k.shape[2])),
+        CAUSAL=causal,
+        HEAD_DIM=head_dim,
+        PRECISION=dot_precision(q.dtype),
+        UPCAST=upcast_dots(q.dtype),
     )
     return out, lse
 

@@ -55,4 +55,3 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     if bias.stride(0) != 1:
         bias = bias.contiguous()
     return BiasGeluFunction.apply(x, bias, approximate == "tanh")
-

@@ -50,8 +50,9 @@ def _gelu_grad(h, TANH: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_fwd(X, B, Y, n_rows, n_cols, stride_x, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr):
+def _bias_gelu_fwd(
+    X, B, Y, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
@@ -64,9 +65,22 @@ def _bias_gelu_fwd(X, B, Y, n_rows, n_cols, stride_x, stride_y,
 
 
 @triton.jit
-def _bias_gelu_bwd(X, B, DY, DX, DBIAS_PARTIAL, n_rows, n_cols, rows_per_program,
-                   stride_x, stride_dy, stride_dx,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr):
+def _bias_gelu_bwd(
+    X,
+    B,
+    DY,
+    DX,
+    DBIAS_PARTIAL,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    stride_x,
+    stride_dy,
+    stride_dx,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TANH: tl.constexpr,
+):
     """One program: BLOCK_N columns of rows_per_program rows; writes dx and a partial dbias row."""
     part = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,9 +115,19 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.
     if x2.numel():
         tiles = elementwise_tiles(n_cols)
         grid = (triton.cdiv(x2.shape[0], tiles.block_m), triton.cdiv(n_cols, tiles.block_n))
-        _bias_gelu_fwd[grid](x2, bias, y, x2.shape[0], n_cols, x2.stride(0), y.stride(0),
-                             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, TANH=tanh,
-                             num_warps=tiles.num_warps)
+        _bias_gelu_fwd[grid](
+            x2,
+            bias,
+            y,
+            x2.shape[0],
+            n_cols,
+            x2.stride(0),
+            y.stride(0),
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            TANH=tanh,
+            num_warps=tiles.num_warps,
+        )
     return y.view(x.shape)
 
 
@@ -124,7 +148,20 @@ def bias_gelu_backward(
     parts = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((parts, n_cols), dtype=torch.float32, device=x.device)
     _bias_gelu_bwd[(parts, triton.cdiv(n_cols, tiles.block_n))](
-        x2, bias, dy2, dx, partial, n_rows, n_cols, rows_per_program,
-        x2.stride(0), dy2.stride(0), dx.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, TANH=tanh, num_warps=tiles.num_warps)
+        x2,
+        bias,
+        dy2,
+        dx,
+        partial,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        x2.stride(0),
+        dy2.stride(0),
+        dx.stride(0),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        TANH=tanh,
+        num_warps=tiles.num_warps,
+    )
     return dx.view(x.shape), partial.sum(0).to(bias.dtype)

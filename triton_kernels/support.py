@@ -27,9 +27,8 @@ def device_reason(device: torch.device, *, allow_interpreter: bool = True) -> st
         return None
     if device.type == "cpu" and allow_interpreter and interpreting():
         return None
-    return (
-        f"tensors are on {device.type!r}; the Triton kernels need a CUDA device"
-        + (" or TRITON_INTERPRET=1 with CPU tensors" if allow_interpreter else "")
+    return f"tensors are on {device.type!r}; the Triton kernels need a CUDA device" + (
+        " or TRITON_INTERPRET=1 with CPU tensors" if allow_interpreter else ""
     )
 
 

@@ -6,4 +6,12 @@ from lightning_ptdp.callbacks.straggler import StragglerDetector, StragglerWarni
 from lightning_ptdp.callbacks.throughput import PTDPThroughput
 from lightning_ptdp.callbacks.timeline import PipelineTimeline
 
-__all__ = ["PTDPThroughput", "PipelineTimeline", "ReplicaConsistency", "ReplicaDivergence", "StragglerDetector", "StragglerWarning", "find_stragglers"]
+__all__ = [
+    "PTDPThroughput",
+    "PipelineTimeline",
+    "ReplicaConsistency",
+    "ReplicaDivergence",
+    "StragglerDetector",
+    "StragglerWarning",
+    "find_stragglers",
+]

@@ -57,7 +57,9 @@ class ReplicaConsistency(pl.Callback):
         self.checks = 0
         self._last_step = -1
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == 0 or step % self.every_n_steps or step == self._last_step or not dist.is_initialized():
             return  # (accumulated batches share a step: check it once)
@@ -99,7 +101,11 @@ class ReplicaConsistency(pl.Callback):
 
     @staticmethod
     def _compare(
-        names: list[str], tensors: list[torch.Tensor], group: Any, device: torch.device, held: Optional[list[bool]] = None
+        names: list[str],
+        tensors: list[torch.Tensor],
+        group: Any,
+        device: torch.device,
+        held: Optional[list[bool]] = None,
     ) -> Optional[str]:
         size = dist.get_world_size(group)
         if size == 1 or not names:

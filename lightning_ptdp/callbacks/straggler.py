@@ -93,8 +93,10 @@ class StragglerDetector(pl.Callback):
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"StragglerDetector(every_n_steps={every_n_steps!r}) must be a positive integer")
         if isinstance(slowdown_factor, bool) or not isinstance(slowdown_factor, (int, float)) or slowdown_factor <= 1:
-            raise ValueError(f"StragglerDetector(slowdown_factor={slowdown_factor!r}) must be a number > 1, "
-                             "e.g. 1.5 to flag a rank 50% slower than the others")
+            raise ValueError(
+                f"StragglerDetector(slowdown_factor={slowdown_factor!r}) must be a number > 1, "
+                "e.g. 1.5 to flag a rank 50% slower than the others"
+            )
         self.every_n_steps, self.slowdown_factor = every_n_steps, float(slowdown_factor)
         self.last_seconds_per_step: list[float] = []
         self.last_stragglers: list[Straggler] = []
@@ -152,16 +154,18 @@ class StragglerDetector(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._open = self._watch.mark()  # validation itself is not a training step
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._close()  # the batch has arrived
         self._in_step = True
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._open = self._watch.mark()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._close()
         self._in_step = False
         self._steps += 1
@@ -185,7 +189,9 @@ class StragglerDetector(pl.Callback):
     def _message(self, straggler: Straggler) -> str:
         host = self.hostnames[straggler.rank] if straggler.rank < len(self.hostnames) else "?"
         table = ", ".join(f"{rank}: {seconds:.4f}" for rank, seconds in enumerate(self.last_seconds_per_step))
-        return (f"straggler: rank {straggler.rank} (host {host}) spent {straggler.seconds_per_step:.4f} s per step "
-                f"on its own work (batch fetch, forward, optimizer) over the last {self._steps} steps, "
-                f"{straggler.slowdown:.1f}x the median of the other ranks ({straggler.others_median:.4f} s); "
-                f"seconds per step by rank: {table}")
+        return (
+            f"straggler: rank {straggler.rank} (host {host}) spent {straggler.seconds_per_step:.4f} s per step "
+            f"on its own work (batch fetch, forward, optimizer) over the last {self._steps} steps, "
+            f"{straggler.slowdown:.1f}x the median of the other ranks ({straggler.others_median:.4f} s); "
+            f"seconds per step by rank: {table}"
+        )

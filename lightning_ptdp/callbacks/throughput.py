@@ -13,7 +13,7 @@ from lightning_ptdp.tools.flops import device_peak_flops, gpt_flops_per_iteratio
 
 _FORMULAS = {
     True: "F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) (Narayanan et al. 2021 Eq. 3: the recomputed "
-          "forward is counted, as the paper does)",
+    "forward is counted, as the paper does)",
     False: "F = 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (model FLOPs: forward + backward, no recompute)",
 }
 
@@ -31,7 +31,8 @@ def batch_shape(batch: Any) -> tuple[int, int]:
             continue
     raise ValueError(
         f"PTDPThroughput found no (batch, sequence) tensor in a batch of type {type(batch).__name__}; "
-        "pass PTDPThroughput(batch_shape_fn=lambda batch: (sequences, tokens_per_sequence))")
+        "pass PTDPThroughput(batch_shape_fn=lambda batch: (sequences, tokens_per_sequence))"
+    )
 
 
 class PTDPThroughput(pl.Callback):
@@ -63,16 +64,26 @@ class PTDPThroughput(pl.Callback):
     ``throughput/flops_formula`` and kept in ``self.flops_formula``.
     """
 
-    def __init__(self, *, log_every_n_steps: int = 10, num_layers: Optional[int] = None,
-                 hidden_size: Optional[int] = None, vocab_size: Optional[int] = None,
-                 seq_length: Optional[int] = None, activation_recompute: Optional[bool] = None,
-                 peak_flops: Optional[float] = None, prog_bar: bool = True,
-                 batch_shape_fn: Optional[Callable[[Any], tuple[int, int]]] = None) -> None:
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int = 10,
+        num_layers: Optional[int] = None,
+        hidden_size: Optional[int] = None,
+        vocab_size: Optional[int] = None,
+        seq_length: Optional[int] = None,
+        activation_recompute: Optional[bool] = None,
+        peak_flops: Optional[float] = None,
+        prog_bar: bool = True,
+        batch_shape_fn: Optional[Callable[[Any], tuple[int, int]]] = None,
+    ) -> None:
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"PTDPThroughput(log_every_n_steps={log_every_n_steps!r}) must be a positive integer")
         if peak_flops is not None and not peak_flops > 0:
-            raise ValueError(f"PTDPThroughput(peak_flops={peak_flops!r}) must be a positive FLOP/s value, "
-                             "e.g. 989e12 for an H100 SXM in bf16")
+            raise ValueError(
+                f"PTDPThroughput(peak_flops={peak_flops!r}) must be a positive FLOP/s value, "
+                "e.g. 989e12 for an H100 SXM in bf16"
+            )
         self.log_every_n_steps = log_every_n_steps
         self._given_dims = {"num_layers": num_layers, "hidden_size": hidden_size, "vocab_size": vocab_size}
         self.seq_length, self.activation_recompute = seq_length, activation_recompute
@@ -95,14 +106,17 @@ class PTDPThroughput(pl.Callback):
 
     def _model_dims(self, pl_module: pl.LightningModule) -> dict[str, int]:
         config = getattr(pl_module, "model_config", None)
-        dims = {name: value if value is not None else getattr(config, name, None)
-                for name, value in self._given_dims.items()}
+        dims = {
+            name: value if value is not None else getattr(config, name, None)
+            for name, value in self._given_dims.items()
+        }
         missing = [name for name, value in dims.items() if value is None]
         if missing:
             raise ValueError(
                 f"PTDPThroughput needs the model's {', '.join(missing)} for the FLOPs count: pass "
                 f"PTDPThroughput({', '.join(f'{name}=...' for name in missing)}), or give "
-                f"{type(pl_module).__name__} a `model_config` with those fields")
+                f"{type(pl_module).__name__} a `model_config` with those fields"
+            )
         return dims
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,7 +132,8 @@ class PTDPThroughput(pl.Callback):
             f"h={self.dims['hidden_size']}, V={self.dims['vocab_size']}, B = per-rank batch x "
             f"{self.data_parallel_size} data-parallel replicas; TFLOP/s per device = F / step time / "
             f"{trainer.world_size} devices / 1e12; MFU = TFLOP/s per device * 1e12 / peak "
-            f"({'not known' if self.device_peak_flops is None else f'{self.device_peak_flops:.4g}'} FLOP/s)")
+            f"({'not known' if self.device_peak_flops is None else f'{self.device_peak_flops:.4g}'} FLOP/s)"
+        )
         rank_zero_info(f"PTDPThroughput: {self.flops_formula}")
         for logger in trainer.loggers:
             logger.log_hyperparams({"throughput/flops_formula": self.flops_formula})
@@ -127,8 +142,10 @@ class PTDPThroughput(pl.Callback):
         if self.peak_flops is not None:
             return float(self.peak_flops)
         if device.type != "cuda":
-            rank_zero_info(f"PTDPThroughput: MFU is not logged on {device.type} (no peak known); pass "
-                           "PTDPThroughput(peak_flops=...) in FLOP/s to log it")
+            rank_zero_info(
+                f"PTDPThroughput: MFU is not logged on {device.type} (no peak known); pass "
+                "PTDPThroughput(peak_flops=...) in FLOP/s to log it"
+            )
             return None
         name = torch.cuda.get_device_name(device)
         try:
@@ -160,22 +177,28 @@ class PTDPThroughput(pl.Callback):
         """Validation inside a training epoch is not training time: pause the clock."""
         self._close_segment(pl_module.device)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._segment_start is None:
             self._segment_start = self._now(pl_module.device)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         sequences, tokens_per_sequence = self.batch_shape_fn(batch)
         global_sequences = sequences * self.data_parallel_size
         self._batches += 1
         self._samples += global_sequences
         self._tokens += global_sequences * tokens_per_sequence
         self._flops += gpt_flops_per_iteration(
-            batch_size=global_sequences, seq_length=self.seq_length or tokens_per_sequence,
-            num_layers=self.dims["num_layers"], hidden_size=self.dims["hidden_size"],
-            vocab_size=self.dims["vocab_size"], activation_recompute=self.activation_recompute)
+            batch_size=global_sequences,
+            seq_length=self.seq_length or tokens_per_sequence,
+            num_layers=self.dims["num_layers"],
+            hidden_size=self.dims["hidden_size"],
+            vocab_size=self.dims["vocab_size"],
+            activation_recompute=self.activation_recompute,
+        )
         if self._batches < self.log_every_n_steps:
             return
         window_end = self._close_segment(pl_module.device)
@@ -186,12 +209,21 @@ class PTDPThroughput(pl.Callback):
     # ------------------------------------------------------------------ metrics
     def _compute(self, devices: int) -> dict[str, float]:
         seconds = max(self._elapsed, 1e-9)
-        metrics = {"tokens_per_sec": self._tokens / seconds, "samples_per_sec": self._samples / seconds,
-                   "tflops_per_device": self._flops / seconds / devices / 1e12}
+        metrics = {
+            "tokens_per_sec": self._tokens / seconds,
+            "samples_per_sec": self._samples / seconds,
+            "tflops_per_device": self._flops / seconds / devices / 1e12,
+        }
         if self.device_peak_flops is not None:
             metrics["mfu"] = metrics["tflops_per_device"] * 1e12 / self.device_peak_flops
-        self.last_window = {"seconds": self._elapsed, "batches": self._batches, "samples": self._samples,
-                            "tokens": self._tokens, "flops": self._flops, "devices": devices}
+        self.last_window = {
+            "seconds": self._elapsed,
+            "batches": self._batches,
+            "samples": self._samples,
+            "tokens": self._tokens,
+            "flops": self._flops,
+            "devices": devices,
+        }
         return metrics
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:

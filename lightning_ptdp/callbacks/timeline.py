@@ -22,15 +22,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_ptdp.callbacks.png import Canvas
 
 _COMM = (150, 80, 190)  # data-parallel gradient buckets, a strip under the compute
-_COLORS = {"F": [(66, 110, 200), (120, 160, 235)], "B": [(60, 160, 90), (130, 205, 150)],
-           "I": [(60, 160, 90), (130, 205, 150)], "W": [(230, 150, 60), (245, 190, 120)]}
+_COLORS = {
+    "F": [(66, 110, 200), (120, 160, 235)],
+    "B": [(60, 160, 90), (130, 205, 150)],
+    "I": [(60, 160, 90), (130, 205, 150)],
+    "W": [(230, 150, 60), (245, 190, 120)],
+}
 _WIDTH, _LEFT, _TOP, _ROW = 1400, 80, 44, 34
 
 
 class PipelineTimeline(pl.Callback):
     """Write the measured pipeline schedule of training batch ``step`` (0 = the first) to ``dirpath``."""
 
-    def __init__(self, *, step: int = 2, dirpath: Union[str, Path] = "pipeline_timeline", name: Optional[str] = None) -> None:
+    def __init__(
+        self, *, step: int = 2, dirpath: Union[str, Path] = "pipeline_timeline", name: Optional[str] = None
+    ) -> None:
         if step < 0:
             raise ValueError(f"PipelineTimeline(step={step}) must be >= 0 (the index of a training batch)")
         self.step, self.dirpath, self.name = step, Path(dirpath), name
@@ -39,7 +45,9 @@ class PipelineTimeline(pl.Callback):
         self.paths: list[Path] = []
         self._seen = 0
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         index, self._seen = self._seen, self._seen + 1
         if index != self.step:
             return
@@ -51,12 +59,19 @@ class PipelineTimeline(pl.Callback):
         coords = strategy.parallel_dims.coordinates(trainer.global_rank)
         timeline = engine.timeline
         mine = {
-            "rank": trainer.global_rank, **coords, "start": timeline.start + timeline.wall_offset,
-            "end": timeline.end + timeline.wall_offset, "busy": timeline.busy,
-            "spans": [(s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
-                      for s in timeline.spans],
-            "comm": [(s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
-                     for s in timeline.comm],
+            "rank": trainer.global_rank,
+            **coords,
+            "start": timeline.start + timeline.wall_offset,
+            "end": timeline.end + timeline.wall_offset,
+            "busy": timeline.busy,
+            "spans": [
+                (s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
+                for s in timeline.spans
+            ],
+            "comm": [
+                (s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
+                for s in timeline.comm
+            ],
             "exposed_comm": timeline.exposed_comm,
         }
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -65,8 +80,10 @@ class PipelineTimeline(pl.Callback):
         self.bubble = statistics.mean((r["end"] - r["start"] - r["busy"]) / r["busy"] for r in rows if r["busy"] > 0)
         config = strategy.parallel_config
         microbatches = max((s[2] for r in rows for s in r["spans"]), default=-1) + 1
-        title = (f"step {self.step}: bubble {self.bubble:.1%} (idle/busy), p={len(rows)} v={config.virtual_pipeline_size} "
-                 f"m={microbatches} {config.pipeline_schedule}")
+        title = (
+            f"step {self.step}: bubble {self.bubble:.1%} (idle/busy), p={len(rows)} v={config.virtual_pipeline_size} "
+            f"m={microbatches} {config.pipeline_schedule}"
+        )
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             stem = self.name or f"pipeline_step{self.step}"
@@ -88,19 +105,38 @@ def draw(rows: list[dict], title: str) -> bytes:
     for row, record in enumerate(rows):
         y = _TOP + row * _ROW
         canvas.text(8, y + 10, f"rank {record['pp']}", scale=2)
-        canvas.rect(_LEFT + int((record["start"] - t0) * scale), y + 4, _LEFT + int((record["end"] - t0) * scale), y + _ROW - 4, (235, 235, 235))
+        canvas.rect(
+            _LEFT + int((record["start"] - t0) * scale),
+            y + 4,
+            _LEFT + int((record["end"] - t0) * scale),
+            y + _ROW - 4,
+            (235, 235, 235),
+        )
         stages = sorted({s[1] for s in record["spans"]})
         for kind, stage, microbatch, start, end in record["spans"]:
             shade = _COLORS[kind][min(stages.index(stage), 1)]
-            x0, x1 = _LEFT + int((start - t0) * scale), _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1)
+            x0, x1 = (
+                _LEFT + int((start - t0) * scale),
+                _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1),
+            )
             canvas.rect(x0, y + 4, x1, y + _ROW - 4, shade)
             label = f"{kind}{microbatch}"
             if x1 - x0 >= 4 * 2 * len(label) + 4:
                 canvas.text(x0 + 3, y + 12, label, color=(255, 255, 255), scale=2)
         for _, _, _, start, end in record.get("comm", []):
-            x0, x1 = _LEFT + int((start - t0) * scale), _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1)
-            canvas.rect(min(x0, _WIDTH - 2), y + _ROW - 7, min(x1, _WIDTH - 1), y + _ROW - 4, _COMM)  # past the step: cut
-    canvas.text(_LEFT, _TOP + _ROW * len(rows) + 4, "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle  purple strip: dp gradients", scale=1)
+            x0, x1 = (
+                _LEFT + int((start - t0) * scale),
+                _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1),
+            )
+            canvas.rect(
+                min(x0, _WIDTH - 2), y + _ROW - 7, min(x1, _WIDTH - 1), y + _ROW - 4, _COMM
+            )  # past the step: cut
+    canvas.text(
+        _LEFT,
+        _TOP + _ROW * len(rows) + 4,
+        "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle  purple strip: dp gradients",
+        scale=1,
+    )
     return canvas.png(title)
 
 
@@ -119,15 +155,51 @@ def idle_spans(record: dict) -> list[tuple[float, float]]:
 def chrome_trace(records: list[dict], title: str) -> dict:
     """Chrome trace events: process = global rank, thread = pipeline stage (chunk)."""
     t0 = min(r["start"] for r in records)
-    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": r["rank"], "args": {"name": f"rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']})"}} for r in records]
+    events: list[dict] = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": r["rank"],
+            "args": {"name": f"rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']})"},
+        }
+        for r in records
+    ]
     for record in records:
         for kind, stage, microbatch, start, end in record["spans"]:
-            events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": record["rank"], "tid": stage,
-                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"microbatch": microbatch, "stage": stage}})
+            events.append(
+                {
+                    "name": f"{kind}{microbatch}",
+                    "cat": kind,
+                    "ph": "X",
+                    "pid": record["rank"],
+                    "tid": stage,
+                    "ts": (start - t0) * 1e6,
+                    "dur": (end - start) * 1e6,
+                    "args": {"microbatch": microbatch, "stage": stage},
+                }
+            )
         for kind, stage, _, start, end in record.get("comm", []):
-            events.append({"name": f"dp grads (chunk {stage})", "cat": "comm", "ph": "X", "pid": record["rank"],
-                           "tid": "dp comm", "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
+            events.append(
+                {
+                    "name": f"dp grads (chunk {stage})",
+                    "cat": "comm",
+                    "ph": "X",
+                    "pid": record["rank"],
+                    "tid": "dp comm",
+                    "ts": (start - t0) * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
         for start, end in idle_spans(record):
-            events.append({"name": "idle", "cat": "idle", "ph": "X", "pid": record["rank"], "tid": "idle",
-                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
+            events.append(
+                {
+                    "name": "idle",
+                    "cat": "idle",
+                    "ph": "X",
+                    "pid": record["rank"],
+                    "tid": "idle",
+                    "ts": (start - t0) * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}

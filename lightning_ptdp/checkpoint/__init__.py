@@ -50,14 +50,20 @@ class Checkpointer:
         """Sharded: this rank's pieces. Full: unsharded weights (a collective under TP, PP and ZeRO)."""
         if self.format == "sharded":
             return dcp_save.model_pieces(view.module, view.aliases)
-        return full.model_state(view.module, tensor_parallel=view.tensor_parallel, zero=view.zero, pp_group=view.pp_group)
+        return full.model_state(
+            view.module, tensor_parallel=view.tensor_parallel, zero=view.zero, pp_group=view.pp_group
+        )
 
     def load_model_state(self, view: ShardingView, state: dict[str, Any], strict: bool) -> None:
         """Unsharded weights cut to this rank's shards (a sharded checkpoint was loaded in place)."""
         if state.get(LOADED_IN_PLACE):
             return
         full.load_model_state(
-            view.module, state["state_dict"], strict=strict, tensor_parallel=view.tensor_parallel, zero=view.zero,
+            view.module,
+            state["state_dict"],
+            strict=strict,
+            tensor_parallel=view.tensor_parallel,
+            zero=view.zero,
             pipeline=view.pp_group is not None,
         )
 
@@ -73,7 +79,11 @@ class Checkpointer:
             return
         for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"]):
             full.load_optimizer_state(
-                view.module, optimizer, optimizer_state, tensor_parallel=view.tensor_parallel, zero=view.zero,
+                view.module,
+                optimizer,
+                optimizer_state,
+                tensor_parallel=view.tensor_parallel,
+                zero=view.zero,
                 aliases=view.aliases,
             )
 
@@ -95,8 +105,14 @@ class Checkpointer:
             )
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return dcp_load.load(
-            path, module=view.module, optimizers=optimizers, aliases=view.aliases, rank=rank, world_size=world,
-            strict=strict, pipeline=view.pp_group is not None,
+            path,
+            module=view.module,
+            optimizers=optimizers,
+            aliases=view.aliases,
+            rank=rank,
+            world_size=world,
+            strict=strict,
+            pipeline=view.pp_group is not None,
         )
 
     @staticmethod
@@ -106,7 +122,12 @@ class Checkpointer:
         rng.restore_rng_states(loaded.pop(rng.RNG_KEY, None), rank)
 
     def save(
-        self, state: dict[str, Any], path: str, *, layout: dict[str, Any], write_file: Callable[[dict[str, Any]], None],
+        self,
+        state: dict[str, Any],
+        path: str,
+        *,
+        layout: dict[str, Any],
+        write_file: Callable[[dict[str, Any]], None],
         storage_options: Any = None,
     ) -> None:
         """Write ``state`` at ``path`` (``write_file`` writes a full file on rank 0). A failure (disk

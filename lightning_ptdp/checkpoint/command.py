@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, save
 from lightning_ptdp.checkpoint.dcp_load import open_checkpoint
+from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, save
 
 _OPTIMIZER = "optimizer_states."
 
@@ -31,7 +31,8 @@ def _read(path: str, keep: Any = lambda key: True) -> dict[str, Any]:
     reader, metadata = open_checkpoint(os.path.realpath(path))
     targets = {
         key: torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
-        for key, md in metadata.state_dict_metadata.items() if keep(key)
+        for key, md in metadata.state_dict_metadata.items()
+        if keep(key)
     }
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -44,7 +45,7 @@ def consolidated_state_dict(path: str, strip_prefix: str = "") -> dict[str, torc
     """The single-process model's state_dict from a sharded checkpoint saved on any layout;
     ``strip_prefix`` keeps the entries under one submodule, named as that module names them."""
     entries = _read(path, lambda key: key.startswith(MODEL + strip_prefix))
-    return {key[len(MODEL + strip_prefix):]: value for key, value in entries.items()}
+    return {key[len(MODEL + strip_prefix) :]: value for key, value in entries.items()}
 
 
 def write_state_dict(state: dict[str, torch.Tensor], output: str) -> None:
@@ -65,15 +66,15 @@ def consolidate(path: str) -> dict[str, Any]:
     entries = _read(path, lambda key: not key.startswith("rng."))
     checkpoint = dict(entries.pop("lightning"))
     entries.pop("ptdp", None)
-    checkpoint["state_dict"] = {k[len(MODEL):]: v for k, v in entries.items() if k.startswith(MODEL)}
+    checkpoint["state_dict"] = {k[len(MODEL) :]: v for k, v in entries.items() if k.startswith(MODEL)}
     optimizers: dict[int, dict[str, Any]] = {}
     for key, value in entries.items():
         if not key.startswith(_OPTIMIZER):
             continue
-        index, rest = key[len(_OPTIMIZER):].split(".", 1)
+        index, rest = key[len(_OPTIMIZER) :].split(".", 1)
         optimizer = optimizers.setdefault(int(index), {"state": {}, "param_groups": []})
         if rest.startswith("state."):
-            name, field = rest[len("state."):].rsplit(".", 1)
+            name, field = rest[len("state.") :].rsplit(".", 1)
             optimizer["state"].setdefault(name, {})[field] = value
         else:  # param_groups.<rank>: join the stages' parameter lists group by group
             for number, group in enumerate(value):

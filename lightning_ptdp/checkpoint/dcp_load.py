@@ -14,12 +14,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from lightning_ptdp.checkpoint.dcp_save import (
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    PiecesLoadPlanner,
+    canonical,
+    model_pieces,
+    optimizer_state_pieces,
+)
 from lightning_ptdp.checkpoint.full import describe_mismatch
+from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 from lightning_ptdp.checkpoint.rng import set_rng_state
 from lightning_ptdp.parallel.comm import raise_on_every_rank
-from lightning_ptdp.checkpoint.dcp_save import FORMAT_VERSION, MODEL, OPTIMIZER, PiecesLoadPlanner, canonical, model_pieces
-from lightning_ptdp.checkpoint.dcp_save import optimizer_state_pieces
-from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 
 LOADED_IN_PLACE = "ptdp_loaded_in_place"
 
@@ -59,15 +66,18 @@ def _shape(value: Any) -> Optional[tuple[int, ...]]:
     return tuple(value.shape) if torch.is_tensor(value) else None
 
 
-def _model_targets(module: nn.Module, metadata: Any, strict: bool, pipeline: bool) -> tuple[dict[str, Any], Optional[str]]:
+def _model_targets(
+    module: nn.Module, metadata: Any, strict: bool, pipeline: bool
+) -> tuple[dict[str, Any], Optional[str]]:
     """DCP entries for the model's tensors here, and what does not fit (shapes always; missing or
     unexpected keys when strict; a stage knows only its own keys)."""
     model = {f"{MODEL}{k}": v for k, v in model_pieces(module).items()}
     saved = {
-        k[len(MODEL):]: tuple(md.size) if hasattr(md, "size") else None
-        for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL)
+        k[len(MODEL) :]: tuple(md.size) if hasattr(md, "size") else None
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(MODEL)
     }
-    expected = {k[len(MODEL):]: _shape(v) for k, v in model.items()}
+    expected = {k[len(MODEL) :]: _shape(v) for k, v in model.items()}
     if not strict:
         expected = {k: v for k, v in expected.items() if k in saved}
     problem = describe_mismatch(expected, saved, check_unexpected=strict and not pipeline)
@@ -85,7 +95,7 @@ class _OptimizerTarget:
         self.entries: dict[str, Any] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (parameter, state field) -> DCP entry
         prefix = f"{OPTIMIZER}{index}.state."
-        saved_names = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
+        saved_names = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
         self.fresh = []  # parameters without saved state (never had a gradient): they start fresh
         cuts = tp_cuts(module)
         for name in list(self.state["state"]):
@@ -126,8 +136,15 @@ class _OptimizerTarget:
 
 
 def load(
-    path: str, *, module: nn.Module, optimizers: list[Any], aliases: Optional[dict[str, list[str]]], rank: int,
-    world_size: int, strict: bool, pipeline: bool,
+    path: str,
+    *,
+    module: nn.Module,
+    optimizers: list[Any],
+    aliases: Optional[dict[str, list[str]]],
+    rank: int,
+    world_size: int,
+    strict: bool,
+    pipeline: bool,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into ``module`` and ``optimizers`` in place (any saved layout);
     return the rest of Lightning's checkpoint. A collective over all ranks."""
@@ -160,12 +177,19 @@ def load(
     dcp.load(targets, storage_reader=reader, planner=planner)
     loaded = planner.state_dict  # the non-tensor entries, filled in by the planner
     if loaded["ptdp"].get("format", 0) > FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has format {loaded['ptdp']['format']}; this ptdp reads up to {FORMAT_VERSION}: upgrade")
+        raise ValueError(
+            f"checkpoint {path!r} has format {loaded['ptdp']['format']}; this ptdp reads up to {FORMAT_VERSION}: upgrade"
+        )
     for target in opt_targets:
         target.restore(module, loaded, aliases)
-    extra = {k[len(MODEL):]: v for k, v in loaded.items() if k.startswith(MODEL)}  # non-tensor entries (_extra_state)
+    extra = {k[len(MODEL) :]: v for k, v in loaded.items() if k.startswith(MODEL)}  # non-tensor entries (_extra_state)
     if extra:
         module.load_state_dict(extra, strict=False)
     if loaded["ptdp"].get("world_size") == world_size and f"rng.{rank}" in loaded:  # as many ranks: same streams
         set_rng_state(loaded[f"rng.{rank}"])
-    return {**loaded["lightning"], "state_dict": {}, "optimizer_states": [{} for _ in optimizers], LOADED_IN_PLACE: True}
+    return {
+        **loaded["lightning"],
+        "state_dict": {},
+        "optimizer_states": [{} for _ in optimizers],
+        LOADED_IN_PLACE: True,
+    }

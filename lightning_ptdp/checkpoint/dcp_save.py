@@ -22,7 +22,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
-    LoadPlan, ReadItem, SavePlan, TensorProperties, TensorWriteData, WriteItem, WriteItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorProperties,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -67,7 +73,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
                     size=torch.Size(entry.full_shape),
                 ),
             )
-            for fqn, entry in self._pieces.items() for piece in entry.items
+            for fqn, entry in self._pieces.items()
+            for piece in entry.items
         ]
         self.plan = dataclasses.replace(plan, items=plan.items + items)
         return self.plan
@@ -143,7 +150,9 @@ def optimizer_state_pieces(module: nn.Module, state: dict[str, Any], name: str, 
     return out
 
 
-def optimizer_pieces(module: nn.Module, optimizer: Any, aliases: Optional[dict[str, list[str]]] = None) -> dict[str, Any]:
+def optimizer_pieces(
+    module: nn.Module, optimizer: Any, aliases: Optional[dict[str, list[str]]] = None
+) -> dict[str, Any]:
     """This rank's part of an optimizer's state keyed by the single-process parameter names, and
     its groups (hyperparameters and the names of this rank's parameters in each)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -201,7 +210,11 @@ def _version_dir(target: str) -> str:
     versions = os.path.join(os.path.dirname(target), VERSIONS)
     os.makedirs(versions, exist_ok=True)
     base = os.path.basename(target)
-    taken = [int(n.rsplit(".v", 1)[1]) for n in os.listdir(versions) if n.startswith(f"{base}.v") and n.rsplit(".v", 1)[1].isdigit()]
+    taken = [
+        int(n.rsplit(".v", 1)[1])
+        for n in os.listdir(versions)
+        if n.startswith(f"{base}.v") and n.rsplit(".v", 1)[1].isdigit()
+    ]
     path = os.path.join(versions, f"{base}.v{max(taken, default=0) + 1}")
     os.makedirs(path)
     with open(os.path.join(path, VERSION_MARK), "w") as mark:
@@ -216,7 +229,9 @@ def _collect_garbage(folder: str) -> None:
     versions = os.path.join(folder, VERSIONS)
     if not os.path.isdir(versions):
         return
-    linked = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))}
+    linked = {
+        os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))
+    }
     for name in os.listdir(versions):
         path = os.path.join(versions, name)
         ours = not os.path.islink(path) and os.path.isfile(os.path.join(path, VERSION_MARK))

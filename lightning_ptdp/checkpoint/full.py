@@ -53,8 +53,11 @@ def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, 
 
 
 def describe_mismatch(
-    expected: dict[str, Optional[tuple[int, ...]]], saved: dict[str, Optional[tuple[int, ...]]], *,
-    check_unexpected: bool = True, check_shapes: bool = True,
+    expected: dict[str, Optional[tuple[int, ...]]],
+    saved: dict[str, Optional[tuple[int, ...]]],
+    *,
+    check_unexpected: bool = True,
+    check_shapes: bool = True,
 ) -> Optional[str]:
     """How a checkpoint's weights (name -> shape) differ from a model's, or None: missing or
     unexpected keys (another model), other shapes (another size of the model)."""
@@ -67,7 +70,8 @@ def describe_mismatch(
         problems.append(f"{len(unexpected)} entries are not in this model (first: {', '.join(unexpected[:3])})")
     if check_shapes:
         shapes = [
-            f"{k} {saved[k]} vs {shape}" for k, shape in expected.items()
+            f"{k} {saved[k]} vs {shape}"
+            for k, shape in expected.items()
             if k in saved and saved[k] is not None and shape is not None and tuple(saved[k]) != tuple(shape)
         ]
         if shapes:
@@ -84,8 +88,10 @@ def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tens
     """Raise a ValueError saying how a checkpoint's weights differ from ``module``'s, if they do.
     A pipeline stage knows only its own keys; under TP the model holds shards (checkpoints never)."""
     problem = describe_mismatch(
-        {k: tensor_shape(v) for k, v in module.state_dict().items()}, {k: tensor_shape(v) for k, v in state.items()},
-        check_unexpected=not pipeline, check_shapes=not tensor_parallel,
+        {k: tensor_shape(v) for k, v in module.state_dict().items()},
+        {k: tensor_shape(v) for k, v in state.items()},
+        check_unexpected=not pipeline,
+        check_shapes=not tensor_parallel,
     )
     if problem:
         raise ValueError(f"the checkpoint's weights do not fit this model: {problem}")
@@ -133,11 +139,15 @@ def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, 
         for index, group in enumerate(part["param_groups"]):
             if index == len(merged["param_groups"]):
                 merged["param_groups"].append({**group, "params": []})
-            merged["param_groups"][index]["params"] += [p for p in group["params"] if p not in merged["param_groups"][index]["params"]]
+            merged["param_groups"][index]["params"] += [
+                p for p in group["params"] if p not in merged["param_groups"][index]["params"]
+            ]
     return merged
 
 
-def stage_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any], aliases: dict[str, list[str]]) -> dict[str, Any]:
+def stage_optimizer_state(
+    module: nn.Module, optimizer: Any, state: dict[str, Any], aliases: dict[str, list[str]]
+) -> dict[str, Any]:
     """The entries of a whole-model optimizer state this stage's optimizer holds, found under any
     name of the parameter (a single process names a tied weight once, a stage by its own module)."""
     names = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
@@ -153,7 +163,12 @@ def stage_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, An
 
 
 def load_optimizer_state(
-    module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, zero: bool,
+    module: nn.Module,
+    optimizer: Any,
+    state: dict[str, Any],
+    *,
+    tensor_parallel: bool,
+    zero: bool,
     aliases: Optional[dict[str, list[str]]] = None,
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

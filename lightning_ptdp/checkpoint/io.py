@@ -53,7 +53,9 @@ class CheckedCheckpointIO(TorchCheckpointIO):
             raise
         fsync_dir(folder)  # make the rename itself durable
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}
         try:
             return super().load_checkpoint(path, weights_only=weights_only, **kwargs)

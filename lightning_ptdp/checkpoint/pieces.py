@@ -59,7 +59,6 @@ class Pieces:
     items: tuple[Piece, ...]
 
 
-
 def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
     """The cut of ``layer.<attr>`` if ``layer`` is one of our tensor-parallel layers, else None."""
     if isinstance(layer, (VocabParallelEmbedding, VocabParallelHead)):

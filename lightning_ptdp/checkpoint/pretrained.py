@@ -20,8 +20,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.parallel.init import allocate
 from lightning_ptdp.checkpoint.pieces import pieces, tp_cuts
+from lightning_ptdp.parallel.init import allocate
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ class Pretrained:
                 "(a transformers checkpoint) or a torch.save-d state_dict"
             )
         if self.prefix is not None and not isinstance(self.prefix, str):
-            raise ValueError(f"pretrained_prefix={self.prefix!r} must be a string such as 'net.' (or None: found from the keys)")
+            raise ValueError(
+                f"pretrained_prefix={self.prefix!r} must be a string such as 'net.' (or None: found from the keys)"
+            )
 
 
 class WeightSource:
@@ -92,7 +94,7 @@ def _prefix(names: list[str], keys: set[str], given: Optional[str]) -> str:
     if given is not None:
         return given
     candidates = {""} | {name[: i + 1] for name in names for i, c in enumerate(name) if c == "."}
-    return max(candidates, key=lambda p: (sum(n.startswith(p) and n[len(p):] in keys for n in names), -len(p)))
+    return max(candidates, key=lambda p: (sum(n.startswith(p) and n[len(p) :] in keys for n in names), -len(p)))
 
 
 @torch.no_grad()
@@ -115,7 +117,7 @@ def load_pretrained(
     strip = _prefix([n for ns in names.values() for n in ns], keys, prefix)
     cuts, count, missing = tp_cuts(model), 0, []
     for name, param in model.named_parameters():
-        key = next((n[len(strip):] for n in names[id(param)] if n.startswith(strip) and n[len(strip):] in keys), None)
+        key = next((n[len(strip) :] for n in names[id(param)] if n.startswith(strip) and n[len(strip) :] in keys), None)
         if key is None:
             missing.append(name)
             continue

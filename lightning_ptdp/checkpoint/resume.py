@@ -41,8 +41,10 @@ def resume_at(dataloader: Any, batches_done: int) -> Any:
     if batches_done <= 0:
         return dataloader
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        log.warning("resuming mid-epoch: %s cannot skip to the checkpoint's sample; the epoch restarts",
-                    type(dataloader).__name__)
+        log.warning(
+            "resuming mid-epoch: %s cannot skip to the checkpoint's sample; the epoch restarts",
+            type(dataloader).__name__,
+        )
         return dataloader
     workers = dataloader.num_workers
     return DataLoader(

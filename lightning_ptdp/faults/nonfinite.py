@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-
-
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn as nn
-
 import torch.distributed as dist
+import torch.nn as nn
 
 from lightning_ptdp.parallel.comm import PendingAllReduce, all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.split import PipelineSplit
@@ -100,8 +99,12 @@ def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]]
 
 
 def global_grad_norm(
-    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, dp_group: Any = None,
-    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
+    parameters: list[nn.Parameter],
+    model: nn.Module,
+    tp: TPGroup | None,
+    dp_group: Any = None,
+    pp_group: Any = None,
+    exclude: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a single process would compute it.
 
@@ -141,8 +144,13 @@ def global_grad_norm(
 
 
 def clip_grad_norm(
-    parameters: list[nn.Parameter], model: nn.Module, tp: TPGroup | None, max_norm: float, dp_group: Any = None,
-    pp_group: Any = None, exclude: frozenset[int] = frozenset(),
+    parameters: list[nn.Parameter],
+    model: nn.Module,
+    tp: TPGroup | None,
+    max_norm: float,
+    dp_group: Any = None,
+    pp_group: Any = None,
+    exclude: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole parallel model."""
     total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude)

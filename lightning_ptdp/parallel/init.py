@@ -42,7 +42,9 @@ def _seed(seed: int, name: str, block: int) -> int:
 
 
 @torch.no_grad()
-def fill(out: torch.Tensor, offsets: tuple[int, ...], full_shape: tuple[int, ...], init: Init, seed: int, name: str) -> None:
+def fill(
+    out: torch.Tensor, offsets: tuple[int, ...], full_shape: tuple[int, ...], init: Init, seed: int, name: str
+) -> None:
     """Write into ``out`` the values the whole tensor ``name`` of ``full_shape`` has at ``offsets``."""
     if isinstance(init, Constant):
         out.fill_(init.value)
@@ -57,7 +59,7 @@ def fill(out: torch.Tensor, offsets: tuple[int, ...], full_shape: tuple[int, ...
         drawn = torch.randn((count, *full_shape[1:]), generator=generator, dtype=torch.float32)
         lo, hi = max(first, start), min(last, start + count)
         part = drawn[(slice(lo - start, hi - start), *inner)] if full_shape else drawn.reshape(())
-        target = out[lo - first: hi - first] if full_shape else out
+        target = out[lo - first : hi - first] if full_shape else out
         target.copy_(part * init.std + init.mean)
 
 
@@ -70,7 +72,7 @@ def _rule_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _rule_for(owners: list[tuple[str, nn.Module]], name: str) -> tuple[nn.Module, str]:
     for path, owner in owners:
         if not path or name.startswith(f"{path}."):
-            return owner, name[len(path) + 1:] if path else name
+            return owner, name[len(path) + 1 :] if path else name
     raise ValueError(
         f"parameter {name!r} was created on the meta device but no module around it defines init_rule(name); "
         "give the module that builds it init_rule(name) -> lightning_ptdp.parallel.init.Normal | Constant (and init_seed), "

@@ -51,7 +51,9 @@ class Parallelized:
     def sharding(self) -> ShardingView:
         pipeline = self.pipeline
         return ShardingView(
-            module=self.root, tensor_parallel=self.tp_report is not None, zero=self.zero,
+            module=self.root,
+            tensor_parallel=self.tp_report is not None,
+            zero=self.zero,
             pp_group=pipeline.pp_group if pipeline is not None else None,
             aliases=pipeline.split.aliases if pipeline is not None else None,
         )
@@ -106,17 +108,27 @@ def parallelize(
     if dims.pp > 1:
         # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO FSDP's)
         dp_sync = training and config.zero_stage == 0 and dims.dp > 1
-        grad_sync = DataParallelGradSync(
-            group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce
-        ) if dp_sync else None
+        grad_sync = (
+            DataParallelGradSync(group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce)
+            if dp_sync
+            else None
+        )
         if "_ptdp_pipeline" not in module.__dict__:
             if pipeline_probe is None:
                 raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
             run, rows = pipeline_probe()
             module.__dict__["_ptdp_pipeline"] = apply_pipeline(
-                module, pp=dims.pp, vpp=config.virtual_pipeline_size, rank=mesh["pp"].get_local_rank(),
-                schedule=config.pipeline_schedule, micro_batch_size=config.micro_batch_size,
-                pp_group=mesh["pp"].get_group(), device=device, probe=run, probe_rows=rows, failures=failures,
+                module,
+                pp=dims.pp,
+                vpp=config.virtual_pipeline_size,
+                rank=mesh["pp"].get_local_rank(),
+                schedule=config.pipeline_schedule,
+                micro_batch_size=config.micro_batch_size,
+                pp_group=mesh["pp"].get_group(),
+                device=device,
+                probe=run,
+                probe_rows=rows,
+                failures=failures,
                 grad_sync=grad_sync,
             )
         result.pipeline = module.__dict__["_ptdp_pipeline"]
@@ -140,10 +152,16 @@ def parallelize(
         result.module = apply_data_parallel(module, mesh["dp"])
     pipeline = result.pipeline
     result.gradients = GradientFinisher(
-        model=module, tp=result.tp_group, partial=result.tp_report.partial_grad_params if result.tp_report else [],
-        split=pipeline.split if pipeline is not None else None, pp_group=pipeline.pp_group if pipeline else None,
-        dp_group=mesh["dp"].get_group(), dp_rank=mesh["dp"].get_local_rank(), dp_size=dims.dp,
-        zero=config.zero_stage > 0, device=device,
+        model=module,
+        tp=result.tp_group,
+        partial=result.tp_report.partial_grad_params if result.tp_report else [],
+        split=pipeline.split if pipeline is not None else None,
+        pp_group=pipeline.pp_group if pipeline else None,
+        dp_group=mesh["dp"].get_group(),
+        dp_rank=mesh["dp"].get_local_rank(),
+        dp_size=dims.dp,
+        zero=config.zero_stage > 0,
+        device=device,
     )
     return result
 
@@ -199,7 +217,10 @@ def materialize_shards(module: torch.nn.Module, device: torch.device, pipeline: 
 
 
 def apply_tensor_parallelism(
-    module: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, probe: Callable[[], Any],
+    module: torch.nn.Module,
+    config: ParallelConfig,
+    mesh: DeviceMesh,
+    probe: Callable[[], Any],
     tp_plan: Optional[dict[str, str]],
 ) -> tuple[TPGroup, TPReport]:
     """Step 1: rewrite the model for its tp group, automatically or from an explicit plan."""

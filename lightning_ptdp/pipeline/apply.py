@@ -30,8 +30,18 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_pipeline(
-    module: nn.Module, *, pp: int, vpp: int, rank: int, schedule: str, micro_batch_size: Optional[int],
-    pp_group: Any, device: torch.device, probe: Callable[[], Any], probe_rows: int, failures: Any = None,
+    module: nn.Module,
+    *,
+    pp: int,
+    vpp: int,
+    rank: int,
+    schedule: str,
+    micro_batch_size: Optional[int],
+    pp_group: Any,
+    device: torch.device,
+    probe: Callable[[], Any],
+    probe_rows: int,
+    failures: Any = None,
     grad_sync: Any = None,
 ) -> PipelineEngine:
     """Cut ``module`` in place to pipeline rank ``rank``'s chunks; ``probe`` runs one ordinary
@@ -43,9 +53,19 @@ def apply_pipeline(
     kept = sum(p.numel() for p in module.parameters())
     log.info(
         "pipeline rank %d: chunks %s (blocks %s), %d parameters kept, %d tied across stages",
-        rank, split.local_chunks, [list(layout.blocks_of(c)) for c in split.local_chunks], kept, len(split.tied),
+        rank,
+        split.local_chunks,
+        [list(layout.blocks_of(c)) for c in split.local_chunks],
+        kept,
+        len(split.tied),
     )
     return PipelineEngine(
-        module, split, schedule=schedule, micro_batch_size=micro_batch_size, pp_group=pp_group, device=device,
-        failures=failures, grad_sync=grad_sync,
+        module,
+        split,
+        schedule=schedule,
+        micro_batch_size=micro_batch_size,
+        pp_group=pp_group,
+        device=device,
+        failures=failures,
+        grad_sync=grad_sync,
     )

@@ -42,7 +42,9 @@ def split_microbatches(batch: Any, micro_batch_size: Optional[int], *, strict: b
     rows = tensors[0].shape[0]
     if any(t.shape[0] != rows for t in tensors):
         shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(f"the batch's tensors {shapes} disagree on dim 0; pipeline microbatches split every tensor there")
+        raise ValueError(
+            f"the batch's tensors {shapes} disagree on dim 0; pipeline microbatches split every tensor there"
+        )
     size = micro_batch_size or rows
     if rows % size and not strict:
         size = rows
@@ -53,7 +55,9 @@ def split_microbatches(batch: Any, micro_batch_size: Optional[int], *, strict: b
             f"{fits}, or a batch size that is a multiple of {size} (DataLoader(drop_last=True) for a short last batch)"
         )
     count = rows // size
-    pieces = [leaf.split(size) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count for leaf in leaves]
+    pieces = [
+        leaf.split(size) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count for leaf in leaves
+    ]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(count)], size
 
 
@@ -143,8 +147,16 @@ class PipelineEngine:
     """Runs Lightning steps of ``module`` through torch pipeline schedules on this pipeline rank."""
 
     def __init__(
-        self, module: nn.Module, split: PipelineSplit, *, schedule: str, micro_batch_size: Optional[int],
-        pp_group: Any, device: torch.device, failures: Optional[FailureRecords] = None, grad_sync: Any = None,
+        self,
+        module: nn.Module,
+        split: PipelineSplit,
+        *,
+        schedule: str,
+        micro_batch_size: Optional[int],
+        pp_group: Any,
+        device: torch.device,
+        failures: Optional[FailureRecords] = None,
+        grad_sync: Any = None,
     ) -> None:
         self.module, self.split, self.schedule_name = module, split, schedule
         self.micro_batch_size = micro_batch_size
@@ -193,7 +205,9 @@ class PipelineEngine:
         def example(block: int) -> torch.Tensor:
             meta = record.block_outputs[block]
             grad = training and meta.dtype.is_floating_point
-            return torch.empty(meta.with_rows(rows, record.rows), dtype=meta.dtype, device=self.device, requires_grad=grad)
+            return torch.empty(
+                meta.with_rows(rows, record.rows), dtype=meta.dtype, device=self.device, requires_grad=grad
+            )
 
         blocks = layout.blocks_of(chunk)
         inputs = () if chunk == 0 else (example(blocks.start - 1),)
@@ -211,9 +225,13 @@ class PipelineEngine:
             for chunk in self.split.local_chunks:
                 inputs, outputs = self._stage_args(chunk, rows, training)
                 stage = PipelineStage(
-                    _Chunk(self, chunk, self.split.params_of_chunk(chunk) if training else []), chunk,
+                    _Chunk(self, chunk, self.split.params_of_chunk(chunk) if training else []),
+                    chunk,
                     self.split.layout.num_chunks,
-                    self.device, input_args=inputs, output_args=outputs, group=self.pp_group,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.pp_group,
                 )
                 self._time(stage)
                 stages.append(stage)
@@ -280,7 +298,9 @@ class PipelineEngine:
         if not finished:
             return value
         if chunk != self.split.layout.num_chunks - 1:
-            raise RuntimeError(f"the step returned before the model's forward reached the end of pipeline chunk {chunk}")
+            raise RuntimeError(
+                f"the step returned before the model's forward reached the end of pipeline chunk {chunk}"
+            )
         if run.training:  # keep only the loss: a returned logits tensor would outlive its microbatch
             loss = loss_of(value)
             run.outputs[index], run.as_dict = loss.detach(), isinstance(value, dict)
@@ -289,7 +309,9 @@ class PipelineEngine:
         return torch.zeros(1, device=self.device)
 
     def _check_shapes(self, microbatch: Any) -> None:
-        shapes = [tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        shapes = [
+            tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
         if self._input_shapes is None:
             self._input_shapes = shapes
         elif shapes != self._input_shapes:

@@ -383,8 +383,15 @@ def split_model(
         for c in sorted(chunks & local):
             chunk_param_names[c].append(here[pid])
     split = PipelineSplit(
-        layout=layout, rank=rank, record=record, context=StageContext(), model=model,
-        chunk_param_names=chunk_param_names, tied=tied, norm_exclude_names=frozenset(norm_exclude), aliases=aliases,
+        layout=layout,
+        rank=rank,
+        record=record,
+        context=StageContext(),
+        model=model,
+        chunk_param_names=chunk_param_names,
+        tied=tied,
+        norm_exclude_names=frozenset(norm_exclude),
+        aliases=aliases,
     )
     for index, block in enumerate(blocks):
         _gate_block(block, index, split)

@@ -28,11 +28,10 @@ from lightning_ptdp.tensor_parallel.discovery import (
     trace_block,
 )
 from lightning_ptdp.tensor_parallel.explicit_plan import (
-    check_styles,
     ColumnParallelConv1D,
     RowParallelConv1D,
+    check_styles,
     check_ties,
-    fused_parts,
     resolve_plan,
     rewrite,
 )
@@ -134,11 +133,20 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> No
                 "F.linear(x, weight, bias), which its column/row shard would; keep it an nn.Linear, or pass "
                 "tp_plan without it"
             )
+
     def column(linear: nn.Module, layout: ShardLayout) -> nn.Module:
-        return ColumnParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else ColumnParallelLinear(linear, layout, tp)
+        return (
+            ColumnParallelConv1D(linear, layout, tp, comm=False)
+            if is_conv1d(linear)
+            else ColumnParallelLinear(linear, layout, tp)
+        )
 
     def row(linear: nn.Module, layout: ShardLayout) -> nn.Module:
-        return RowParallelConv1D(linear, layout, tp, comm=False) if is_conv1d(linear) else RowParallelLinear(linear, layout, tp)
+        return (
+            RowParallelConv1D(linear, layout, tp, comm=False)
+            if is_conv1d(linear)
+            else RowParallelLinear(linear, layout, tp)
+        )
 
     for region in regions:
         widest = max(region.units.values())
@@ -163,19 +171,24 @@ def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, t
 
 
 def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
-    embeddings = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding) and id(m) not in inside_blocks]
+    embeddings = [
+        (p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding) and id(m) not in inside_blocks
+    ]
     if not embeddings:
         return
     emb_path, embedding = max(embeddings, key=lambda pm: pm[1].num_embeddings)
     vocab = embedding.num_embeddings
     heads = [
-        (p, m) for p, m in model.named_modules()
+        (p, m)
+        for p, m in model.named_modules()
         if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
     ]
     heads = [(p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)]
     if not acts_as(embedding, nn.Embedding):
         # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly
-        report.entries.append((emb_path, "replicated", f"{type(embedding).__name__}'s own forward is not a lookup: kept whole"))
+        report.entries.append(
+            (emb_path, "replicated", f"{type(embedding).__name__}'s own forward is not a lookup: kept whole")
+        )
         for head_path, head in heads:
             if head.weight is not embedding.weight:
                 _set_submodule(model, head_path, VocabParallelHead(head, tp))
@@ -185,8 +198,12 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
     _set_submodule(model, emb_path, new_embedding)
     report.entries.append((emb_path, "vocab_embedding", f"V={vocab} -> {new_embedding.shard.local} rows per rank"))
     if vocab % tp.size:
-        log.info("vocabulary %d padded to %d (a multiple of t=%d); padding logits are masked", vocab,
-                 new_embedding.shard.padded_size, tp.size)
+        log.info(
+            "vocabulary %d padded to %d (a multiple of t=%d); padding logits are masked",
+            vocab,
+            new_embedding.shard.padded_size,
+            tp.size,
+        )
     for head_path, head in heads:
         tied = head.weight is embedding.weight
         _set_submodule(model, head_path, VocabParallelHead(head, tp, weight=new_embedding.weight if tied else None))

@@ -76,7 +76,9 @@ def check_sequence_divisible(length: int, tp: TPGroup) -> None:
         )
 
 
-def _conjugate_pair(name: str, forward: Callable, backward: Callable) -> Callable[[torch.Tensor, TPGroup], torch.Tensor]:
+def _conjugate_pair(
+    name: str, forward: Callable, backward: Callable
+) -> Callable[[torch.Tensor, TPGroup], torch.Tensor]:
     """An autograd function applying ``forward(x, tp)`` and, to the gradient, ``backward(g, tp)``."""
 
     def fwd(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -71,7 +71,12 @@ def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = No
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded gradients keyed by parameter name (after the strategy's TP gradient sums)."""
-    owners = {id(p): (m, a) for m in model.modules() if isinstance(m, _TP_LAYERS) for a, p in m.named_parameters(recurse=False)}
+    owners = {
+        id(p): (m, a)
+        for m in model.modules()
+        if isinstance(m, _TP_LAYERS)
+        for a, p in m.named_parameters(recurse=False)
+    }
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:

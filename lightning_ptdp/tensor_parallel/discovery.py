@@ -16,16 +16,16 @@ import operator
 import torch.nn as nn
 from torch import fx
 
+from lightning_ptdp.parallel.blocks import is_linear_like
 from lightning_ptdp.tensor_parallel.discovery_types import (
-    plan_hint,
     BlockPlan,
     RegionPlan,
     TPDiscoveryError,
     _call_name,
     _shape,
+    plan_hint,
 )
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
-from lightning_ptdp.parallel.blocks import is_linear_like
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+
 def plan_hint(block: str, module: str) -> str:
     """The shortest explicit plan to suggest: one glob over every block of the list."""
     blocks = re.sub(r"\.[^.]+$", ".*", block) if "." in block else "*"
@@ -20,15 +21,62 @@ def plan_hint(block: str, module: str) -> str:
         "(fused q/k/v), 'vocab_embedding' or 'vocab_head'"
     )
 
+
 _ELEMENTWISE = {
-    operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.mul, torch.sub, torch.div, torch.tanh, torch.sigmoid, torch.exp, torch.neg, torch.pow,
-    F.gelu, F.silu, F.relu, F.dropout, F.softplus, torch.relu, torch.where,
+    operator.add,
+    operator.mul,
+    operator.sub,
+    operator.truediv,
+    operator.neg,
+    operator.pow,
+    torch.add,
+    torch.mul,
+    torch.sub,
+    torch.div,
+    torch.tanh,
+    torch.sigmoid,
+    torch.exp,
+    torch.neg,
+    torch.pow,
+    F.gelu,
+    F.silu,
+    F.relu,
+    F.dropout,
+    F.softplus,
+    torch.relu,
+    torch.where,
 }
 _ELEMENTWISE_METHODS = {
-    "add", "mul", "sub", "div", "float", "half", "bfloat16", "to", "type_as", "contiguous", "tanh", "sigmoid",
-    "exp", "relu", "neg", "clone", "__mul__", "__add__", "__sub__", "__truediv__", "pow",
-    "__radd__", "__rmul__", "__rsub__", "__rtruediv__", "masked_fill", "double", "rsqrt", "sqrt", "abs",
+    "add",
+    "mul",
+    "sub",
+    "div",
+    "float",
+    "half",
+    "bfloat16",
+    "to",
+    "type_as",
+    "contiguous",
+    "tanh",
+    "sigmoid",
+    "exp",
+    "relu",
+    "neg",
+    "clone",
+    "__mul__",
+    "__add__",
+    "__sub__",
+    "__truediv__",
+    "pow",
+    "__radd__",
+    "__rmul__",
+    "__rsub__",
+    "__rtruediv__",
+    "masked_fill",
+    "double",
+    "rsqrt",
+    "sqrt",
+    "abs",
 }
 
 
@@ -79,7 +127,11 @@ def _call_name(node: fx.Node) -> str:
 
 def _shape_args(node: fx.Node) -> tuple[list, bool]:
     """The shape arguments of view/reshape as a list, and whether they came packed in one tuple."""
-    rest = list(node.args[1:]) if node.op == "call_method" or _call_name(node) in ("reshape", "expand", "broadcast_to") else []
+    rest = (
+        list(node.args[1:])
+        if node.op == "call_method" or _call_name(node) in ("reshape", "expand", "broadcast_to")
+        else []
+    )
     if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
         return list(rest[0]), True
     return rest, False

@@ -33,7 +33,9 @@ _VOCAB_PAIR = {"vocab_embedding", "vocab_head"}
 
 def _linear_view(conv: nn.Module) -> SimpleNamespace:
     """A Conv1D seen as nn.Linear: weight (out, in) as a transposed view of the (in, out) one."""
-    return SimpleNamespace(in_features=conv.weight.shape[0], out_features=conv.nf, weight=conv.weight.t(), bias=conv.bias)
+    return SimpleNamespace(
+        in_features=conv.weight.shape[0], out_features=conv.nf, weight=conv.weight.t(), bias=conv.bias
+    )
 
 
 def _transpose_weight(layer: nn.Module) -> None:
@@ -156,7 +158,9 @@ def check_plan(plan: object, *, tensor_parallel_size: int, sequence_parallel: bo
 def check_styles(plan: object) -> None:
     """Every entry of ``plan`` names a module (path or glob) and a style this module knows."""
     if not isinstance(plan, dict):
-        raise ValueError(f"tp_plan={plan!r} must be a dict of module path -> style, e.g. {{'blocks.0.attn.q': 'colwise'}}")
+        raise ValueError(
+            f"tp_plan={plan!r} must be a dict of module path -> style, e.g. {{'blocks.0.attn.q': 'colwise'}}"
+        )
     for path, style in plan.items():
         kind, _, parts = str(style).partition(":")
         fused = kind == "colwise_fused" and fused_parts(parts) is not None

@@ -16,7 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_ptdp.tensor_parallel.collectives import TPGroup, copy_to_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region
+from lightning_ptdp.tensor_parallel.collectives import (
+    TPGroup,
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+)
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
 from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard, sequence_parallel_linear
 
@@ -192,7 +197,9 @@ class VocabParallelEmbedding(nn.Module):
         self.padding_idx = embedding.padding_idx  # nn.Embedding keeps it in [0, num_embeddings)
         local_pad = None if self.padding_idx is None else self.padding_idx - self.shard.start
         self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.shard.valid else None
-        self.weight = weight if weight is not None else _param(self.shard.slice_rows(embedding.weight), embedding.weight)
+        self.weight = (
+            weight if weight is not None else _param(self.shard.slice_rows(embedding.weight), embedding.weight)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.shard.start
@@ -208,8 +215,11 @@ class VocabParallelEmbedding(nn.Module):
 
 def _check_vocab_parallel(embedding: nn.Embedding) -> None:
     """Options whose result depends on the whole vocabulary's rows or ids are refused, not approximated."""
-    refused = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq or None,
-               "sparse": embedding.sparse or None}
+    refused = {
+        "max_norm": embedding.max_norm,
+        "scale_grad_by_freq": embedding.scale_grad_by_freq or None,
+        "sparse": embedding.sparse or None,
+    }
     bad = {k: v for k, v in refused.items() if v is not None}
     if bad:
         given = ", ".join(f"{k}={v!r}" for k, v in bad.items())

@@ -151,12 +151,25 @@ def _run_gathered(func, logits: VocabParallelLogits, args, kwargs):
         return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
 
 
-def _cross_entropy(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0, **_):
+def _cross_entropy(
+    logits,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index=-100,
+    reduce=None,
+    reduction="mean",
+    label_smoothing=0.0,
+    **_,
+):
     supported = weight is None and size_average is None and reduce is None and label_smoothing == 0.0
     if not supported or logits.dim() != 2 or target.dim() != 1:
-        return _run_gathered(F.cross_entropy, logits, (logits, target), dict(
-            weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing))
+        return _run_gathered(
+            F.cross_entropy,
+            logits,
+            (logits, target),
+            dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing),
+        )
     losses = _VocabParallelCrossEntropy.apply(logits.local(), target, logits._shard, logits._tp, ignore_index)
     if reduction == "none":
         return losses

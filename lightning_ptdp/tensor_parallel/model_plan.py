@@ -13,7 +13,10 @@ import torch.nn as nn
 
 log = logging.getLogger(__name__)
 
-_SAME = {"colwise": ("colwise", "colwise_rep", "local_colwise", "packed_colwise"), "rowwise": ("rowwise", "rowwise_rep", "local_rowwise")}
+_SAME = {
+    "colwise": ("colwise", "colwise_rep", "local_colwise", "packed_colwise"),
+    "rowwise": ("rowwise", "rowwise_rep", "local_rowwise"),
+}
 
 
 def _model_plans(model: nn.Module) -> list[tuple[str, dict[str, str]]]:
@@ -30,7 +33,7 @@ def _their_style(path: str, plans: list[tuple[str, dict[str, str]]]) -> Optional
     for base, plan in plans:
         if base and not path.startswith(f"{base}."):
             continue
-        relative = path[len(base) + 1:] if base else path
+        relative = path[len(base) + 1 :] if base else path
         for pattern, style in plan.items():
             if fnmatch.fnmatchcase(relative, pattern):
                 return style
@@ -54,5 +57,7 @@ def cross_check(model: nn.Module, entries: list[tuple[str, str, str]]) -> list[t
             disagreements.append(f"{path}: discovered {style}, the model's plan says {theirs}")
         checked.append((path, style, f"{detail}; {verdict}"))
     if disagreements:
-        log.warning("the discovered plan (used) differs from the model's base_model_tp_plan: %s", "; ".join(disagreements))
+        log.warning(
+            "the discovered plan (used) differs from the model's base_model_tp_plan: %s", "; ".join(disagreements)
+        )
     return checked

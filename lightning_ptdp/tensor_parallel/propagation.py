@@ -73,7 +73,8 @@ class ShardPropagation:
         if extra:
             log.warning(
                 "block '%s' also returns %s: under tensor parallelism each rank's copy holds its own heads only",
-                self.name, ", ".join(extra),
+                self.name,
+                ", ".join(extra),
             )
 
     def _module(self, node: fx.Node, src: fx.Node) -> None:
@@ -181,7 +182,11 @@ class ShardPropagation:
             self.shard[node] = Sharded(info.dim, info.ratio)
             return
         sizes = node.args[1]
-        new = [self._divide(node, s, info.ratio) for s in sizes] if isinstance(sizes, (list, tuple)) else self._divide(node, sizes, info.ratio)
+        new = (
+            [self._divide(node, s, info.ratio) for s in sizes]
+            if isinstance(sizes, (list, tuple))
+            else self._divide(node, sizes, info.ratio)
+        )
         node.args = (node.args[0], new, *node.args[2:])
         self.shard[node] = Sharded(info.dim, info.ratio)
 
@@ -219,7 +224,11 @@ class ShardPropagation:
         """``qkv[..., a:b]`` cutting a fused column at its part boundaries (Phi-3's q | k | v):
         each rank holds 1/r of every part, so the local cut is at a/r, b/r."""
         total = info.bounds[-1] if info.bounds else 0
-        edges = [0 if e is None else e % total if total else e for e in (item.start, item.stop)] if isinstance(item, slice) else []
+        edges = (
+            [0 if e is None else e % total if total else e for e in (item.start, item.stop)]
+            if isinstance(item, slice)
+            else []
+        )
         if item.stop is None and edges:
             edges[1] = total
         if not edges or item.step not in (None, 1) or any(e not in info.bounds for e in edges):

@@ -127,7 +127,9 @@ class _Recorder(TorchFunctionMode):
         if self.depth:
             return result
         method = _method_name(func)
-        in_place = method == "__setitem__" or (method is not None and method.endswith("_") and not method.endswith("__"))
+        in_place = method == "__setitem__" or (
+            method is not None and method.endswith("_") and not method.endswith("__")
+        )
         if not in_place and not any(isinstance(v, torch.Tensor) for v in tree_flatten(result)[0]):
             return result  # shapes, dtypes, sizes: plain values, no dataflow
         site = self.sites.site(func)
@@ -169,7 +171,10 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
 
     def enter(module: nn.Module, m_args: tuple, m_kwargs: dict) -> None:
         if recorder.depth == 0:
-            module.__dict__["_ptdp_record_in"] = (tree_map(recorder.node_of, m_args), tree_map(recorder.node_of, m_kwargs))
+            module.__dict__["_ptdp_record_in"] = (
+                tree_map(recorder.node_of, m_args),
+                tree_map(recorder.node_of, m_kwargs),
+            )
         recorder.depth += 1
 
     def leave(module: nn.Module, m_args: tuple, m_kwargs: dict, output: Any) -> None:
@@ -188,7 +193,11 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
     finally:
         for handle in handles:
             handle.remove()
-    out_nodes = [recorder.nodes[id(t)] for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and id(t) in recorder.nodes]
+    out_nodes = [
+        recorder.nodes[id(t)]
+        for t in tree_flatten(output)[0]
+        if isinstance(t, torch.Tensor) and id(t) in recorder.nodes
+    ]
     recorder.graph.output(tuple(out_nodes))
     return RecordedBlock(block, recorder.graph)
 

@@ -54,7 +54,9 @@ class Rewrite:
             if leaves[i] == glob:
                 leaves[i] = loc
             elif leaves[i] != loc:
-                raise TPDiscoveryError(self._mismatch(f"passes {leaves[i]} where {glob} (global) or {loc} (local) was expected"))
+                raise TPDiscoveryError(
+                    self._mismatch(f"passes {leaves[i]} where {glob} (global) or {loc} (local) was expected")
+                )
         return tree_unflatten(leaves, spec)
 
     def _mismatch(self, why: str) -> str:
@@ -171,7 +173,9 @@ class BlockRuntime:
         self.input_sources = [(s.key, k) for k, s in enumerate(program.sources) if s.kind == "input"]
         for k, source in enumerate(program.sources):
             if source.kind == "module":
-                block.get_submodule(source.key).register_forward_hook(functools.partial(self._produced, k, source.index))
+                block.get_submodule(source.key).register_forward_hook(
+                    functools.partial(self._produced, k, source.index)
+                )
 
     def _produced(self, k: int, index: int | None, module: nn.Module, args: tuple, output: Any) -> None:
         if self.depth == 0:  # the top-level leaf itself (its depth hook ran first)

@@ -87,7 +87,11 @@ class _SequenceParallelLinear(Function):
 
 
 def sequence_parallel_linear(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, shard: SequenceShard  # noqa: A002
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    shard: SequenceShard,  # noqa: A002
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` for an all-gathered ``input``, saving ``shard`` instead of it.
 

@@ -65,8 +65,9 @@ def expand_strategy_name(args: Sequence[str]) -> list[str]:
 
 def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **cli_kwargs: Any):
     """Construct the LightningCLI (and run the subcommand when ``run``); returns the CLI object."""
-    import lightning_ptdp  # noqa: F401  (registers strategy="ptdp")
     from lightning.pytorch.cli import LightningCLI
+
+    import lightning_ptdp  # noqa: F401  (registers strategy="ptdp")
 
     class PTDPCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:

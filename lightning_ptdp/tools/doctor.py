@@ -25,25 +25,27 @@ import torch
 import torch.distributed as dist
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
-from lightning_ptdp.tools.flops import device_peak_flops
-from lightning_ptdp.tools.interconnect import (BenchRow, format_benchmark, format_size, nvidia_smi_nvlink_pairs, parse_bytes,
-                                         run_launched_benchmark, run_local_benchmark)
 from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.tools.checks import FAIL, OK, WARN, Check
+from lightning_ptdp.tools.flops import device_peak_flops
+from lightning_ptdp.tools.interconnect import (
+    BenchRow,
+    format_benchmark,
+    format_size,
+    nvidia_smi_nvlink_pairs,
+    parse_bytes,
+    run_launched_benchmark,
+    run_local_benchmark,
+)
+from lightning_ptdp.tools.launch_checks import (  # noqa: F401  (part of the doctor's checks)
+    LAUNCH_VARIABLES,
+    check_launch,
+    check_nccl_env,
+    env_int,
+    under_slurm,
+)
 
-OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_PYTHON = (3, 10)
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
-SLURM_INTERACTIVE_NAMES = ("bash", "interactive")  # Lightning ignores SLURM for these job names
-
-
-@dataclass(frozen=True)
-class Check:
-    """The outcome of one check: ``status`` is OK, WARN or FAIL; ``fix`` says what to do."""
-
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,32 @@ class Requirement:
 
 
 REQUIREMENTS: tuple[Requirement, ...] = (
-    Requirement("torch", "2.11", "torch", "everything", True, 'pip install "torch>=2.11" (the CUDA build from pytorch.org on GPUs)'),
+    Requirement(
+        "torch",
+        "2.11",
+        "torch",
+        "everything",
+        True,
+        'pip install "torch>=2.11" (the CUDA build from pytorch.org on GPUs)',
+    ),
     Requirement("lightning", "2.5", "lightning", "the strategy", True, 'pip install "lightning>=2.5"'),
     Requirement("torchmetrics", "1.4", "torchmetrics", "metrics", True, 'pip install "torchmetrics>=1.4"'),
-    Requirement("jsonargparse", "4.39", "jsonargparse", "ptdp fit/validate/test/predict", False, 'pip install "jsonargparse[signatures]>=4.39"'),
-    Requirement("triton", "3.2", "triton", "the Triton kernels (kernels='auto' falls back to torch)", False, 'pip install -e ".[triton]"'),
+    Requirement(
+        "jsonargparse",
+        "4.39",
+        "jsonargparse",
+        "ptdp fit/validate/test/predict",
+        False,
+        'pip install "jsonargparse[signatures]>=4.39"',
+    ),
+    Requirement(
+        "triton",
+        "3.2",
+        "triton",
+        "the Triton kernels (kernels='auto' falls back to torch)",
+        False,
+        'pip install -e ".[triton]"',
+    ),
     Requirement("hydra-core", "1.3", "hydra", "python -m recipes.train", False, 'pip install -e ".[hydra]"'),
     Requirement("wandb", "0.17", "wandb", "logger=wandb", False, 'pip install -e ".[wandb]"'),
 )
@@ -87,8 +110,11 @@ def check_python(version_info: Sequence[int] = tuple(sys.version_info[:3])) -> C
     return Check("python", OK, f"{found} ({platform.system()} {platform.machine()})")
 
 
-def check_requirement(req: Requirement, version_of: Callable[[str], Optional[str]] = _installed_version,
-                      module_found: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None) -> Check:
+def check_requirement(
+    req: Requirement,
+    version_of: Callable[[str], Optional[str]] = _installed_version,
+    module_found: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None,
+) -> Check:
     """A package's version against the project's minimum; missing optional extras only WARN. The
     module is looked up, not imported (importing wandb takes seconds)."""
     bad = FAIL if req.required else WARN
@@ -108,8 +134,10 @@ def check_cuda(available: bool, device_count: int, cuda_build: Optional[str]) ->
     """No CUDA is a WARN, not a FAIL: CPU runs over gloo are supported (and tested)."""
     if not available:
         why = "this torch is a CPU build" if cuda_build is None else f"torch has CUDA {cuda_build} but sees no GPU"
-        fix = ("for GPU runs install the CUDA build of torch (pytorch.org); check nvidia-smi and "
-               "CUDA_VISIBLE_DEVICES. CPU-only runs (gloo) need nothing more")
+        fix = (
+            "for GPU runs install the CUDA build of torch (pytorch.org); check nvidia-smi and "
+            "CUDA_VISIBLE_DEVICES. CPU-only runs (gloo) need nothing more"
+        )
         return Check("cuda", WARN, f"not available ({why}): CPU-only runs", fix)
     return Check("cuda", OK, f"CUDA {cuda_build}, {device_count} GPU(s) visible")
 
@@ -138,118 +166,102 @@ def check_topology(gpu_count: int, no_peer_access: Sequence[tuple[int, int]], nv
     links = "" if nvlinks is None else f"; NVLink on {nvlinks} of {gpu_count * (gpu_count - 1) // 2} pairs"
     if no_peer_access:
         pairs = ", ".join(f"{i}<->{j}" for i, j in no_peer_access)
-        return Check("topology", WARN, f"no peer access between GPUs {pairs}{links}",
-                     "check `nvidia-smi topo -m` and IOMMU/ACS settings; keep TP groups on GPUs with peer access")
+        return Check(
+            "topology",
+            WARN,
+            f"no peer access between GPUs {pairs}{links}",
+            "check `nvidia-smi topo -m` and IOMMU/ACS settings; keep TP groups on GPUs with peer access",
+        )
     return Check("topology", OK, f"peer access between all {gpu_count} GPUs{links}")
 
 
 def check_backends(cuda: bool, nccl: bool, gloo: bool, nccl_version: Optional[str]) -> list[Check]:
     """NCCL is needed on GPUs, gloo on CPUs; a build without torch.distributed can do neither."""
     if not dist.is_available():
-        return [Check("backends", FAIL, "torch.distributed is not available in this build",
-                      "install a torch build with distributed support (the pytorch.org wheels have it)")]
+        return [
+            Check(
+                "backends",
+                FAIL,
+                "torch.distributed is not available in this build",
+                "install a torch build with distributed support (the pytorch.org wheels have it)",
+            )
+        ]
     if nccl:
         nccl_check = Check("nccl", OK, f"available (NCCL {nccl_version})" if nccl_version else "available")
     elif cuda:
-        nccl_check = Check("nccl", FAIL, "this torch has no NCCL: GPU runs cannot use backend 'nccl'",
-                           "install the CUDA build of torch from pytorch.org (Linux wheels include NCCL)")
+        nccl_check = Check(
+            "nccl",
+            FAIL,
+            "this torch has no NCCL: GPU runs cannot use backend 'nccl'",
+            "install the CUDA build of torch from pytorch.org (Linux wheels include NCCL)",
+        )
     else:
         nccl_check = Check("nccl", OK, "not in this build (CPU-only: gloo is used)")
-    gloo_check = Check("gloo", OK, "available") if gloo else Check(
-        "gloo", WARN if cuda else FAIL, "not in this build: CPU runs cannot start",
-        "install a torch build with gloo (the pytorch.org wheels have it)")
+    gloo_check = (
+        Check("gloo", OK, "available")
+        if gloo
+        else Check(
+            "gloo",
+            WARN if cuda else FAIL,
+            "not in this build: CPU runs cannot start",
+            "install a torch build with gloo (the pytorch.org wheels have it)",
+        )
+    )
     return [nccl_check, gloo_check]
 
 
-def check_nccl_env(env: Mapping[str, str], num_nodes: int) -> Check:
-    """NCCL_* (and CUDA_VISIBLE_DEVICES) variables, warning on the ones that switch off fast paths."""
-    shown = {k: v for k, v in sorted(env.items()) if k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_VISIBLE"))}
-    listed = ", ".join(f"{k}={v}" for k, v in shown.items()) or "none set (NCCL picks its defaults)"
-    slow = [f"{k}=1 ({why})" for k, why, applies in (
-        ("NCCL_P2P_DISABLE", "GPU-to-GPU copies go through the host", True),
-        ("NCCL_SHM_DISABLE", "no shared-memory transport", True),
-        ("NCCL_IB_DISABLE", "inter-node traffic over TCP sockets", num_nodes > 1),
-    ) if applies and shown.get(k) == "1"]
-    if slow:
-        return Check("nccl env", WARN, f"{listed}; slows training: {'; '.join(slow)}",
-                     "unset these unless a hang was traced to them; NCCL_DEBUG=INFO shows the transports")
-    return Check("nccl env", OK, listed)
-
-
-def _int(env: Mapping[str, str], key: str) -> Optional[int]:
-    match = re.match(r"\d+", env.get(key, ""))  # SLURM writes e.g. SLURM_NTASKS_PER_NODE="4(x2)"
-    return int(match.group(0)) if match else None
-
-
-def _under_slurm(env: Mapping[str, str]) -> bool:
-    return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in SLURM_INTERACTIVE_NAMES
-
-
-def _slurm_check(env: Mapping[str, str], devices: int, num_nodes: int) -> Check:
-    expected = {"SLURM_NTASKS": devices * num_nodes, "SLURM_NNODES": num_nodes, "SLURM_NTASKS_PER_NODE": devices}
-    wrong = [f"{k}={env[k]} (want {want})" for k, want in expected.items() if k in env and _int(env, k) != want]
-    where = f"SLURM job {env.get('SLURM_JOB_ID', '?')}, SLURM_PROCID={env.get('SLURM_PROCID', '?')}"
-    if wrong:
-        return Check("launch", FAIL, f"{where}: {', '.join(wrong)} for devices={devices} x num_nodes={num_nodes}",
-                     f"sbatch --nodes={num_nodes} --ntasks-per-node={devices}, or change devices/num_nodes")
-    return Check("launch", OK, f"{where}: Lightning reads the ranks from SLURM")
-
-
-def _process_launch_check(env: Mapping[str, str], devices: int, num_nodes: int, launcher: str) -> Check:
-    """torchrun, or variables set by hand: rank, world size and rendezvous must be complete and agree."""
-    world = devices * num_nodes
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-    rank, size, port = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "MASTER_PORT")
-    problems = [f"{k} is not set" for k in missing]
-    if size is not None and size != world:
-        problems.append(f"WORLD_SIZE={size} but devices x num_nodes = {devices} x {num_nodes} = {world}")
-    if rank is not None and size is not None and rank >= size:
-        problems.append(f"RANK={rank} must be < WORLD_SIZE={size}")
-    if "MASTER_PORT" in env and not (port and 0 < port < 65536 and str(port) == env["MASTER_PORT"]):
-        problems.append(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number")
-    shown = ", ".join(f"{k}={env[k]}" for k in LAUNCH_VARIABLES if k in env)
-    if problems:
-        return Check("launch", FAIL, f"{launcher}: {'; '.join(problems)} ({shown})",
-                     f"launch with torchrun --nnodes={num_nodes} --nproc_per_node={devices}, "
-                     "or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT consistently")
-    return Check("launch", OK, f"{launcher}: {shown}")
-
-
-def check_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Check:
-    """Which launcher Lightning will see (SLURM, then torchrun, as Lightning itself checks), and
-    whether its world agrees with devices x num_nodes."""
-    if _under_slurm(env):
-        return _slurm_check(env, devices, num_nodes)
-    if {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= env.keys():
-        return _process_launch_check(env, devices, num_nodes, "torchrun")
-    if any(k in env for k in LAUNCH_VARIABLES):
-        return _process_launch_check(env, devices, num_nodes, "launch variables set by hand")
-    if num_nodes > 1:
-        return Check("launch", WARN, f"num_nodes={num_nodes} but no torchrun or SLURM variables in this shell",
-                     "start every node with torchrun or srun (see README), or set MASTER_ADDR, MASTER_PORT, NODE_RANK")
-    return Check("launch", OK, f"no launcher: Lightning starts the {devices} local process(es) itself")
-
-
-def check_layout(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int | str,
-                 devices: int, num_nodes: int, gpus_on_node: int = 0) -> list[Check]:
+def check_layout(
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    data_parallel_size: int | str,
+    devices: int,
+    num_nodes: int,
+    gpus_on_node: int = 0,
+) -> list[Check]:
     """The proposed (t, p, d) on devices x num_nodes, validated exactly as the strategy will."""
     try:
         check_positive_int("devices", devices)
         check_positive_int("num_nodes", num_nodes)
-        config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                                data_parallel_size=data_parallel_size)
+        config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+        )
         dims = ParallelDims.from_config(config, devices * num_nodes)
     except ValueError as err:
         return [Check("layout", FAIL, str(err))]
-    checks = [Check("layout", OK, f"t={dims.tp} p={dims.pp} d={dims.dp} on {dims.world_size} processes "
-                                  f"(devices={devices} x num_nodes={num_nodes})")]
+    checks = [
+        Check(
+            "layout",
+            OK,
+            f"t={dims.tp} p={dims.pp} d={dims.dp} on {dims.world_size} processes "
+            f"(devices={devices} x num_nodes={num_nodes})",
+        )
+    ]
     if devices % dims.tp:
-        why = f"t={dims.tp} > {devices} GPUs per node" if dims.tp > devices else f"t={dims.tp} does not divide devices={devices}"
-        checks.append(Check("tp placement", WARN, f"tensor-parallel groups cross nodes: {why}; their all-reduces "
-                            "(every layer) would run over the network", "keep t <= devices and dividing it; span nodes with p or d"))
+        why = (
+            f"t={dims.tp} > {devices} GPUs per node"
+            if dims.tp > devices
+            else f"t={dims.tp} does not divide devices={devices}"
+        )
+        checks.append(
+            Check(
+                "tp placement",
+                WARN,
+                f"tensor-parallel groups cross nodes: {why}; their all-reduces "
+                "(every layer) would run over the network",
+                "keep t <= devices and dividing it; span nodes with p or d",
+            )
+        )
     if gpus_on_node and devices > gpus_on_node:
-        checks.append(Check("devices", FAIL, f"devices={devices} but this node has {gpus_on_node} visible GPU(s)",
-                            "lower devices, or check CUDA_VISIBLE_DEVICES"))
+        checks.append(
+            Check(
+                "devices",
+                FAIL,
+                f"devices={devices} but this node has {gpus_on_node} visible GPU(s)",
+                "lower devices, or check CUDA_VISIBLE_DEVICES",
+            )
+        )
     return checks
 
 
@@ -259,7 +271,9 @@ def check_benchmark(backend: str, world_size: int, rows: Sequence[BenchRow]) -> 
     summary = ", ".join(f"{op} {row.busbw_gbps:.2f}" for op, row in largest.items())
     detail = f"{backend}, {world_size} ranks, busbw GB/s at {format_size(max(r.size_bytes for r in rows))}: {summary}"
     if backend == "gloo":
-        return Check("collectives", WARN, detail, "gloo on CPU measures the host; run under torchrun on the GPUs for nccl")
+        return Check(
+            "collectives", WARN, detail, "gloo on CPU measures the host; run under torchrun on the GPUs for nccl"
+        )
     return Check("collectives", OK, detail)
 
 
@@ -277,17 +291,25 @@ class Report:
         return {s: sum(c.status == s for c in self.checks) for s in (OK, WARN, FAIL)}
 
     def as_dict(self) -> dict:
-        return {"exit_code": self.exit_code, "summary": self.counts(), "checks": [asdict(c) for c in self.checks],
-                "benchmark": [asdict(r) for r in self.benchmark]}
+        return {
+            "exit_code": self.exit_code,
+            "summary": self.counts(),
+            "checks": [asdict(c) for c in self.checks],
+            "benchmark": [asdict(r) for r in self.benchmark],
+        }
 
     def text(self) -> str:
-        lines = [f"{c.status:<5} {c.name:<13} {c.detail}" + (f"  -> fix: {c.fix}" if c.fix else "") for c in self.checks]
+        lines = [
+            f"{c.status:<5} {c.name:<13} {c.detail}" + (f"  -> fix: {c.fix}" if c.fix else "") for c in self.checks
+        ]
         if self.benchmark:
             lines += ["", format_benchmark(self.benchmark)]
         counts = self.counts()
         verdict = "fix the FAIL lines before launching" if counts[FAIL] else "ready to launch"
-        return "\n".join(lines + ["", f"{len(self.checks)} checks: {counts[OK]} OK, {counts[WARN]} WARN, "
-                                      f"{counts[FAIL]} FAIL; {verdict}"])
+        return "\n".join(
+            lines
+            + ["", f"{len(self.checks)} checks: {counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL; {verdict}"]
+        )
 
 
 def probe_gpus() -> list[Check]:
@@ -298,7 +320,9 @@ def probe_gpus() -> list[Check]:
         props = torch.cuda.get_device_properties(i)
         checks.append(check_gpu(i, props.name, props.total_memory, (props.major, props.minor)))
     if count:
-        missing = [(i, j) for i in range(count) for j in range(i + 1, count) if not torch.cuda.can_device_access_peer(i, j)]
+        missing = [
+            (i, j) for i in range(count) for j in range(i + 1, count) if not torch.cuda.can_device_access_peer(i, j)
+        ]
         checks.append(check_topology(count, missing, nvidia_smi_nvlink_pairs()))
     return checks
 
@@ -312,9 +336,9 @@ def _nccl_version() -> Optional[str]:
 
 def default_devices(env: Mapping[str, str], gpus: int) -> tuple[int, int]:
     """(devices, num_nodes) when not given: the launcher's, else every visible GPU (or 1) on 1 node."""
-    if _under_slurm(env) and "SLURM_NTASKS_PER_NODE" in env:
-        return _int(env, "SLURM_NTASKS_PER_NODE") or 1, _int(env, "SLURM_NNODES") or 1
-    per_node, world = _int(env, "LOCAL_WORLD_SIZE"), _int(env, "WORLD_SIZE")
+    if under_slurm(env) and "SLURM_NTASKS_PER_NODE" in env:
+        return env_int(env, "SLURM_NTASKS_PER_NODE") or 1, env_int(env, "SLURM_NNODES") or 1
+    per_node, world = env_int(env, "LOCAL_WORLD_SIZE"), env_int(env, "WORLD_SIZE")
     if per_node and world and world % per_node == 0:
         return per_node, world // per_node
     return max(gpus, 1), 1
@@ -327,13 +351,23 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str] = os.environ) ->
     devices, num_nodes = default_devices(env, gpus)
     devices = devices if args.devices is None else args.devices
     num_nodes = num_nodes if args.num_nodes is None else args.num_nodes
-    checks = [check_python(), *(check_requirement(req) for req in REQUIREMENTS),
-              check_cuda(cuda, gpus, torch.version.cuda), *probe_gpus(),
-              *check_backends(cuda, dist.is_available() and dist.is_nccl_available(),
-                              dist.is_available() and dist.is_gloo_available(), _nccl_version() if cuda else None),
-              check_nccl_env(env, num_nodes), check_launch(env, devices, num_nodes),
-              *check_layout(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
-                            devices, num_nodes, gpus)]
+    checks = [
+        check_python(),
+        *(check_requirement(req) for req in REQUIREMENTS),
+        check_cuda(cuda, gpus, torch.version.cuda),
+        *probe_gpus(),
+        *check_backends(
+            cuda,
+            dist.is_available() and dist.is_nccl_available(),
+            dist.is_available() and dist.is_gloo_available(),
+            _nccl_version() if cuda else None,
+        ),
+        check_nccl_env(env, num_nodes),
+        check_launch(env, devices, num_nodes),
+        *check_layout(
+            args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, devices, num_nodes, gpus
+        ),
+    ]
     report = Report(checks)
     if args.bench:
         _add_benchmark(report, args, env)
@@ -350,8 +384,14 @@ def _add_benchmark(report: Report, args: argparse.Namespace, env: Mapping[str, s
             backend, world_size = "gloo", args.bench_ranks
             rows = run_local_benchmark(world_size, args.bench_bytes, args.bench_iters)
     except Exception as err:  # any failure of the group or a collective is the finding
-        report.checks.append(Check("collectives", FAIL, f"{type(err).__name__}: {err}".strip(),
-                                   "run with NCCL_DEBUG=INFO (GPUs) and check MASTER_ADDR/MASTER_PORT reachability"))
+        report.checks.append(
+            Check(
+                "collectives",
+                FAIL,
+                f"{type(err).__name__}: {err}".strip(),
+                "run with NCCL_DEBUG=INFO (GPUs) and check MASTER_ADDR/MASTER_PORT reachability",
+            )
+        )
         return
     report.benchmark = rows
     report.checks.append(check_benchmark(backend, world_size, rows))
@@ -366,8 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", "-t", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-p", type=int, default=1)
     parser.add_argument("--data-parallel-size", "-d", type=_data_parallel_size, default="auto")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="processes per node (default: the launcher's, else the visible GPUs, or 1)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="processes per node (default: the launcher's, else the visible GPUs, or 1)",
+    )
     parser.add_argument("--num-nodes", type=int, default=None, help="default: the launcher's, else 1")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--bench", action="store_true", help="benchmark the collectives (nccl-tests bandwidths)")

@@ -41,7 +41,10 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 # Peak HBM bandwidth in bytes/s, from the same data sheets (A100: the 80 GB part).
 PEAK_HBM_BYTES_PER_S: dict[str, float] = {
-    "A100": 2.039e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
+    "A100": 2.039e12,
+    "H100 SXM": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H200": 4.8e12,
 }
 
 # Lower-cased device names (as torch.cuda.get_device_name reports them) -> PEAK_TFLOPS key.
@@ -58,13 +61,25 @@ _DEVICE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
 
 # Accepted spellings of a compute dtype (torch dtype strings, Lightning precision strings).
 _DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "bf16-mixed": "bf16", "bf16-true": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "16-mixed": "fp16", "16-true": "fp16", "16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "16": "fp16",
     "tf32": "tf32",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "32-true": "fp32", "32": "fp32",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "32-true": "fp32",
+    "32": "fp32",
 }
 
 
@@ -80,8 +95,7 @@ def _positive_number(name: str, value: object, fix: str) -> float:
     return float(value)
 
 
-def gpt_parameter_count(num_layers: int, hidden_size: int, vocab_size: int,
-                        seq_length: int) -> int:
+def gpt_parameter_count(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> int:
     """Parameters of a GPT model, the paper's Eq. 2.
 
     ``P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))``, counted term by term (exact, an ``int``):
@@ -100,9 +114,14 @@ def gpt_parameter_count(num_layers: int, hidden_size: int, vocab_size: int,
     return l * (12 * h * h + 13 * h) + (v + s) * h
 
 
-def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int,
-                            hidden_size: int, vocab_size: int,
-                            activation_recompute: bool = True) -> int:
+def gpt_flops_per_iteration(
+    batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    activation_recompute: bool = True,
+) -> int:
     """Matmul FLOPs of one training iteration (forward + backward) of a GPT model.
 
     Only matrix multiplications are counted (a multiply-add is 2 FLOPs); layer norms,
@@ -128,16 +147,14 @@ def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int,
     h = _positive_int("hidden_size", hidden_size, "pass the model width")
     v = _positive_int("vocab_size", vocab_size, "pass the (padded) vocabulary size")
     if not isinstance(activation_recompute, bool):
-        raise ValueError(f"activation_recompute must be True or False, "
-                         f"got {activation_recompute!r}")
+        raise ValueError(f"activation_recompute must be True or False, got {activation_recompute!r}")
     layer_forward = 24 * big_b * s * h * h + 4 * big_b * s * s * h
     layer_passes = 4 if activation_recompute else 3
     logit_layer = 3 * (2 * big_b * s * h * v)
     return layer_passes * l * layer_forward + logit_layer
 
 
-def training_time_seconds(tokens: float, parameters: float, num_gpus: int,
-                          flops_per_gpu: float) -> float:
+def training_time_seconds(tokens: float, parameters: float, num_gpus: int, flops_per_gpu: float) -> float:
     """End-to-end training time, Eq. 4 of Narayanan et al.: ``8TP / (nX)`` seconds.
 
     ``T`` tokens, ``P`` parameters, ``n`` GPUs each sustaining ``X`` FLOP/s (achieved, not
@@ -147,15 +164,21 @@ def training_time_seconds(tokens: float, parameters: float, num_gpus: int,
     t = _positive_number("tokens", tokens, "pass the number of training tokens")
     p = _positive_number("parameters", parameters, "pass the model's parameter count")
     n = _positive_int("num_gpus", num_gpus, "pass the number of GPUs")
-    x = _positive_number("flops_per_gpu", flops_per_gpu,
-                         "pass the achieved throughput per GPU in FLOP/s (e.g. 140e12)")
+    x = _positive_number("flops_per_gpu", flops_per_gpu, "pass the achieved throughput per GPU in FLOP/s (e.g. 140e12)")
     return 8.0 * t * p / (n * x)
 
 
-def model_state_bytes_per_rank(parameters: float, tensor_parallel_size: int = 1,
-                               pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                               zero_stage: int = 0, bytes_per_param: float = 16, *,
-                               weight_bytes: float = 2, grad_bytes: float = 2) -> float:
+def model_state_bytes_per_rank(
+    parameters: float,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    zero_stage: int = 0,
+    bytes_per_param: float = 16,
+    *,
+    weight_bytes: float = 2,
+    grad_bytes: float = 2,
+) -> float:
     """Bytes of weights, gradients and optimizer state held by one rank.
 
     The default 16 bytes per parameter is Adam with mixed precision: a bf16 weight (2) and
@@ -174,25 +197,34 @@ def model_state_bytes_per_rank(parameters: float, tensor_parallel_size: int = 1,
     p = _positive_int("pipeline_parallel_size", pipeline_parallel_size, "use 1 for no PP")
     d = _positive_int("data_parallel_size", data_parallel_size, "use 1 for no DP")
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}; "
-                         "use 0 for no sharding, 1/2/3 to shard optimizer/gradients/weights")
-    total = _positive_number("bytes_per_param", bytes_per_param,
-                             "pass the model-state bytes per parameter (16: mixed-precision Adam)")
+        raise ValueError(
+            f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}; "
+            "use 0 for no sharding, 1/2/3 to shard optimizer/gradients/weights"
+        )
+    total = _positive_number(
+        "bytes_per_param", bytes_per_param, "pass the model-state bytes per parameter (16: mixed-precision Adam)"
+    )
     optimizer_bytes = total - weight_bytes - grad_bytes
     if not (weight_bytes >= 0 and grad_bytes >= 0 and optimizer_bytes >= 0):
         raise ValueError(
             f"bytes_per_param ({bytes_per_param}) must cover weight_bytes ({weight_bytes}) + "
-            f"grad_bytes ({grad_bytes}), both non-negative; raise bytes_per_param or lower them")
+            f"grad_bytes ({grad_bytes}), both non-negative; raise bytes_per_param or lower them"
+        )
     weights = weight_bytes / d if zero_stage >= 3 else weight_bytes
     grads = grad_bytes / d if zero_stage >= 2 else grad_bytes
     optimizer = optimizer_bytes / d if zero_stage >= 1 else optimizer_bytes
     return p_count / (t * p) * (weights + grads + optimizer)
 
 
-def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
-                               num_heads: int, tensor_parallel_size: int = 1,
-                               sequence_parallel: bool = False,
-                               recompute: str | None = None) -> float:
+def activation_bytes_per_layer(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_heads: int,
+    tensor_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str | None = None,
+) -> float:
     """Activation bytes one transformer layer keeps for one microbatch (Korthikanti et al.).
 
     Assumes 16-bit activations and 1-byte dropout masks.  Of the ``34sbh`` that do not
@@ -224,8 +256,9 @@ def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_si
     a = _positive_int("num_heads", num_heads, "pass the number of attention heads")
     t = _positive_int("tensor_parallel_size", tensor_parallel_size, "use 1 for no TP")
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}; "
-                         "use None to keep all activations")
+        raise ValueError(
+            f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}; use None to keep all activations"
+        )
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     sbh = float(s * b * h)
@@ -245,8 +278,7 @@ def _known_device(device_name: str) -> str | None:
     return None
 
 
-def device_peak_flops(device_name: str, dtype: str = "bf16",
-                      override: float | None = None) -> float:
+def device_peak_flops(device_name: str, dtype: str = "bf16", override: float | None = None) -> float:
     """Dense peak FLOP/s (not TFLOP/s) of one device for a compute dtype.
 
     ``device_name`` is matched case-insensitively, as reported by
@@ -256,14 +288,14 @@ def device_peak_flops(device_name: str, dtype: str = "bf16",
     A given ``override`` (FLOP/s) is returned as is, for devices not in the table.
     """
     if override is not None:
-        return _positive_number("override", override,
-                                "pass the device's peak in FLOP/s (e.g. 989e12), or None")
+        return _positive_number("override", override, "pass the device's peak in FLOP/s (e.g. 989e12), or None")
     if not isinstance(dtype, str) or dtype.strip().lower() not in _DTYPE_ALIASES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of 'bf16', 'fp16', 'tf32', 'fp32'")
     key = _known_device(device_name) if isinstance(device_name, str) else None
     if key is None:
-        raise ValueError(f"unknown device {device_name!r}: pass peak_flops=... (FLOP/s); "
-                         f"known devices: {', '.join(PEAK_TFLOPS)}")
+        raise ValueError(
+            f"unknown device {device_name!r}: pass peak_flops=... (FLOP/s); known devices: {', '.join(PEAK_TFLOPS)}"
+        )
     return PEAK_TFLOPS[key][_DTYPE_ALIASES[dtype.strip().lower()]] * 1e12
 
 
@@ -273,33 +305,38 @@ def device_hbm_bandwidth(device_name: str) -> float | None:
     return PEAK_HBM_BYTES_PER_S.get(key) if key is not None else None
 
 
-def achieved_tflops_per_gpu(flops_per_iteration: float, iteration_seconds: float,
-                            num_gpus: int) -> float:
+def achieved_tflops_per_gpu(flops_per_iteration: float, iteration_seconds: float, num_gpus: int) -> float:
     """Throughput per GPU in TFLOP/s, as the paper reports it: ``F / (time * n) / 1e12``.
 
     Pass ``F`` from :func:`gpt_flops_per_iteration` with ``activation_recompute=True`` to
     compare with the paper's tables.
     """
-    f = _positive_number("flops_per_iteration", flops_per_iteration,
-                         "pass the FLOPs of one iteration (gpt_flops_per_iteration)")
-    seconds = _positive_number("iteration_seconds", iteration_seconds,
-                               "pass the measured wall-clock time of one iteration")
+    f = _positive_number(
+        "flops_per_iteration", flops_per_iteration, "pass the FLOPs of one iteration (gpt_flops_per_iteration)"
+    )
+    seconds = _positive_number(
+        "iteration_seconds", iteration_seconds, "pass the measured wall-clock time of one iteration"
+    )
     n = _positive_int("num_gpus", num_gpus, "pass the number of GPUs")
     return f / (seconds * n) / 1e12
 
 
-def model_flops_utilization(flops_per_iteration: float, iteration_seconds: float,
-                            num_devices: int, peak_flops_per_device: float) -> float:
+def model_flops_utilization(
+    flops_per_iteration: float, iteration_seconds: float, num_devices: int, peak_flops_per_device: float
+) -> float:
     """Fraction of peak reached: ``F / (time * n * peak)``, in [0, 1] for a sane count.
 
     Which ``F`` decides what is measured: without recompute (model FLOPs) this is MFU;
     with the paper's Eq. 3 (recompute counted) it is closer to hardware FLOPs utilization.
     """
-    f = _positive_number("flops_per_iteration", flops_per_iteration,
-                         "pass the FLOPs of one iteration (gpt_flops_per_iteration)")
-    seconds = _positive_number("iteration_seconds", iteration_seconds,
-                               "pass the measured wall-clock time of one iteration")
+    f = _positive_number(
+        "flops_per_iteration", flops_per_iteration, "pass the FLOPs of one iteration (gpt_flops_per_iteration)"
+    )
+    seconds = _positive_number(
+        "iteration_seconds", iteration_seconds, "pass the measured wall-clock time of one iteration"
+    )
     n = _positive_int("num_devices", num_devices, "pass the number of devices")
-    peak = _positive_number("peak_flops_per_device", peak_flops_per_device,
-                            "pass the peak in FLOP/s, e.g. device_peak_flops(name)")
+    peak = _positive_number(
+        "peak_flops_per_device", peak_flops_per_device, "pass the peak in FLOP/s, e.g. device_peak_flops(name)"
+    )
     return f / (seconds * n * peak)

@@ -95,7 +95,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def benchmark_collectives(sizes: Sequence[int], device: torch.device, iters: int = 5, warmup: int = 2) -> list[BenchRow]:
+def benchmark_collectives(
+    sizes: Sequence[int], device: torch.device, iters: int = 5, warmup: int = 2
+) -> list[BenchRow]:
     """Run on every rank of the default group; the time is the mean over ranks (nccl-tests' default)."""
     rows, n = [], dist.get_world_size()
     if n < 2:
@@ -120,8 +122,9 @@ def benchmark_collectives(sizes: Sequence[int], device: torch.device, iters: int
 def _local_worker(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, results) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=BENCH_TIMEOUT)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=BENCH_TIMEOUT
+        )
         rows = benchmark_collectives(sizes, torch.device("cpu"), iters)
         dist.destroy_process_group()
         results.put((rank, "ok", rows))
@@ -129,14 +132,18 @@ def _local_worker(rank: int, world_size: int, port: int, sizes: Sequence[int], i
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_local_benchmark(world_size: int, sizes: Sequence[int], iters: int = 5, start_method: str = "spawn") -> list[BenchRow]:
+def run_local_benchmark(
+    world_size: int, sizes: Sequence[int], iters: int = 5, start_method: str = "spawn"
+) -> list[BenchRow]:
     """Start ``world_size`` local processes on gloo (CPU) and benchmark the collectives between them."""
     if world_size < 2:
         raise ValueError(f"--bench-ranks={world_size}: the benchmark needs at least 2 ranks")
     ctx = mp.get_context(start_method)
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_local_worker, args=(r, world_size, port, sizes, iters, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_local_worker, args=(r, world_size, port, sizes, iters, results), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -190,7 +197,7 @@ def format_benchmark(rows: Sequence[BenchRow]) -> str:
 
 
 def parse_bytes(text: str) -> list[int]:
-    """"1M,64M" -> [1048576, 67108864] (K, M, G are powers of 1024)."""
+    """ "1M,64M" -> [1048576, 67108864] (K, M, G are powers of 1024)."""
     scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
     sizes = []
     for item in text.split(","):

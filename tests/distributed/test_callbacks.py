@@ -33,8 +33,14 @@ SLEEP_S = 0.2
 
 
 def datamodule(steps: int, replicas: int) -> MarkovDataModule:
-    return MarkovDataModule(vocab_size=VOCAB, seq_length=SEQ, batch_size=LOCAL_BATCH, shuffle=False,
-                            train_tokens=(steps + 1) * LOCAL_BATCH * replicas * (SEQ + 1), val_tokens=4 * (SEQ + 1))
+    return MarkovDataModule(
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        batch_size=LOCAL_BATCH,
+        shuffle=False,
+        train_tokens=(steps + 1) * LOCAL_BATCH * replicas * (SEQ + 1),
+        val_tokens=4 * (SEQ + 1),
+    )
 
 
 def gpt_flops(batch: int, s: int, l: int, h: int, v: int, recompute: bool) -> float:
@@ -62,12 +68,21 @@ def fit_with_throughput(log_root: str, devices: int, peak_flops, **callback_kwar
     clock = WindowClock()
     logger = CSVLogger(log_root, name="throughput", version=0)
     strategy = PTDPStrategy() if devices > 1 else "auto"
-    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[clock, throughput],
-                            logger=logger, log_every_n_steps=1)
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[clock, throughput],
+        logger=logger,
+        log_every_n_steps=1,
+    )
     trainer.fit(build_model("gpt"), datamodule(STEPS, devices))
     return {
-        "metrics": throughput.last_metrics, "window": throughput.last_window, "formula": throughput.flops_formula,
-        "dp": throughput.data_parallel_size, "ends": clock.ends,
+        "metrics": throughput.last_metrics,
+        "window": throughput.last_window,
+        "formula": throughput.flops_formula,
+        "dp": throughput.data_parallel_size,
+        "ends": clock.ends,
         "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
         "log_dir": logger.log_dir,
     }
@@ -127,8 +142,10 @@ def test_throughput_single_process_without_a_peak_skips_mfu_and_says_so(tmp_path
         rank_zero_logger.removeHandler(handler)
     check_throughput(result, dp=1, devices=1, recompute=False, peak=None)
     notes = [message for message in seen if "MFU is not logged" in message]
-    assert notes == ["PTDPThroughput: MFU is not logged on cpu (no peak known); pass PTDPThroughput(peak_flops=...) "
-                     "in FLOP/s to log it"]
+    assert notes == [
+        "PTDPThroughput: MFU is not logged on cpu (no peak known); pass PTDPThroughput(peak_flops=...) "
+        "in FLOP/s to log it"
+    ]
 
 
 @pytest.mark.world_size(2)
@@ -153,8 +170,11 @@ class NoConfig(L.LightningModule):
 @pytest.mark.world_size(2)
 def test_a_model_without_dimensions_fails_before_training_naming_the_arguments():
     trainer = quiet_trainer(devices=1, max_steps=1, callbacks=[PTDPThroughput()])
-    with pytest.raises(ValueError, match=r"PTDPThroughput needs the model's num_layers, hidden_size, vocab_size .* "
-                                         r"or give NoConfig a `model_config`"):
+    with pytest.raises(
+        ValueError,
+        match=r"PTDPThroughput needs the model's num_layers, hidden_size, vocab_size .* "
+        r"or give NoConfig a `model_config`",
+    ):
         trainer.fit(NoConfig(), datamodule(1, 1))
 
 
@@ -184,8 +204,9 @@ def fit_with_a_slow_rank(slow_rank: int, where: str) -> dict:
 
     L.seed_everything(0, verbose=False)
     detector = StragglerDetector(every_n_steps=EVERY)
-    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(), max_steps=STEPS,
-                            callbacks=[SlowRank(slow_rank, SLEEP_S, where), detector])
+    trainer = quiet_trainer(
+        devices=2, strategy=PTDPStrategy(), max_steps=STEPS, callbacks=[SlowRank(slow_rank, SLEEP_S, where), detector]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(build_model("gpt"), datamodule(STEPS, 2))
@@ -262,7 +283,9 @@ def test_pipeline_timeline_draws_the_measured_schedule(dist_pool, tmp_path):
         assert any(e["cat"] == "idle" for e in mine)
 
 
-def fit_with_consistency(strategy_kwargs: dict, corrupt: str | None, corrupt_rank: int, family: str = "nanogpt") -> dict:
+def fit_with_consistency(
+    strategy_kwargs: dict, corrupt: str | None, corrupt_rank: int, family: str = "nanogpt"
+) -> dict:
     """Train 4 steps with the check every 2 steps; optionally nudge one parameter's last bit on
     one rank after step 3, as a missed all-reduce or a flaky host would."""
     from lightning_ptdp import PTDPStrategy
@@ -279,7 +302,9 @@ def fit_with_consistency(strategy_kwargs: dict, corrupt: str | None, corrupt_ran
 
     L.seed_everything(0, verbose=False)
     check = ReplicaConsistency(every_n_steps=2)
-    trainer = quiet_trainer(devices=4, strategy=PTDPStrategy(**strategy_kwargs), max_steps=4, callbacks=[Corrupt(), check])
+    trainer = quiet_trainer(
+        devices=4, strategy=PTDPStrategy(**strategy_kwargs), max_steps=4, callbacks=[Corrupt(), check]
+    )
     try:
         trainer.fit(build_model(family), zoo_data(4, 5 * 8 * (SEQ + 1), SEQ + 1))
     except ReplicaDivergence as error:
@@ -295,8 +320,12 @@ def test_replica_consistency_names_the_first_diverged_parameter(dist_pool):
     # rank 1 is dp replica 1 of stage 0: its copy of a block weight drifts by one ulp
     drift = dist_pool(4).run(fit_with_consistency, p2d2, "net.h.0.c_fc.weight", 1)
     for r in drift:  # every rank stops, naming it (not only the two that hold it)
-        assert r["error"] == ("step 4: data-parallel replicas: parameter 'net.h.0.c_fc.weight' differs between "
-                              "global ranks 0 and [1]")
+        assert r["error"] == (
+            "step 4: data-parallel replicas: parameter 'net.h.0.c_fc.weight' differs between global ranks 0 and [1]"
+        )
     # the last stage's copy of the tied embedding / LM head drifts: named across stages
     tied = dist_pool(4).run(fit_with_consistency, p2d2, "net.lm_head.weight", 3)
-    assert "weights tied across pipeline stages: parameter 'net.wte.weight' differs between global ranks 1 and [3]" in tied[0]["error"]
+    assert (
+        "weights tied across pipeline stages: parameter 'net.wte.weight' differs between global ranks 1 and [3]"
+        in tied[0]["error"]
+    )

@@ -33,8 +33,11 @@ LLAMA_PLAN = {
 }
 
 
-@pytest.mark.parametrize(("family", "plan"), [("hfplan_gpt2", GPT2_PLAN), ("hfplan_llama_tied_labels", LLAMA_PLAN)],
-                         ids=["gpt2-conv1d", "llama-tied-hf-loss"])
+@pytest.mark.parametrize(
+    ("family", "plan"),
+    [("hfplan_gpt2", GPT2_PLAN), ("hfplan_llama_tied_labels", LLAMA_PLAN)],
+    ids=["gpt2-conv1d", "llama-tied-hf-loss"],
+)
 @pytest.mark.world_size(2)
 def test_glob_plan_on_transformers_models_matches_single_process(dist_pool, family, plan):
     pytest.importorskip("transformers")
@@ -44,7 +47,9 @@ def test_glob_plan_on_transformers_models_matches_single_process(dist_pool, fami
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
     for result in results:
-        assert_matches_reference(result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+        assert_matches_reference(
+            result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+        )
         # the planned layers really are split: at least their half of the weights is gone
         sharded = sum(v.numel() for k, v in ref["state"].items() if any(s in k for s in ("mlp", "wte", "embed_tokens")))
         assert result["local_numel"] <= ref["local_numel"] - sharded // 2 + 64  # + vocab padding slack

@@ -31,7 +31,9 @@ def fit_recording_comm(overlap: bool) -> dict:
     return {
         "state": {k: v.detach().cpu().clone() for k, v in strategy.lightning_module_state_dict().items()},
         "buckets": [(s.stage, s.start, s.end) for s in timeline.comm],
-        "start": timeline.start, "end": timeline.end, "exposed": timeline.exposed_comm,
+        "start": timeline.start,
+        "end": timeline.end,
+        "exposed": timeline.exposed_comm,
     }
 
 
@@ -54,7 +56,12 @@ def test_overlapped_buckets_start_during_the_schedule_and_change_no_value(dist_p
 def test_overlap_matches_one_process(dist_pool):
     overrides = {"num_layers": 4}
     results = dist_pool(4).run(
-        fit_and_record, "nanogpt", strategy_kwargs=LAYOUT, devices=4, steps=STEPS, global_batch=GLOBAL_BATCH,
+        fit_and_record,
+        "nanogpt",
+        strategy_kwargs=LAYOUT,
+        devices=4,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
         model_overrides=overrides,
     )
     ref = fit_and_record("nanogpt", steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=overrides)

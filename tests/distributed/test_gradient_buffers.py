@@ -60,8 +60,8 @@ def one_step(tensor_parallel: bool) -> dict:
     if tensor_parallel:
         import torch.distributed as dist
 
-        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
         from lightning_ptdp.parallel.grads import sum_partial_gradients
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
         from lightning_ptdp.tensor_parallel.consolidate import full_gradients
 
         tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())

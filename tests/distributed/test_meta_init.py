@@ -33,13 +33,22 @@ def fit_from_meta(strategy: dict | None, devices: int, vocab: int) -> dict:
     L.seed_everything(0, verbose=False)
     config = GPTConfig(vocab_size=vocab, seq_length=32, num_layers=4, num_heads=4, hidden_size=32)
     model = GPTLightningModule(config, OptimConfig(lr=1e-2, warmup_steps=2, max_steps=10), deferred_init=True)
-    data = MarkovDataModule(vocab_size=vocab, seq_length=32, batch_size=8 // _replicas(strategy, devices),
-                            train_tokens=3 * 8 * 33 + 1, val_tokens=100)
+    data = MarkovDataModule(
+        vocab_size=vocab,
+        seq_length=32,
+        batch_size=8 // _replicas(strategy, devices),
+        train_tokens=3 * 8 * 33 + 1,
+        val_tokens=100,
+    )
     if not strategy:
         use_distributed_order(data, seed=0)  # the sample order Lightning's DistributedSampler gives
     initial, recorder = InitialWeights(), LossRecorder()
-    trainer = quiet_trainer(devices=devices, strategy=PTDPStrategy(**strategy) if strategy else "auto", max_steps=3,
-                            callbacks=[initial, recorder])
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=PTDPStrategy(**strategy) if strategy else "auto",
+        max_steps=3,
+        callbacks=[initial, recorder],
+    )
     trainer.fit(model, data)
     return {"losses": recorder.losses, "initial": initial.state}
 
@@ -87,8 +96,9 @@ def build_gpt_1_7b(seq: int) -> dict:
     sizes = yaml.safe_load((Path(__file__).parents[2] / "conf/model/gpt_1.7b.yaml").read_text())
     L.seed_everything(0, verbose=False)
     model = GPTLightningModule(GPTConfig(**sizes), deferred_init=True)
-    data = MarkovDataModule(vocab_size=sizes["vocab_size"], seq_length=seq, batch_size=1, train_tokens=10 * seq,
-                            val_tokens=4 * seq)
+    data = MarkovDataModule(
+        vocab_size=sizes["vocab_size"], seq_length=seq, batch_size=1, train_tokens=10 * seq, val_tokens=4 * seq
+    )
     strategy = PTDPStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, micro_batch_size=1)
     trainer = quiet_trainer(devices=4, strategy=strategy, limit_val_batches=1)
     loss = trainer.validate(model, data, verbose=False)[0]["val_loss"]
@@ -104,8 +114,9 @@ def build_gpt_1_7b(seq: int) -> dict:
 
 @pytest.mark.world_size(4)
 def test_gpt_1_7b_is_built_shard_by_shard_at_t2_p2(dist_pool):
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     sizes = yaml.safe_load((Path(__file__).parents[2] / "conf/model/gpt_1.7b.yaml").read_text())
     h, V, s, L, t = sizes["hidden_size"], sizes["vocab_size"], sizes["seq_length"], sizes["num_layers"], 2

@@ -88,11 +88,14 @@ def _trainer_with_grad_scaler(policy: str):
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_grad_scaler_with_a_nonfinite_policy_is_refused_at_construction(policy):
-    with pytest.raises(ValueError, match=rf"precision='16-mixed' scales the loss with a GradScaler, which skips a step "
-                                         rf"whose gradients overflow and lowers the scale: that is how it works, not a "
-                                         rf"failure, but on_nonfinite='{policy}' would act on it .* use "
-                                         rf"precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
-                                         rf"decide alone"):
+    with pytest.raises(
+        ValueError,
+        match=rf"precision='16-mixed' scales the loss with a GradScaler, which skips a step "
+        rf"whose gradients overflow and lowers the scale: that is how it works, not a "
+        rf"failure, but on_nonfinite='{policy}' would act on it .* use "
+        rf"precision='bf16-mixed', or on_nonfinite='ignore' to let the GradScaler "
+        rf"decide alone",
+    ):
         _trainer_with_grad_scaler(policy)
 
 

@@ -33,17 +33,44 @@ LAYOUTS = [
     ("nanogpt", 2, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}),
     ("llama", 2, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "gpipe"}),
     ("nanogpt", 2, 4, {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 1}),
-    ("llama", 2, 4, {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2,
-                     "pipeline_schedule": "zero_bubble"}),
-    ("gpt", 2, 4, {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2,
-                   "pipeline_schedule": "gpipe"}),
+    (
+        "llama",
+        2,
+        4,
+        {
+            "pipeline_parallel_size": 2,
+            "virtual_pipeline_size": 2,
+            "micro_batch_size": 2,
+            "pipeline_schedule": "zero_bubble",
+        },
+    ),
+    (
+        "gpt",
+        2,
+        4,
+        {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2, "pipeline_schedule": "gpipe"},
+    ),
     ("gpt", 4, 4, {"pipeline_parallel_size": 4, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}),
     ("nanogpt", 4, 8, {"pipeline_parallel_size": 4, "virtual_pipeline_size": 2, "micro_batch_size": 1}),
-    ("gpt", 4, 2, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
-                   "micro_batch_size": 2, "activation_checkpointing": "full"}),
+    (
+        "gpt",
+        4,
+        2,
+        {
+            "pipeline_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "sequence_parallel": True,
+            "micro_batch_size": 2,
+            "activation_checkpointing": "full",
+        },
+    ),
     ("nanogpt", 4, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 1}),  # d=2
-    ("llama", 8, 2, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
-                     "micro_batch_size": 1}),  # d=2
+    (
+        "llama",
+        8,
+        2,
+        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "micro_batch_size": 1},
+    ),  # d=2
 ]
 
 
@@ -54,12 +81,19 @@ def _layout_id(case: tuple) -> str:
     return f"{family}-t{t}p{p}d{devices // (t * p)}v{kw.get('virtual_pipeline_size', 1)}-{kw.get('pipeline_schedule', 'interleaved_1f1b')}{extra}"
 
 
-@pytest.mark.parametrize(("family", "devices", "layers", "strategy_kwargs"), LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS])
+@pytest.mark.parametrize(
+    ("family", "devices", "layers", "strategy_kwargs"), LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS]
+)
 def test_pipeline_matches_single_process(dist_pool, family, devices, layers, strategy_kwargs):
     overrides = {"num_layers": layers}
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS,
-        global_batch=GLOBAL_BATCH, model_overrides=overrides,
+        fit_and_record,
+        family,
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        model_overrides=overrides,
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=overrides)
     _check(results, ref)
@@ -82,8 +116,14 @@ def fit_validate_predict(strategy_kwargs: dict | None, devices: int, ckpt: str |
         use_distributed_order(datamodule, 0)
     recorder = LossRecorder()
     trainer = quiet_trainer(
-        devices=devices, strategy=strategy_from(strategy_kwargs), max_steps=6, callbacks=[recorder],
-        limit_val_batches=2, num_sanity_val_steps=1, val_check_interval=4, accumulate_grad_batches=2,
+        devices=devices,
+        strategy=strategy_from(strategy_kwargs),
+        max_steps=6,
+        callbacks=[recorder],
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        val_check_interval=4,
+        accumulate_grad_batches=2,
         gradient_clip_val=0.05,
     )
     trainer.fit(model, datamodule)
@@ -93,13 +133,25 @@ def fit_validate_predict(strategy_kwargs: dict | None, devices: int, ckpt: str |
     if ckpt is not None:
         trainer.save_checkpoint(ckpt)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
-    return {"initial": initial, "losses": recorder.losses, "logged": logged, "validated": validated, "predictions": predictions, "state": state}
+    return {
+        "initial": initial,
+        "losses": recorder.losses,
+        "logged": logged,
+        "validated": validated,
+        "predictions": predictions,
+        "state": state,
+    }
 
 
 @pytest.mark.world_size(2)
 def test_lightning_features_hold_under_pipeline(dist_pool, tmp_path):
     ckpt = str(tmp_path / "pipeline.ckpt")
-    kwargs = {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2, "checkpoint_format": "full"}
+    kwargs = {
+        "pipeline_parallel_size": 2,
+        "virtual_pipeline_size": 2,
+        "micro_batch_size": 2,
+        "checkpoint_format": "full",
+    }
     results = dist_pool(2).run(fit_validate_predict, kwargs, 2, ckpt)
     ref = fit_validate_predict(None, 1)
     assert len(ref["losses"]) == 12  # 6 optimizer steps of 2 accumulated batches
@@ -123,11 +175,11 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
     activations in flight on each local stage, and the peak bytes autograd held for backward."""
     import weakref
 
+    import lightning as L
     from torch.distributed.pipelining import stage as torch_stage
 
     from tests.fit_utils import quiet_trainer, strategy_from, zoo_data
     from tests.models import build_model
-    import lightning as L
 
     sent: list[int] = []
     live = {"now": 0, "peak": 0}
@@ -159,15 +211,19 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
     torch_stage._PipelineStageBase.get_fwd_send_ops = counting
     try:
         L.seed_everything(0, verbose=False)
-        trainer = quiet_trainer(devices=devices, strategy=strategy_from(strategy_kwargs), max_steps=1, callbacks=[Peak()])
+        trainer = quiet_trainer(
+            devices=devices, strategy=strategy_from(strategy_kwargs), max_steps=1, callbacks=[Peak()]
+        )
         trainer.fit(build_model(family, num_layers=2), zoo_data(GLOBAL_BATCH, 2 * GLOBAL_BATCH * 33, 33))
     finally:
         torch_stage._PipelineStageBase.get_fwd_send_ops = original
     engine = trainer.strategy.pipeline
     timeline = engine.timeline
     return {
-        "sent": [b for b in sent if b], "rank": engine.split.rank,
-        "in_flight": {c: timeline.max_in_flight(c) for c in engine.split.local_chunks}, "peak_bytes": live["peak"],
+        "sent": [b for b in sent if b],
+        "rank": engine.split.rank,
+        "in_flight": {c: timeline.max_in_flight(c) for c in engine.split.local_chunks},
+        "peak_bytes": live["peak"],
     }
 
 
@@ -176,8 +232,12 @@ def test_each_tp_rank_sends_its_share_of_the_activation(dist_pool, sequence_para
     """Between stages, with sequence parallelism, each TP rank sends b*s*h/t values per
     microbatch (the scatter/gather optimisation falls out of SP); without it, all b*s*h."""
     t, b, s, h = 2, 2, 32, 32
-    kwargs = {"pipeline_parallel_size": 2, "tensor_parallel_size": t, "micro_batch_size": b,
-              "sequence_parallel": sequence_parallel}
+    kwargs = {
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": t,
+        "micro_batch_size": b,
+        "sequence_parallel": sequence_parallel,
+    }
     results = dist_pool(4).run(one_step_measured, kwargs, 4)
     expected = b * s * h * 4 // (t if sequence_parallel else 1)  # fp32 bytes
     for result in results:
@@ -216,17 +276,28 @@ def bad_pipeline_fits() -> list[str]:
             messages.append("no error")
         except Exception as error:  # noqa: BLE001 - the message is what the test checks
             messages.append(str(error))
-    good = fit_and_record("gpt", strategy_kwargs={"pipeline_parallel_size": 2, "micro_batch_size": 2}, devices=2, steps=1)
+    good = fit_and_record(
+        "gpt", strategy_kwargs={"pipeline_parallel_size": 2, "micro_batch_size": 2}, devices=2, steps=1
+    )
     return [*messages, f"good run: {len(good['losses'])} step"]
 
 
 @pytest.mark.world_size(2)
 def test_bad_pipeline_input_fails_before_any_transfer(dist_pool):
     for messages in dist_pool(2).run(bad_pipeline_fits):
-        assert "pipeline_schedule='1f1b' cannot run m=1 microbatches (per-replica batch 8 / micro_batch_size 8)" in messages[0]
+        assert (
+            "pipeline_schedule='1f1b' cannot run m=1 microbatches (per-replica batch 8 / micro_batch_size 8)"
+            in messages[0]
+        )
         assert "counts that work: [2, 3, 4" in messages[0]
-        assert "micro_batch_size=3 does not divide the per-replica batch of 8 samples; choose one of [1, 2, 4, 8]" in messages[1]
-        assert "3 transformer blocks cannot be cut into pipeline_parallel_size(2) * virtual_pipeline_size(2) = 4" in messages[2]
+        assert (
+            "micro_batch_size=3 does not divide the per-replica batch of 8 samples; choose one of [1, 2, 4, 8]"
+            in messages[1]
+        )
+        assert (
+            "3 transformer blocks cannot be cut into pipeline_parallel_size(2) * virtual_pipeline_size(2) = 4"
+            in messages[2]
+        )
         assert "virtual_pipeline_size in [] " not in messages[2] and "one of [3]" in messages[2]
         assert messages[3] == "good run: 1 step"
 
@@ -235,21 +306,38 @@ ZERO_LAYOUTS = [
     ("nanogpt", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 1}),
     ("llama", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 2}),
     ("nanogpt", 4, {"pipeline_parallel_size": 2, "micro_batch_size": 1, "zero_stage": 3}),
-    ("gpt", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
-                "micro_batch_size": 2, "zero_stage": 1}),
+    (
+        "gpt",
+        8,
+        {
+            "pipeline_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "sequence_parallel": True,
+            "micro_batch_size": 2,
+            "zero_stage": 1,
+        },
+    ),
     ("llama", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "micro_batch_size": 1, "zero_stage": 3}),
     ("gpt", 8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 2}),
 ]
 
 
-@pytest.mark.parametrize(("family", "devices", "strategy_kwargs"), ZERO_LAYOUTS,
-                         ids=[f"{c[0]}-{_layout_id((c[0], c[1], 2, c[2]))}-zero{c[2]['zero_stage']}" for c in ZERO_LAYOUTS])
+@pytest.mark.parametrize(
+    ("family", "devices", "strategy_kwargs"),
+    ZERO_LAYOUTS,
+    ids=[f"{c[0]}-{_layout_id((c[0], c[1], 2, c[2]))}-zero{c[2]['zero_stage']}" for c in ZERO_LAYOUTS],
+)
 def test_zero_composes_with_pipeline(dist_pool, family, devices, strategy_kwargs):
     """ZeRO over d=2 inside each pipeline stage (FSDP2 on the stage's blocks), weights tied across
     stages summed shard by shard; the same tolerances as without ZeRO (reduce-scatter sums in
     another order than the reference, nothing else)."""
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, global_batch=GLOBAL_BATCH,
+        fit_and_record,
+        family,
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
     _check(results, ref)

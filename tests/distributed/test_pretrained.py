@@ -38,13 +38,21 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
 
     ref = fit_and_record("hf_llama_from", steps=STEPS, model_overrides={"path": pretrained_dir})
     loaded = dist_pool(4).run(
-        fit_and_record, "hf_llama_from", strategy_kwargs=T2P2, devices=4, steps=STEPS,
+        fit_and_record,
+        "hf_llama_from",
+        strategy_kwargs=T2P2,
+        devices=4,
+        steps=STEPS,
         model_overrides={"path": pretrained_dir},
     )
     assert_ranks_match_reference(loaded, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     streamed = dist_pool(4).run(
-        fit_and_record, "hf_llama_deferred", strategy_kwargs={**T2P2, "pretrained": pretrained_dir}, devices=4,
-        steps=STEPS, model_overrides={"path": pretrained_dir},
+        fit_and_record,
+        "hf_llama_deferred",
+        strategy_kwargs={**T2P2, "pretrained": pretrained_dir},
+        devices=4,
+        steps=STEPS,
+        model_overrides={"path": pretrained_dir},
     )
     assert_ranks_match_reference(streamed, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     full = sum(v.numel() for k, v in ref["state"].items() if k in ref["first_grads"])

@@ -14,7 +14,16 @@ from tests.tp_utils import reference_step, tp_step
 # round-off only (measured ~1e-7); 1e-5 relative leaves room and still catches a wrong shard.
 LOSS_RTOL = 1e-5
 GRAD_REL = 1e-5
-TP_FAMILIES = ("hf_llama", "hf_llama_tied", "hf_mistral", "hf_gpt2", "hf_neox", "litgpt_llama", "litgpt_pythia", "titan_llama3")
+TP_FAMILIES = (
+    "hf_llama",
+    "hf_llama_tied",
+    "hf_mistral",
+    "hf_gpt2",
+    "hf_neox",
+    "litgpt_llama",
+    "litgpt_pythia",
+    "titan_llama3",
+)
 
 
 def _zero_in_exact_arithmetic(grad: torch.Tensor) -> bool:
@@ -50,7 +59,11 @@ LAYOUTS = {
     "t2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2, 0.6),
     "p2": ({"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}, 2, 0.8),
     "p2-v2": ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "micro_batch_size": 2}, 2, 0.8),
-    "t2-p2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}, 4, 0.45),
+    "t2-p2": (
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"},
+        4,
+        0.45,
+    ),
     "d2-zero3": ({"zero_stage": 3}, 2, 0.6),
     "t2-d2-zero1": ({"tensor_parallel_size": 2, "zero_stage": 1}, 4, 0.6),
 }
@@ -86,7 +99,11 @@ def test_conformance(dist_pool, family, layout):
     strategy_kwargs, devices, largest_share = LAYOUTS[layout]
     ref = _reference(family)
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS,
+        fit_and_record,
+        family,
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=STEPS,
         model_overrides=OVERRIDES.get(family),
     )
     full = sum(g.numel() for g in ref["first_grads"].values())  # parameters (state_dict hooks may rename)

@@ -12,8 +12,14 @@ LOSS_RTOL = 1e-5
 
 
 def run_epochs(
-    devices: int, tensor_parallel_size: int | None, epochs: int, save: str | None, resume: str | None, zero_stage: int = 0,
-    pipeline: dict | None = None, layers: int = 2,
+    devices: int,
+    tensor_parallel_size: int | None,
+    epochs: int,
+    save: str | None,
+    resume: str | None,
+    zero_stage: int = 0,
+    pipeline: dict | None = None,
+    layers: int = 2,
 ) -> list:
     import lightning as L
 
@@ -26,8 +32,9 @@ def run_epochs(
     model = build_model("llama", num_layers=layers)
     pipeline = pipeline or {}
     batch = 8 // (devices // ((tensor_parallel_size or 1) * pipeline.get("pipeline_parallel_size", 1)))
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1,
-                            val_tokens=100)
+    data = MarkovDataModule(
+        vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1, val_tokens=100
+    )
     strategy = PTDPStrategy(tensor_parallel_size=tensor_parallel_size or 1, zero_stage=zero_stage, **pipeline)
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
@@ -105,8 +112,13 @@ def run_mid_epoch(root: str, *, crash_at_step: int | None = None, resume: str | 
     data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=4, train_tokens=6 * 8 * 33 + 1, val_tokens=100)
     recorder, samples = LossRecorder(), Samples()
     checkpoints = ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2, save_top_k=-1)
-    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(), max_epochs=1, callbacks=[samples, recorder, checkpoints],
-                            enable_checkpointing=True)
+    trainer = quiet_trainer(
+        devices=2,
+        strategy=PTDPStrategy(),
+        max_epochs=1,
+        callbacks=[samples, recorder, checkpoints],
+        enable_checkpointing=True,
+    )
     try:
         trainer.fit(build_model("llama"), data, ckpt_path=resume)
     except Crash:

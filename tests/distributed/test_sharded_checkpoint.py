@@ -24,12 +24,24 @@ VAL_RTOL = 1e-6  # the same weights evaluated twice on one layout; only reductio
 def _data(vocab: int, batch: int):
     from recipes.data import MarkovDataModule
 
-    return MarkovDataModule(vocab_size=vocab, seq_length=32, batch_size=batch, train_tokens=STEPS * 8 * 33 + 1, val_tokens=400)
+    return MarkovDataModule(
+        vocab_size=vocab, seq_length=32, batch_size=batch, train_tokens=STEPS * 8 * 33 + 1, val_tokens=400
+    )
 
 
-def fit(family: str, devices: int, strategy: dict, *, epochs: int = 1, resume: str | None = None,
-        saves: dict[str, str] | None = None, vocab: int = 62, unused_param: bool = False,
-        then_validate: str | None = None, **overrides) -> list:
+def fit(
+    family: str,
+    devices: int,
+    strategy: dict,
+    *,
+    epochs: int = 1,
+    resume: str | None = None,
+    saves: dict[str, str] | None = None,
+    vocab: int = 62,
+    unused_param: bool = False,
+    then_validate: str | None = None,
+    **overrides,
+) -> list:
     """Train; then save the final state under each path in the format given; return the losses
     (and with ``then_validate``, the validation loss of that checkpoint in the same trainer)."""
     import lightning as L
@@ -147,21 +159,28 @@ def test_converted_checkpoints_load_and_resume_on_other_layouts(dist_pool, tmp_p
     sharded, full = str(tmp_path / "s.ckpt"), str(tmp_path / "f.ckpt")
     dist_pool(4).run(fit, "gpt", 4, t2p2, saves={sharded: "sharded", full: "full"}, unused_param=True)
     plain = tmp_path / "plain.pt"
-    for command in (["consolidate", sharded, str(plain)], ["shard", str(plain), str(tmp_path / "from_plain.ckpt")],
-                    ["shard", full, str(tmp_path / "from_full.ckpt")]):  # `ptdp checkpoint ...`, both ways
+    for command in (
+        ["consolidate", sharded, str(plain)],
+        ["shard", str(plain), str(tmp_path / "from_plain.ckpt")],
+        ["shard", full, str(tmp_path / "from_full.ckpt")],
+    ):  # `ptdp checkpoint ...`, both ways
         with pytest.raises(SystemExit) as exit_info:
             main(["checkpoint", *command])
         assert exit_info.value.code == 0
     _assert_same(consolidated_state_dict(str(tmp_path / "from_plain.ckpt")), torch.load(plain))
     original, converted = dist_pool(4).run(
-        validate, 4, {"tensor_parallel_size": 4}, [sharded, str(tmp_path / "from_plain.ckpt")], unused_param=True)[0]
+        validate, 4, {"tensor_parallel_size": 4}, [sharded, str(tmp_path / "from_plain.ckpt")], unused_param=True
+    )[0]
     assert converted == pytest.approx(original, rel=VAL_RTOL)
     # a parameter that never had a gradient has no Adam state: it resumes fresh, as in an uninterrupted run
     t4 = {"tensor_parallel_size": 4}  # (DDP would refuse the unused parameter; that is DDP's rule, not ours)
-    continued, val = dist_pool(4).run(fit, "gpt", 4, t4, epochs=2, resume=sharded, unused_param=True,
-                                      then_validate=str(tmp_path / "from_plain.ckpt"))[0]
+    continued, val = dist_pool(4).run(
+        fit, "gpt", 4, t4, epochs=2, resume=sharded, unused_param=True, then_validate=str(tmp_path / "from_plain.ckpt")
+    )[0]
     assert math.isfinite(val)  # a weights-only checkpoint evaluated by the trainer that just fit
-    from_full = dist_pool(4).run(fit, "gpt", 4, t4, epochs=2, resume=str(tmp_path / "from_full.ckpt"), unused_param=True)[0]
+    from_full = dist_pool(4).run(
+        fit, "gpt", 4, t4, epochs=2, resume=str(tmp_path / "from_full.ckpt"), unused_param=True
+    )[0]
     assert len(continued) == STEPS and from_full == pytest.approx(continued, rel=LOSS_RTOL)
 
 
@@ -174,12 +193,19 @@ def refusals(root: str) -> dict[str, str]:
     from tests.models import build_model
 
     errors = {}
-    for name, family, overrides in [("missing", "gpt", {}), ("truncated", "gpt", {}), ("unfinished", "gpt", {}),
-                                    ("good", "gpt", {"hidden_size": 64}), ("good", "nanogpt", {})]:
+    for name, family, overrides in [
+        ("missing", "gpt", {}),
+        ("truncated", "gpt", {}),
+        ("unfinished", "gpt", {}),
+        ("good", "gpt", {"hidden_size": 64}),
+        ("good", "nanogpt", {}),
+    ]:
         L.seed_everything(0, verbose=False)
         trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(tensor_parallel_size=2), max_epochs=2)
         try:
-            trainer.fit(build_model(family, vocab_size=62, **overrides), _data(62, 8), ckpt_path=os.path.join(root, name))
+            trainer.fit(
+                build_model(family, vocab_size=62, **overrides), _data(62, 8), ckpt_path=os.path.join(root, name)
+            )
         except ValueError as error:
             errors[f"{name}-{family}-{overrides}"] = str(error)
     return errors
@@ -205,5 +231,7 @@ def test_damaged_or_foreign_sharded_checkpoints_are_refused_with_the_reason(dist
     assert wider.startswith("the checkpoint's weights do not fit this model: ")
     assert "shapes differ, checkpoint vs model (first: gpt.token_embedding.weight (62, 32) vs (62, 64)" in wider
     other = errors["good-nanogpt-{}"]
-    assert "entries are missing (first: net.wte.weight" in other and "entries are not in this model (first: gpt." in other
+    assert (
+        "entries are missing (first: net.wte.weight" in other and "entries are not in this model (first: gpt." in other
+    )
     assert Path(good).is_symlink() and os.path.realpath(good).startswith(str(tmp_path / ".ptdp" / "good.v"))

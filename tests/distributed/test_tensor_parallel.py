@@ -73,7 +73,9 @@ def test_collectives_are_megatrons(dist_pool, tp, sequence_parallel):
         assert bwd == {"all_reduce": 2 * LAYERS + 1}
 
 
-@pytest.mark.parametrize(("tp", "padding_idx"), [(2, None), (2, 0), (4, 63)], ids=["t2-frequent-id", "t2-id0", "t4-last-id"])
+@pytest.mark.parametrize(
+    ("tp", "padding_idx"), [(2, None), (2, 0), (4, 63)], ids=["t2-frequent-id", "t2-id0", "t4-last-id"]
+)
 def test_embedding_padding_idx_matches_single_process(dist_pool, tp, padding_idx):
     """nn.Embedding(padding_idx=...) as transformers builds it from pad_token_id: the rank owning the
     row keeps its gradient exactly zero; the other ranks never see the id as theirs."""
@@ -94,8 +96,11 @@ def test_vocab_parallel_embedding_refuses_max_norm():
     from lightning_ptdp.tensor_parallel import TPGroup
     from lightning_ptdp.tensor_parallel.layers import VocabParallelEmbedding
 
-    with pytest.raises(ValueError, match=r"embedding of 64 rows: max_norm=1.0 is not supported .* build the nn.Embedding "
-                       r"without it"):
+    with pytest.raises(
+        ValueError,
+        match=r"embedding of 64 rows: max_norm=1.0 is not supported .* build the nn.Embedding "
+        r"without it",
+    ):
         VocabParallelEmbedding(torch.nn.Embedding(64, 8, max_norm=1.0), TPGroup(None, 2, 0))
 
 
@@ -147,7 +152,9 @@ def test_explicit_plan_matches_single_process(dist_pool):
         fit_and_record, "gpt", strategy_kwargs=kwargs, devices=2, steps=5, global_batch=GLOBAL_BATCH, tp_plan=plan
     )
     ref = fit_and_record("gpt", steps=5, global_batch=GLOBAL_BATCH)
-    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+    assert_matches_reference(
+        results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+    )
 
 
 CLIP = {"gradient_clip_val": 0.05}  # well below the measured gradient norms (~0.3-2): every step clips
@@ -163,25 +170,32 @@ CLIP = {"gradient_clip_val": 0.05}  # well below the measured gradient norms (~0
 )
 def test_gradient_clipping_uses_the_global_norm(dist_pool, family, devices, strategy_kwargs):
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=10,
-        global_batch=GLOBAL_BATCH, trainer_kwargs=CLIP,
+        fit_and_record,
+        family,
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=10,
+        global_batch=GLOBAL_BATCH,
+        trainer_kwargs=CLIP,
     )
     ref = fit_and_record(family, steps=10, global_batch=GLOBAL_BATCH, trainer_kwargs=CLIP)
     unclipped = fit_and_record(family, steps=10, global_batch=GLOBAL_BATCH)
     # clipping really changed training: AdamW is nearly scale-invariant, so clipping moves the loss
     # only ~1e-3 in 10 steps, but that is still 30x the loss tolerance below
     assert abs(ref["losses"][-1] - unclipped["losses"][-1]) > 3e-4
-    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+    assert_matches_reference(
+        results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+    )
 
 
 def fit_and_save(path: str) -> dict:
     """Train the GPT at t=2 for a few steps and save a full checkpoint (rank 0 writes it; the
     sharded default is tested in test_sharded_checkpoint.py against this format)."""
+    import lightning as L
+
     from lightning_ptdp import PTDPStrategy
     from tests.fit_utils import quiet_trainer
     from tests.models import build_model
-
-    import lightning as L
 
     L.seed_everything(0, verbose=False)
     model = build_model("gpt")
@@ -216,7 +230,9 @@ def test_tp_checkpoint_is_the_plain_model_and_loads_on_other_layouts(dist_pool, 
     for name, value in plain.state_dict().items():
         assert torch.equal(value, consolidated[name]), name
     single = validate_checkpoint(path, 1, None)
-    assert dist_pool(2).run(validate_checkpoint, path, 2, {"tensor_parallel_size": 2})[0] == pytest.approx(single, rel=1e-5)
+    assert dist_pool(2).run(validate_checkpoint, path, 2, {"tensor_parallel_size": 2})[0] == pytest.approx(
+        single, rel=1e-5
+    )
 
 
 KERNEL_LOSS_RTOL, KERNEL_GRAD_REL = 1e-4, 1e-4  # fp32 Triton kernels vs torch (tests/kernels tolerances)
@@ -260,7 +276,12 @@ def test_bf16_precisions_under_tp_zero_and_pp(dist_pool, precision, layout):
     kwargs = BF16_LAYOUTS[layout]
     trainer_kwargs = {"precision": precision}
     results = dist_pool(2).run(
-        fit_and_record, "gpt", strategy_kwargs=kwargs, devices=2, steps=5, global_batch=GLOBAL_BATCH,
+        fit_and_record,
+        "gpt",
+        strategy_kwargs=kwargs,
+        devices=2,
+        steps=5,
+        global_batch=GLOBAL_BATCH,
         trainer_kwargs=trainer_kwargs,
     )
     ref = fit_and_record("gpt", steps=5, global_batch=GLOBAL_BATCH, trainer_kwargs=trainer_kwargs)

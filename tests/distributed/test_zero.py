@@ -21,12 +21,18 @@ NOISE_DRIVEN = ("attn.key.bias",)
 )
 def test_zero_matches_single_process(dist_pool, family, devices, zero_stage):
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs={"zero_stage": zero_stage}, devices=devices, steps=STEPS,
+        fit_and_record,
+        family,
+        strategy_kwargs={"zero_stage": zero_stage},
+        devices=devices,
+        steps=STEPS,
         global_batch=GLOBAL_BATCH,
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
     # the full state dict is gathered to rank 0 (cpu_offload): compare there
-    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+    assert_matches_reference(
+        results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+    )
     for result in results[1:]:
         assert result["losses"] == pytest.approx(results[0]["losses"], rel=1e-6)
     # each rank holds 1/d of every parameter (FSDP pads a shard by at most one row per tensor)
@@ -44,12 +50,19 @@ def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zer
     devices = 4  # t=2 x d=2: each TP shard is sharded again over its dp group
     kwargs = {"zero_stage": zero_stage, "tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
     results = dist_pool(devices).run(
-        fit_and_record, family, strategy_kwargs=kwargs, devices=devices, steps=STEPS, global_batch=GLOBAL_BATCH,
+        fit_and_record,
+        family,
+        strategy_kwargs=kwargs,
+        devices=devices,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
         trainer_kwargs={"gradient_clip_val": 0.5},
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, trainer_kwargs={"gradient_clip_val": 0.5})
     for result in results:
-        assert_matches_reference(result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+        assert_matches_reference(
+            result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+        )
         assert result["local_numel"] < ref["local_numel"] / 2  # sharded by t and again by d
 
 
@@ -61,11 +74,17 @@ def test_zero_on_blocks_held_by_the_lightning_module(dist_pool, family, zero_sta
     """``self.layers = nn.ModuleList(...)`` on the LightningModule, and nanoGPT's ``transformer``
     ModuleDict: each block and each module outside them is a unit, never the container."""
     results = dist_pool(2).run(
-        fit_and_record, family, strategy_kwargs={"zero_stage": zero_stage}, devices=2, steps=STEPS,
+        fit_and_record,
+        family,
+        strategy_kwargs={"zero_stage": zero_stage},
+        devices=2,
+        steps=STEPS,
         global_batch=GLOBAL_BATCH,
     )
     ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH)
-    assert_matches_reference(results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN)
+    assert_matches_reference(
+        results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
+    )
     for result in results:
         assert result["local_numel"] <= ref["local_numel"] / 2 * 1.1, (result["local_numel"], ref["local_numel"])
 
@@ -78,8 +97,11 @@ def _zero_on_tied_dict_model() -> bool:
     from tests.models import build_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    with pytest.raises(ValueError, match=r"'transformer.wte.weight' and 'lm_head.weight' are one tied parameter in two "
-                       r"modules that FSDP shards separately .* put the network in one nn.Module"):
+    with pytest.raises(
+        ValueError,
+        match=r"'transformer.wte.weight' and 'lm_head.weight' are one tied parameter in two "
+        r"modules that FSDP shards separately .* put the network in one nn.Module",
+    ):
         apply_zero(build_model("nanogpt_dict_tied"), mesh["dp"], 3)
     return True
 

@@ -96,7 +96,12 @@ class FailWhileSaving(L.Callback):
         def failing_write_data(writer: Any, plan: Any, planner: Any) -> Any:
             if not callback._armed(Path(writer.path).name, "last.ckpt.v"):  # the version folder of last.ckpt
                 return write_data(writer, plan, planner)
-            streams, resolve, create_stream, left = [], planner.resolve_data, writer.fs.create_stream, len(plan.items) // 2
+            streams, resolve, create_stream, left = (
+                [],
+                planner.resolve_data,
+                writer.fs.create_stream,
+                len(plan.items) // 2,
+            )
 
             @contextmanager
             def recorded_stream(path: Any, mode: str) -> Any:

@@ -40,9 +40,7 @@ class FailingLM(CausalLM):
 def main() -> None:
     fail_rank, mode = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "raise"
     L.seed_everything(0, verbose=False)
-    trainer = quiet_trainer(
-        devices=2, max_steps=5, strategy=PTDPStrategy(pipeline_parallel_size=2, micro_batch_size=2)
-    )
+    trainer = quiet_trainer(devices=2, max_steps=5, strategy=PTDPStrategy(pipeline_parallel_size=2, micro_batch_size=2))
     trainer.fit(FailingLM(fail_rank, mode), zoo_data(8, 6 * 8 * 33, 4 * 33))
 
 

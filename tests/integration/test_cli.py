@@ -27,8 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 HERE = "tests.integration.test_cli"
 QUICK = [
-    "--trainer.accelerator=cpu", "--trainer.max_steps=5", "--trainer.limit_val_batches=2",
-    "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--data.train_tokens=20000",
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=5",
+    "--trainer.limit_val_batches=2",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_progress_bar=false",
+    "--data.train_tokens=20000",
 ]
 
 
@@ -51,10 +55,14 @@ class RunRecorder(L.Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         strategy = trainer.strategy
         record = {
-            "global_rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
-            "world_size": trainer.world_size, "strategy": type(strategy).__name__,
+            "global_rank": trainer.global_rank,
+            "local_rank": trainer.local_rank,
+            "node_rank": trainer.node_rank,
+            "world_size": trainer.world_size,
+            "strategy": type(strategy).__name__,
             "mesh_coordinate": strategy.device_mesh.get_coordinate() if isinstance(strategy, PTDPStrategy) else None,
-            "losses": self.losses, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "losses": self.losses,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "predicted_batches": self.predicted_batches,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +124,11 @@ def test_console_script_is_the_cli_main():
 @pytest.mark.parametrize(
     "strategy_args",
     [
-        ["--trainer.strategy=ptdp", "--trainer.strategy.tensor_parallel_size=1", "--trainer.strategy.data_parallel_size=2"],
+        [
+            "--trainer.strategy=ptdp",
+            "--trainer.strategy.tensor_parallel_size=1",
+            "--trainer.strategy.data_parallel_size=2",
+        ],
         ["--trainer.strategy", "ptdp", "--trainer.strategy.data_parallel_size=2"],
         ["--trainer.strategy=lightning_ptdp.PTDPStrategy", "--trainer.strategy.data_parallel_size=2"],
         ["--trainer.strategy.data_parallel_size=2"],  # ptdp is the default strategy
@@ -181,9 +193,21 @@ def test_tool_entry_points_exist_once_their_module_has_landed(name):
 # ---------------------------------------------------------------- subcommands end to end
 def test_fit_then_validate_from_a_config_file(tmp_path):
     config = tmp_path / "fit.yaml"
-    config.write_text(f"trainer:\n  default_root_dir: {tmp_path}\nmodel:\n  init_args:\n    model:\n      num_layers: 1\n")
-    run([*ptdp_command(), "fit", f"--config={config}", *QUICK, "--trainer.strategy=ptdp",
-         "--trainer.strategy.tensor_parallel_size=1", "--trainer.devices=2", *recorder_args(tmp_path)])
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\nmodel:\n  init_args:\n    model:\n      num_layers: 1\n"
+    )
+    run(
+        [
+            *ptdp_command(),
+            "fit",
+            f"--config={config}",
+            *QUICK,
+            "--trainer.strategy=ptdp",
+            "--trainer.strategy.tensor_parallel_size=1",
+            "--trainer.devices=2",
+            *recorder_args(tmp_path),
+        ]
+    )
     fitted = records(tmp_path, "fit")
     assert [r["global_rank"] for r in fitted] == [0, 1]
     assert all(len(r["losses"]) == 5 and r["strategy"] == "PTDPStrategy" for r in fitted)
@@ -191,8 +215,17 @@ def test_fit_then_validate_from_a_config_file(tmp_path):
     (checkpoint,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     assert (tmp_path / "lightning_logs/version_0/config.yaml").is_file()  # LightningCLI saved the config
 
-    run([*ptdp_command(), "validate", f"--config={config}", *QUICK, "--trainer.devices=1",
-         f"--ckpt_path={checkpoint}", *recorder_args(tmp_path)])
+    run(
+        [
+            *ptdp_command(),
+            "validate",
+            f"--config={config}",
+            *QUICK,
+            "--trainer.devices=1",
+            f"--ckpt_path={checkpoint}",
+            *recorder_args(tmp_path),
+        ]
+    )
     (validated,) = records(tmp_path, "validate")
     assert 0.0 < validated["metrics"]["val_loss"] < 6.0
 
@@ -200,8 +233,20 @@ def test_fit_then_validate_from_a_config_file(tmp_path):
 def test_test_and_predict_with_user_classes(tmp_path):
     user_classes = [f"--model={HERE}.EvaluatedGPT", f"--data={HERE}.MarkovWithTestSplit"]
     for subcommand in ("test", "predict"):
-        run([sys.executable, "-m", "lightning_ptdp.tools.cli", subcommand, *QUICK, *user_classes, "--trainer.devices=1",
-             "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=3", *recorder_args(tmp_path)])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "lightning_ptdp.tools.cli",
+                subcommand,
+                *QUICK,
+                *user_classes,
+                "--trainer.devices=1",
+                "--trainer.limit_test_batches=2",
+                "--trainer.limit_predict_batches=3",
+                *recorder_args(tmp_path),
+            ]
+        )
     (tested,) = records(tmp_path, "test")
     assert 0.0 < tested["metrics"]["test_loss"] < 6.0
     (predicted,) = records(tmp_path, "predict")
@@ -222,11 +267,24 @@ def start_two_nodes(out_dir: Path, port: int) -> tuple[list[int], str]:
     nodes = []
     for node_rank in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-            f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
-            "-m", "lightning_ptdp.tools.cli", "fit", *QUICK, "--trainer.num_nodes=2", "--trainer.devices=2",
-            "--trainer.strategy=ptdp", "--trainer.strategy.tensor_parallel_size=2",
-            f"--trainer.default_root_dir={out_dir / f'node{node_rank}'}", *recorder_args(out_dir / "ranks"),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node_rank={node_rank}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "-m",
+            "lightning_ptdp.tools.cli",
+            "fit",
+            *QUICK,
+            "--trainer.num_nodes=2",
+            "--trainer.devices=2",
+            "--trainer.strategy=ptdp",
+            "--trainer.strategy.tensor_parallel_size=2",
+            f"--trainer.default_root_dir={out_dir / f'node{node_rank}'}",
+            *recorder_args(out_dir / "ranks"),
         ]
         log = open(out_dir / f"node{node_rank}.log", "w")
         nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
@@ -252,7 +310,10 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
 
     ranks = records(tmp_path / f"attempt{attempt}" / "ranks", "fit")
     assert [(r["global_rank"], r["node_rank"], r["local_rank"]) for r in ranks] == [
-        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
     ]
     assert all(r["world_size"] == 4 for r in ranks)
     # (pp, dp, tp), tp fastest: the two ranks of one node form a tensor-parallel group
@@ -264,4 +325,3 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
     torch.testing.assert_close(losses[3], losses[2])
     synced = torch.tensor([r["metrics"]["train_loss"] for r in ranks])
     assert torch.allclose(synced, synced[0])  # logged with sync_dist: the dp mean, same on every rank
-

@@ -69,11 +69,17 @@ CASES = [  # layout, phase, mode, launcher, failing rank
 ]
 
 
-@pytest.mark.parametrize(("layout", "phase", "mode", "launcher", "fail_rank"), CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize(
+    ("layout", "phase", "mode", "launcher", "fail_rank"), CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
 def test_a_failed_rank_stops_every_rank_and_is_named(layout, phase, mode, launcher, fail_rank):
-    end = run_job("tests.integration.fault_job", [layout, str(fail_rank), phase, mode], launcher, limit_s=LAUNCH_LIMIT_S)
-    print(f"fault {layout}/{phase}/{mode}/{launcher}/rank{fail_rank}: exit {end.returncode}, "
-          f"{end.fault_to_exit_s:.1f}s after the fault; survivor said: {survivor_reports(end.output, 1 - fail_rank)[-1:]}")
+    end = run_job(
+        "tests.integration.fault_job", [layout, str(fail_rank), phase, mode], launcher, limit_s=LAUNCH_LIMIT_S
+    )
+    print(
+        f"fault {layout}/{phase}/{mode}/{launcher}/rank{fail_rank}: exit {end.returncode}, "
+        f"{end.fault_to_exit_s:.1f}s after the fault; survivor said: {survivor_reports(end.output, 1 - fail_rank)[-1:]}"
+    )
     assert_stopped(end, phase, mode, fail_rank)
     assert_survivor_names(end.output, phase, mode, launcher, fail_rank)
 
@@ -92,14 +98,20 @@ def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_good_checkp
     layout, fmt, mode, launcher, fail_rank, tmp_path
 ):
     phase = "save" if fmt == "sharded" else "save-full"
-    end = run_job("tests.integration.fault_job", [layout, str(fail_rank), phase, mode, str(tmp_path)], launcher,
-                  limit_s=LAUNCH_LIMIT_S)
+    end = run_job(
+        "tests.integration.fault_job",
+        [layout, str(fail_rank), phase, mode, str(tmp_path)],
+        launcher,
+        limit_s=LAUNCH_LIMIT_S,
+    )
     survivor, by_dcp = 1 - fail_rank, fmt == "sharded" and mode == "raise"
     errors = save_errors(end.output)
     said = [m for rank, m in errors if rank == survivor] if by_dcp else survivor_reports(end.output, survivor)
-    print(f"fault {layout}/{phase}/{mode}/{launcher}/rank{fail_rank}: exit {end.returncode} ({rank_exits(end.output)}), "
-          f"{end.fault_to_exit_s:.1f}s after the fault; survivor said: {said[-1:]}; "
-          f"checkpoints: {sorted(os.listdir(tmp_path))} {sorted(os.listdir(tmp_path / '.ptdp')) if fmt == 'sharded' else ''}")
+    print(
+        f"fault {layout}/{phase}/{mode}/{launcher}/rank{fail_rank}: exit {end.returncode} ({rank_exits(end.output)}), "
+        f"{end.fault_to_exit_s:.1f}s after the fault; survivor said: {said[-1:]}; "
+        f"checkpoints: {sorted(os.listdir(tmp_path))} {sorted(os.listdir(tmp_path / '.ptdp')) if fmt == 'sharded' else ''}"
+    )
     assert_stopped(end, phase, mode, fail_rank)
     if by_dcp:  # DCP's coordinator gathered the failure and raised it on every rank
         failed = f"failed (on rank {fail_rank}: {own_error(phase, fail_rank)}); the previous checkpoint is untouched"
@@ -133,13 +145,16 @@ def assert_survivor_names(output: str, phase: str, mode: str, launcher: str, fai
     else:
         assert reports, output[-3000:]
     named = [
-        f"rank {fail_rank} failed with {own_error(phase, fail_rank)}" if mode == "raise" else
-        f"no rank recorded an error, so a rank was killed or ran out of memory (SIGKILL, the OOM killer); global ranks "
+        f"rank {fail_rank} failed with {own_error(phase, fail_rank)}"
+        if mode == "raise"
+        else f"no rank recorded an error, so a rank was killed or ran out of memory (SIGKILL, the OOM killer); global ranks "
         f"that had not reported when rank {survivor} stopped: [{fail_rank}]",
     ]
     if launcher == "lightning" and fail_rank == 0:
-        named.append("the job's store is unreachable: it lives in global rank 0's process (Lightning's launcher), "
-                     "so rank 0 failed or was killed; its own output has the error")
+        named.append(
+            "the job's store is unreachable: it lives in global rank 0's process (Lightning's launcher), "
+            "so rank 0 failed or was killed; its own output has the error"
+        )
     for report in reports:  # whatever the survivor said, it named the failed rank
         assert any(report.startswith(n) for n in named), report
 

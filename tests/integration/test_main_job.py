@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
 
@@ -23,7 +22,17 @@ def run_job(cmd: list[str], out_dir: Path) -> dict:
 def test_main_job_learns_the_corpus_under_lightning_launcher(tmp_path):
     """``python -m recipes.quickstart``: Lightning's launcher starts rank 1 itself."""
     summary = run_job(
-        [sys.executable, "-m", "recipes.quickstart", "--devices", "2", "--max-steps", "200", "--out-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "recipes.quickstart",
+            "--devices",
+            "2",
+            "--max-steps",
+            "200",
+            "--out-dir",
+            str(tmp_path),
+        ],
         tmp_path,
     )
     assert summary["layout"] == {"pp": 1, "dp": 2, "tp": 1, "world_size": 2}
@@ -43,8 +52,19 @@ def test_main_job_under_torchrun(tmp_path):
     """Processes created externally (torchrun): the strategy must not launch its own."""
     summary = run_job(
         [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "recipes.quickstart", "--devices", "2", "--max-steps", "20", "--out-dir", str(tmp_path),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.quickstart",
+            "--devices",
+            "2",
+            "--max-steps",
+            "20",
+            "--out-dir",
+            str(tmp_path),
         ],
         tmp_path,
     )

@@ -14,8 +14,10 @@ import pytest
 from tests.integration.launch import run_job
 from tests.integration.test_faults import FAULT_TO_EXIT_S, LAUNCH_LIMIT_S, survivor_reports
 
-STORE_GONE = ("the job's store is unreachable: it lives in global rank 0's process (Lightning's launcher), so rank 0 "
-              "failed or was killed; its own output has the error")
+STORE_GONE = (
+    "the job's store is unreachable: it lives in global rank 0's process (Lightning's launcher), so rank 0 "
+    "failed or was killed; its own output has the error"
+)
 
 
 @pytest.mark.parametrize(("launcher", "fail_rank"), [("lightning", 0)], ids=["lightning-first-stage-fails"])
@@ -29,7 +31,9 @@ def test_a_failing_rank_stops_the_whole_pipeline(fail_rank, launcher):
     # rank 0 hosts the job's store under Lightning's launcher; if it is already gone, the
     # survivor names it from that instead of reading its error
     for report in reports:
-        assert report.startswith(named) or (fail_rank == 0 and launcher == "lightning" and report.startswith(STORE_GONE)), report
+        assert report.startswith(named) or (
+            fail_rank == 0 and launcher == "lightning" and report.startswith(STORE_GONE)
+        ), report
 
 
 @pytest.mark.parametrize(("launcher", "fail_rank"), [("lightning", 1)], ids=["lightning-last-stage-killed"])

@@ -22,10 +22,16 @@ def recipe(*args: str, check: bool = True, env: dict | None = None) -> subproces
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "recipes.train", *args],
-        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     if check:
-        assert proc.returncode == 0, f"recipes.train {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, (
+            f"recipes.train {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -144,16 +150,33 @@ def test_slurm_template_runs_under_lightnings_slurm_environment(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     allocation = {
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "ptdp-train", "SLURM_NNODES": "1", "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost",
-        "SLURM_SUBMIT_DIR": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "RUN_DIR": str(tmp_path / "run"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "ptdp-train",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RUN_DIR": str(tmp_path / "run"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
     }
-    cmd = ["bash", str(ROOT / "recipes/slurm/train.sbatch"), *TINY_RUN, "parallel=dp2", "trainer.max_steps=5",
-           "trainer.accelerator=cpu", "trainer.precision=32-true"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **allocation}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    cmd = [
+        "bash",
+        str(ROOT / "recipes/slurm/train.sbatch"),
+        *TINY_RUN,
+        "parallel=dp2",
+        "trainer.max_steps=5",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, **allocation}, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["cluster_environment"] == "SLURMEnvironment"

@@ -77,11 +77,15 @@ def _configs(full: bool):
 def check(arch: int, full: bool) -> dict:
     results, failures = [], []
     for label, kernel, dtype, constexprs, tiles in _configs(full):
-        source = triton.compiler.ASTSource(fn=kernel, signature=_signature(kernel, dtype, constexprs),
-                                           constexprs=constexprs)
+        source = triton.compiler.ASTSource(
+            fn=kernel, signature=_signature(kernel, dtype, constexprs), constexprs=constexprs
+        )
         try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                      options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            compiled = triton.compile(
+                source,
+                target=GPUTarget("cuda", arch, 32),
+                options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            )
         except Exception as err:  # noqa: BLE001 - report every failing kernel, not just the first
             failures.append(f"{label}: {type(err).__name__}: {str(err)[:300]}")
             continue

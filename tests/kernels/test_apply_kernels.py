@@ -244,7 +244,10 @@ class _Masked(nn.Module):
 @pytest.mark.parametrize(
     ("module", "match"),
     [
-        (_Masked(masked=True), r"cannot run scaled_dot_product_attention in _Masked: attn_mask is given; .*; use kernels="),
+        (
+            _Masked(masked=True),
+            r"cannot run scaled_dot_product_attention in _Masked: attn_mask is given; .*; use kernels=",
+        ),
         (_Masked(head_dim=24), r"head_dim q/k/v = 24/24/24; .*\(16, 32, 64, 128\); use kernels='auto'"),
     ],
 )

@@ -60,7 +60,9 @@ def test_odd_sequence_lengths(device, causal, seq):
     _check(*_inputs(device, q_len=seq), causal=causal)
 
 
-@pytest.mark.parametrize(("head_dim", "seq", "causal"), [(32, 20, True), (64, 33, False), (64, 33, True), (128, 17, True)])
+@pytest.mark.parametrize(
+    ("head_dim", "seq", "causal"), [(32, 20, True), (64, 33, False), (64, 33, True), (128, 17, True)]
+)
 def test_head_dims(device, head_dim, seq, causal):
     _check(*_inputs(device, q_len=seq, head_dim=head_dim), causal=causal)
 

@@ -25,5 +25,7 @@ def test_modes_without_triton(monkeypatch):
     monkeypatch.setattr(triton_kernels.support, "triton_importable", lambda: False)
     report = apply_kernels(torch.nn.Linear(2, 2), "auto", device=torch.device("cuda"))
     assert report.backend == "torch" and "triton is not installed" in report.reason
-    with pytest.raises(RuntimeError, match=r"kernels='triton' needs triton: triton is not installed .* kernels='torch'"):
+    with pytest.raises(
+        RuntimeError, match=r"kernels='triton' needs triton: triton is not installed .* kernels='torch'"
+    ):
         apply_kernels(torch.nn.Linear(2, 2), "triton", device=torch.device("cuda"))

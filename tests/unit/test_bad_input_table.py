@@ -18,7 +18,10 @@ from recipes.gpt import GPTConfig, OptimConfig
 # (what, keyword arguments, message pattern)
 STRATEGY = [
     ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be >= 1; use 1 to switch"),
-    ({"tensor_parallel_size": 2.0}, r"tensor_parallel_size=2.0 must be a positive integer, got float; did you mean tensor_parallel_size=2"),
+    (
+        {"tensor_parallel_size": 2.0},
+        r"tensor_parallel_size=2.0 must be a positive integer, got float; did you mean tensor_parallel_size=2",
+    ),
     ({"pipeline_parallel_size": "2"}, r"pipeline_parallel_size='2' must be a positive integer, got str"),
     ({"data_parallel_size": "all"}, r"data_parallel_size='all' must be a positive integer"),
     ({"data_parallel_size": 0}, r"data_parallel_size=0 must be >= 1"),
@@ -29,11 +32,20 @@ STRATEGY = [
     ({"overlap_grad_reduce": "yes"}, r"overlap_grad_reduce='yes' must be True or False"),
     ({"zero_stage": 4}, r"zero_stage=4 is not one of 0, 1, 2, 3"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
-    ({"pipeline_schedule": "interleaved"}, r"pipeline_schedule='interleaved' is not one of 'interleaved_1f1b', '1f1b', 'gpipe', 'zero_bubble'"),
+    (
+        {"pipeline_schedule": "interleaved"},
+        r"pipeline_schedule='interleaved' is not one of 'interleaved_1f1b', '1f1b', 'gpipe', 'zero_bubble'",
+    ),
     ({"kernels": "cuda"}, r"kernels='cuda' is not one of 'auto', 'triton', 'torch'"),
-    ({"pretrained": "/no/such/checkpoint"}, r"pretrained='/no/such/checkpoint' does not exist; give a \.safetensors file"),
+    (
+        {"pretrained": "/no/such/checkpoint"},
+        r"pretrained='/no/such/checkpoint' does not exist; give a \.safetensors file",
+    ),
     ({"pretrained": ".", "pretrained_prefix": 3}, r"pretrained_prefix=3 must be a string such as 'net\.'"),
-    ({"tp_plan": {"blocks.0.q": "columnwise"}}, r"tp_plan\['blocks.0.q'\]='columnwise' is not a style: use one of 'colwise', 'rowwise'"),
+    (
+        {"tp_plan": {"blocks.0.q": "columnwise"}},
+        r"tp_plan\['blocks.0.q'\]='columnwise' is not a style: use one of 'colwise', 'rowwise'",
+    ),
     ({"tp_plan": ["blocks.0.q"]}, r"tp_plan=\['blocks.0.q'\] must be a dict of module path -> style"),
     ({"on_nonfinite": "stop"}, r"on_nonfinite='stop' is not one of 'raise', 'skip', 'ignore'"),
     ({"checkpoint_format": "dcp"}, r"checkpoint_format='dcp' is not one of 'sharded' \(each rank writes its pieces"),
@@ -41,18 +53,30 @@ STRATEGY = [
     ({"timeout": 30}, r"timeout=30 must be a datetime.timedelta \(e.g. timedelta\(minutes=10\)\) or None"),
     ({"timeout": timedelta(seconds=0)}, r"timeout=0:00:00 must be positive"),
     ({"failure_timeout": 10}, r"failure_timeout=10 must be a datetime.timedelta \(e.g. timedelta\(seconds=10\)\)"),
-    ({"failure_timeout": timedelta(seconds=-1)}, r"failure_timeout=-1 day, 23:59:59 must be positive; it bounds how long"),
+    (
+        {"failure_timeout": timedelta(seconds=-1)},
+        r"failure_timeout=-1 day, 23:59:59 must be positive; it bounds how long",
+    ),
     ({"start_method": "thread"}, r"start_method='thread' must be 'popen', 'spawn', 'fork' or 'forkserver'"),
     # inconsistent combinations
     ({"sequence_parallel": True}, r"sequence_parallel=True needs tensor_parallel_size > 1"),
     ({"virtual_pipeline_size": 2}, r"virtual_pipeline_size=2 needs pipeline_parallel_size > 1"),
-    ({"virtual_pipeline_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"},
-     r"pipeline_schedule='1f1b' runs one; use 'interleaved_1f1b'"),
-    ({"tensor_parallel_size": 2, "sequence_parallel": True, "tp_plan": {"blocks.0.q": "colwise"}},
-     r"sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel"),
-    ({"tp_plan": {"blocks.0.q": "colwise"}}, r"tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1"),
-    ({"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble", "zero_stage": 1},
-     r"pipeline_schedule='zero_bubble' with zero_stage=1 is not supported yet"),
+    (
+        {"virtual_pipeline_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"},
+        r"pipeline_schedule='1f1b' runs one; use 'interleaved_1f1b'",
+    ),
+    (
+        {"tensor_parallel_size": 2, "sequence_parallel": True, "tp_plan": {"blocks.0.q": "colwise"}},
+        r"sequence_parallel=True needs the discovered plan; drop tp_plan or sequence_parallel",
+    ),
+    (
+        {"tp_plan": {"blocks.0.q": "colwise"}},
+        r"tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1",
+    ),
+    (
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble", "zero_stage": 1},
+        r"pipeline_schedule='zero_bubble' with zero_stage=1 is not supported yet",
+    ),
 ]
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
@@ -65,7 +89,11 @@ RECIPES = [
     (GPTConfig, {"ffn_hidden_size": 0}, r"GPTConfig.ffn_hidden_size=0 must be a positive integer"),
     (GPTConfig, {"dropout": 1.0}, r"GPTConfig.dropout=1.0 must be in \[0, 1\)"),
     (GPTConfig, {"position_embedding": "alibi"}, r"GPTConfig.position_embedding='alibi': use 'learned' or 'rotary'"),
-    (GPTConfig, {"position_embedding": "rotary", "hidden_size": 12, "num_heads": 4}, r"rotary position embedding needs an even head size"),
+    (
+        GPTConfig,
+        {"position_embedding": "rotary", "hidden_size": 12, "num_heads": 4},
+        r"rotary position embedding needs an even head size",
+    ),
     (GPTConfig, {"tie_embeddings": "yes"}, r"GPTConfig.tie_embeddings='yes' must be True or False"),
     (GPTConfig, {"init_std": 0}, r"GPTConfig.init_std=0 must be a number in \(0.0, inf\)"),
     (GPTConfig, {"init_seed": "7"}, r"GPTConfig.init_seed='7' must be an integer or None"),
@@ -76,13 +104,21 @@ RECIPES = [
     (OptimConfig, {"warmup_steps": -5}, r"OptimConfig.warmup_steps=-5 must be an integer >= 0"),
     (OptimConfig, {"max_steps": 0}, r"OptimConfig.max_steps=0 must be an integer >= 1"),
     (OptimConfig, {"min_lr_ratio": 1.5}, r"OptimConfig.min_lr_ratio=1.5 must be a number in \[0.0, 1.0\]"),
-    (MarkovDataModule, {"seq_length": 64, "train_tokens": 32}, r"MarkovDataModule\(train_tokens=32\) is shorter than seq_length \+ 1 = 65; raise train_tokens or lower seq_length"),
+    (
+        MarkovDataModule,
+        {"seq_length": 64, "train_tokens": 32},
+        r"MarkovDataModule\(train_tokens=32\) is shorter than seq_length \+ 1 = 65; raise train_tokens or lower seq_length",
+    ),
 ]
 
 CALLBACKS = [
     (PipelineTimeline, {"step": -1}, r"PipelineTimeline\(step=-1\) must be >= 0"),
     (ReplicaConsistency, {"every_n_steps": 0}, r"ReplicaConsistency\(every_n_steps=0\) must be a positive integer"),
-    (ReplicaConsistency, {"on_divergence": "log"}, r"ReplicaConsistency\(on_divergence='log'\) must be 'raise' or 'warn'"),
+    (
+        ReplicaConsistency,
+        {"on_divergence": "log"},
+        r"ReplicaConsistency\(on_divergence='log'\) must be 'raise' or 'warn'",
+    ),
     (StragglerDetector, {"every_n_steps": 0}, r"StragglerDetector\(every_n_steps=0\) must be a positive integer"),
     (StragglerDetector, {"slowdown_factor": 1.0}, r"StragglerDetector\(slowdown_factor=1.0\) must be a number > 1"),
     (PTDPThroughput, {"log_every_n_steps": 0}, r"PTDPThroughput\(log_every_n_steps=0\) must be a positive integer"),
@@ -115,5 +151,7 @@ def test_the_table_covers_every_model_and_optimizer_field():
 def test_trainer_refuses_a_layout_that_does_not_fit_before_launching():
     import lightning as L
 
-    with pytest.raises(ValueError, match=r"tensor_parallel_size\(2\) \* pipeline_parallel_size\(2\) = 4 does not divide"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size\(2\) \* pipeline_parallel_size\(2\) = 4 does not divide"
+    ):
         L.Trainer(accelerator="cpu", devices=2, strategy=PTDPStrategy(tensor_parallel_size=2, pipeline_parallel_size=2))

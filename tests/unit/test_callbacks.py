@@ -23,8 +23,11 @@ def test_batch_shape_finds_the_first_batch_by_sequence_tensor(batch, shape):
 
 
 def test_batch_shape_without_a_sequence_tensor_says_what_to_pass():
-    with pytest.raises(ValueError, match=r"found no \(batch, sequence\) tensor in a batch of type tuple; pass "
-                                         r"PTDPThroughput\(batch_shape_fn=lambda batch"):
+    with pytest.raises(
+        ValueError,
+        match=r"found no \(batch, sequence\) tensor in a batch of type tuple; pass "
+        r"PTDPThroughput\(batch_shape_fn=lambda batch",
+    ):
         batch_shape((torch.zeros(4), "text"))
 
 
@@ -48,14 +51,19 @@ def test_several_stragglers_are_all_named():
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: PTDPThroughput(log_every_n_steps=0),
-         r"PTDPThroughput\(log_every_n_steps=0\) must be a positive integer"),
-        (lambda: PTDPThroughput(peak_flops=-1.0),
-         r"PTDPThroughput\(peak_flops=-1.0\) must be a positive FLOP/s value"),
-        (lambda: StragglerDetector(every_n_steps=2.5),
-         r"StragglerDetector\(every_n_steps=2.5\) must be a positive integer"),
-        (lambda: StragglerDetector(slowdown_factor=1.0),
-         r"StragglerDetector\(slowdown_factor=1.0\) must be a number > 1"),
+        (
+            lambda: PTDPThroughput(log_every_n_steps=0),
+            r"PTDPThroughput\(log_every_n_steps=0\) must be a positive integer",
+        ),
+        (lambda: PTDPThroughput(peak_flops=-1.0), r"PTDPThroughput\(peak_flops=-1.0\) must be a positive FLOP/s value"),
+        (
+            lambda: StragglerDetector(every_n_steps=2.5),
+            r"StragglerDetector\(every_n_steps=2.5\) must be a positive integer",
+        ),
+        (
+            lambda: StragglerDetector(slowdown_factor=1.0),
+            r"StragglerDetector\(slowdown_factor=1.0\) must be a number > 1",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(build, match):
@@ -73,7 +81,10 @@ def test_model_dimensions_come_from_arguments_or_model_config():
     assert PTDPThroughput()._model_dims(WithConfig()) == {"num_layers": 2, "hidden_size": 32, "vocab_size": 64}
     given = PTDPThroughput(num_layers=4, hidden_size=8, vocab_size=10)._model_dims(torch.nn.Linear(1, 1))
     assert given == {"num_layers": 4, "hidden_size": 8, "vocab_size": 10}
-    with pytest.raises(ValueError, match=r"needs the model's hidden_size, vocab_size for the FLOPs count: pass "
-                                         r"PTDPThroughput\(hidden_size=\.\.\., vocab_size=\.\.\.\), or give Linear a "
-                                         r"`model_config` with those fields"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs the model's hidden_size, vocab_size for the FLOPs count: pass "
+        r"PTDPThroughput\(hidden_size=\.\.\., vocab_size=\.\.\.\), or give Linear a "
+        r"`model_config` with those fields",
+    ):
         PTDPThroughput(num_layers=4)._model_dims(torch.nn.Linear(1, 1))

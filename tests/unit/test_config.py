@@ -12,7 +12,10 @@ from lightning_ptdp import ParallelConfig, ParallelDims, PTDPStrategy
     [
         ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be >= 1"),
         ({"pipeline_parallel_size": -2}, r"pipeline_parallel_size=-2 must be >= 1"),
-        ({"tensor_parallel_size": 2.0}, r"tensor_parallel_size=2.0 must be a positive integer.*did you mean tensor_parallel_size=2"),
+        (
+            {"tensor_parallel_size": 2.0},
+            r"tensor_parallel_size=2.0 must be a positive integer.*did you mean tensor_parallel_size=2",
+        ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size='2' must be a positive integer, got str"),
         ({"data_parallel_size": 1.5}, r"data_parallel_size=1.5 must be a positive integer"),
         ({"data_parallel_size": True}, r"data_parallel_size=True must be a positive integer, got bool"),
@@ -40,13 +43,18 @@ def test_bad_config_is_rejected(kwargs, match):
 
 def test_world_size_mismatch_names_sizes_that_fit():
     config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=4)
-    with pytest.raises(ValueError, match=r"= 16, but the world size is 8.*Sizes that fit 8 processes: \(t=1, p=1, d=8\)"):
+    with pytest.raises(
+        ValueError, match=r"= 16, but the world size is 8.*Sizes that fit 8 processes: \(t=1, p=1, d=8\)"
+    ):
         ParallelDims.from_config(config, world_size=8)
 
 
 def test_auto_dp_needs_divisible_world():
     config = ParallelConfig(tensor_parallel_size=4)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size\(4\) \* pipeline_parallel_size\(1\) = 4 does not divide the world size 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size\(4\) \* pipeline_parallel_size\(1\) = 4 does not divide the world size 6",
+    ):
         ParallelDims.from_config(config, world_size=6)
 
 

@@ -9,16 +9,29 @@ import os
 import pytest
 import torch
 
-from lightning_ptdp.tools import cli, doctor, interconnect
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.tools import cli, doctor, interconnect
 from lightning_ptdp.tools.doctor import FAIL, OK, WARN, Check
 from lightning_ptdp.tools.interconnect import BUS_FACTORS, bench_row, format_size, nvlink_pairs, parse_bytes
-from lightning_ptdp.parallel.dims import ParallelDims
 
-TORCHRUN_ENV = {"RANK": "3", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
-                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8(x2)",
-             "SLURM_PROCID": "0", "SLURM_JOB_NAME": "train"}
+TORCHRUN_ENV = {
+    "RANK": "3",
+    "GROUP_RANK": "1",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "WORLD_SIZE": "4",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+SLURM_ENV = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_NTASKS": "16",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS_PER_NODE": "8(x2)",
+    "SLURM_PROCID": "0",
+    "SLURM_JOB_NAME": "train",
+}
 # `nvidia-smi topo -m` of a 4-GPU node: GPU0-GPU1 and GPU2-GPU3 on NVLink, the rest over PCIe/SMP.
 TOPO_MATRIX = """\
 \tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity
@@ -71,8 +84,12 @@ def test_missing_packages_fail_when_required_and_warn_when_extras():
     missing = dict(version_of=lambda _: None, module_found=lambda _: False)
     lightning = doctor.check_requirement(by_name["lightning"], **missing)
     assert lightning.status == FAIL and "not installed" in lightning.detail
-    for extra, fix in (("hydra-core", '".[hydra]"'), ("wandb", '".[wandb]"'), ("triton", '".[triton]"'),
-                       ("jsonargparse", "jsonargparse[signatures]")):
+    for extra, fix in (
+        ("hydra-core", '".[hydra]"'),
+        ("wandb", '".[wandb]"'),
+        ("triton", '".[triton]"'),
+        ("jsonargparse", "jsonargparse[signatures]"),
+    ):
         check = doctor.check_requirement(by_name[extra], **missing)
         assert check.status == WARN and fix in check.fix
     broken = doctor.check_requirement(by_name["wandb"], version_of=lambda _: "0.20.0", module_found=lambda _: False)
@@ -89,8 +106,10 @@ def test_cuda_absent_is_a_warning_for_cpu_only_use():
     assert doctor.check_cuda(True, 8, "12.8") == Check("cuda", OK, "CUDA 12.8, 8 GPU(s) visible")
 
 
-@pytest.mark.parametrize("name, tflops", [("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989),
-                                          ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312)])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312)],
+)
 def test_known_gpus_report_memory_and_peak(name, tflops):
     check = doctor.check_gpu(0, name, 143_771_000_832, (9, 0))
     assert check == Check("gpu0", OK, f"{name}, 133.9 GiB, sm_90, peak bf16 {tflops} TFLOP/s")
@@ -128,8 +147,9 @@ def test_backends():
     assert gpu_without_nccl[0].status == FAIL and "no NCCL" in gpu_without_nccl[0].detail
     assert doctor.check_backends(True, True, True, "2.21.5")[0].detail == "available (NCCL 2.21.5)"
     assert statuses(doctor.check_backends(False, False, False, None))["gloo"] == FAIL
-    here = doctor.check_backends(torch.cuda.is_available(), torch.distributed.is_nccl_available(),
-                                 torch.distributed.is_gloo_available(), None)
+    here = doctor.check_backends(
+        torch.cuda.is_available(), torch.distributed.is_nccl_available(), torch.distributed.is_gloo_available(), None
+    )
     assert all(c.status == OK for c in here)
 
 
@@ -150,19 +170,24 @@ def test_no_launcher():
 
 def test_torchrun_environment():
     assert doctor.check_launch(TORCHRUN_ENV, 2, 2) == Check(
-        "launch", OK, "torchrun: RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, MASTER_ADDR=10.0.0.1, "
-                      "MASTER_PORT=29500")
+        "launch",
+        OK,
+        "torchrun: RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, MASTER_ADDR=10.0.0.1, MASTER_PORT=29500",
+    )
     wrong = doctor.check_launch(TORCHRUN_ENV, 8, 2)
     assert wrong.status == FAIL and "WORLD_SIZE=4 but devices x num_nodes = 8 x 2 = 16" in wrong.detail
     assert "--nproc_per_node=8" in wrong.fix
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"MASTER_ADDR": None}, "MASTER_ADDR is not set"),
-    ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
-    ({"MASTER_PORT": "29500x"}, "MASTER_PORT='29500x' is not a port number"),
-    ({"MASTER_PORT": "70000"}, "is not a port number"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"MASTER_ADDR": None}, "MASTER_ADDR is not set"),
+        ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
+        ({"MASTER_PORT": "29500x"}, "MASTER_PORT='29500x' is not a port number"),
+        ({"MASTER_PORT": "70000"}, "is not a port number"),
+    ],
+)
 def test_broken_launch_variables_fail(change, message):
     env = {k: v for k, v in {**TORCHRUN_ENV, **change}.items() if v is not None}
     check = doctor.check_launch(env, 2, 2)
@@ -176,7 +201,8 @@ def test_hand_set_variables_are_checked_too():
 
 def test_slurm_environment():
     assert doctor.check_launch(SLURM_ENV, 8, 2) == Check(
-        "launch", OK, "SLURM job 77, SLURM_PROCID=0: Lightning reads the ranks from SLURM")
+        "launch", OK, "SLURM job 77, SLURM_PROCID=0: Lightning reads the ranks from SLURM"
+    )
     wrong = doctor.check_launch(SLURM_ENV, 4, 4)
     assert wrong.status == FAIL and "SLURM_NNODES=2 (want 4)" in wrong.detail
     assert "SLURM_NTASKS_PER_NODE=8(x2) (want 4)" in wrong.detail and "--ntasks-per-node=4" in wrong.fix
@@ -193,8 +219,9 @@ def test_devices_and_nodes_default_to_the_launchers():
 # ---------------------------------------------------------------- layout
 def parallel_dims_error(t: int, p: int, d, world_size: int) -> str:
     with pytest.raises(ValueError) as info:
-        ParallelDims.from_config(ParallelConfig(tensor_parallel_size=t, pipeline_parallel_size=p,
-                                                data_parallel_size=d), world_size)
+        ParallelDims.from_config(
+            ParallelConfig(tensor_parallel_size=t, pipeline_parallel_size=p, data_parallel_size=d), world_size
+        )
     return str(info.value)
 
 
@@ -204,11 +231,14 @@ def test_bad_layouts_fail_with_the_parallel_dims_message(t, p, d, devices, nodes
     assert check == Check("layout", FAIL, parallel_dims_error(t, p, d, devices * nodes))
 
 
-@pytest.mark.parametrize("t, devices, nodes, message", [
-    (0, 8, 1, "tensor_parallel_size=0 must be >= 1"),
-    (1, 0, 1, "devices=0 must be >= 1"),
-    (1, -2, -4, "devices=-2 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "t, devices, nodes, message",
+    [
+        (0, 8, 1, "tensor_parallel_size=0 must be >= 1"),
+        (1, 0, 1, "devices=0 must be >= 1"),
+        (1, -2, -4, "devices=-2 must be >= 1"),
+    ],
+)
 def test_invalid_values_fail_with_the_config_message(t, devices, nodes, message):
     (check,) = doctor.check_layout(t, 1, "auto", devices, nodes)
     assert check.status == FAIL and message in check.detail
@@ -219,8 +249,9 @@ def test_a_paper_layout_passes():
     assert checks == [Check("layout", OK, "t=8 p=4 d=4 on 128 processes (devices=8 x num_nodes=16)")]
 
 
-@pytest.mark.parametrize("t, devices, nodes, why", [(16, 8, 4, "t=16 > 8 GPUs per node"),
-                                                      (4, 6, 2, "t=4 does not divide devices=6")])
+@pytest.mark.parametrize(
+    "t, devices, nodes, why", [(16, 8, 4, "t=16 > 8 GPUs per node"), (4, 6, 2, "t=4 does not divide devices=6")]
+)
 def test_tensor_parallel_groups_crossing_nodes_warn(t, devices, nodes, why):
     layout, placement = doctor.check_layout(t, 1, "auto", devices, nodes)
     assert layout.status == OK and placement.status == WARN
@@ -234,8 +265,16 @@ def test_more_devices_than_gpus_on_the_node_fails():
 
 
 # ---------------------------------------------------------------- collective benchmark
-@pytest.mark.parametrize("op, n, factor", [("all_reduce", 8, 1.75), ("all_gather", 4, 0.75),
-                                           ("reduce_scatter", 2, 0.5), ("all_to_all", 8, 0.875), ("send_recv", 8, 1.0)])
+@pytest.mark.parametrize(
+    "op, n, factor",
+    [
+        ("all_reduce", 8, 1.75),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 2, 0.5),
+        ("all_to_all", 8, 0.875),
+        ("send_recv", 8, 1.0),
+    ],
+)
 def test_bus_bandwidth_factors_are_nccl_tests(op, n, factor):
     row = bench_row(op, 2 * 10**9, 0.5, n)  # 2 GB in 0.5 s: algbw 4 GB/s
     assert (row.time_us, row.algbw_gbps) == (500000.0, 4.0)
@@ -275,8 +314,10 @@ def test_benchmark_failure_is_a_fail_line(monkeypatch, clean_env):
 
     monkeypatch.setattr(doctor, "run_local_benchmark", unreachable)
     report = doctor.run_checks(doctor.build_parser().parse_args(["--bench"]))
-    assert report.checks[-1] == Check("collectives", FAIL, "RuntimeError: connection refused",
-                                      report.checks[-1].fix) and report.exit_code == 1
+    assert (
+        report.checks[-1] == Check("collectives", FAIL, "RuntimeError: connection refused", report.checks[-1].fix)
+        and report.exit_code == 1
+    )
 
 
 # ---------------------------------------------------------------- report and command line
@@ -287,7 +328,9 @@ def test_json_report(clean_env, capsys):
     names = [c["name"] for c in report["checks"]]
     assert names[:4] == ["python", "torch", "lightning", "torchmetrics"]
     assert {"cuda", "gloo", "nccl", "nccl env", "launch", "layout"} <= set(names)
-    assert all(set(c) == {"name", "status", "detail", "fix"} and c["status"] in (OK, WARN, FAIL) for c in report["checks"])
+    assert all(
+        set(c) == {"name", "status", "detail", "fix"} and c["status"] in (OK, WARN, FAIL) for c in report["checks"]
+    )
     if not torch.cuda.is_available():
         (cuda,) = [c for c in report["checks"] if c["name"] == "cuda"]
         assert cuda["status"] == WARN

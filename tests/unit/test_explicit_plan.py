@@ -29,22 +29,31 @@ def test_globs_expand_over_module_paths():
 
 def test_a_pattern_matching_nothing_names_close_paths():
     net = build_model("llama").net
-    with pytest.raises(ValueError, match=r"tp_plan key 'layers.\*.attn.wq' matches no module of Llama; close paths: "
-                       r"layers.0.attention.wq.* globs over them"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan key 'layers.\*.attn.wq' matches no module of Llama; close paths: "
+        r"layers.0.attention.wq.* globs over them",
+    ):
         resolve_plan(net, {"layers.*.attn.wq": "colwise"})
 
 
 def test_a_module_matched_with_two_styles_is_refused():
     net = build_model("llama").net
-    with pytest.raises(ValueError, match=r"'layers.0.w2' is matched by 'layers.\*.w\*' \('colwise'\) and by "
-                       r"'layers.\*.w2' \('rowwise'\); one module takes one style"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers.0.w2' is matched by 'layers.\*.w\*' \('colwise'\) and by "
+        r"'layers.\*.w2' \('rowwise'\); one module takes one style",
+    ):
         resolve_plan(net, {"layers.*.w*": "colwise", "layers.*.w2": "rowwise"})
 
 
 def test_a_non_linear_module_is_refused_by_the_linear_styles():
     net = build_model("llama").net
-    with pytest.raises(ValueError, match=r"tp_plan\['norm'\]='colwise' needs a Linear-like module \(nn.Linear or "
-                       r"transformers' Conv1D\), found RMSNorm"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan\['norm'\]='colwise' needs a Linear-like module \(nn.Linear or "
+        r"transformers' Conv1D\), found RMSNorm",
+    ):
         apply_explicit_plan(net, {"norm": "colwise"}, _tp())
 
 
@@ -59,17 +68,26 @@ def test_conv1d_column_shard_keeps_the_transposed_layout(rank):
     torch.testing.assert_close(shard(x), conv(x)[..., layout.indices(rank)])
 
 
-@pytest.mark.parametrize(("plan", "given"), [
-    ({"net.lm_head": "vocab_head"}, r"'net.lm_head': 'vocab_head', 'net.model.embed_tokens' \(not in tp_plan\)"),
-    ({"net.model.embed_tokens": "vocab_embedding"}, r"'net.lm_head' \(not in tp_plan\), 'net.model.embed_tokens': 'vocab_embedding'"),
-])
+@pytest.mark.parametrize(
+    ("plan", "given"),
+    [
+        ({"net.lm_head": "vocab_head"}, r"'net.lm_head': 'vocab_head', 'net.model.embed_tokens' \(not in tp_plan\)"),
+        (
+            {"net.model.embed_tokens": "vocab_embedding"},
+            r"'net.lm_head' \(not in tp_plan\), 'net.model.embed_tokens': 'vocab_embedding'",
+        ),
+    ],
+)
 def test_sharding_one_side_of_a_tied_weight_is_refused(plan, given):
     """Before: the planned side got its own shard and the other kept the old weight, untied, and
     training ran 2-4e-2 away from one process with no error."""
     pytest.importorskip("transformers")
     model = build_model("hfplan_llama_tied")
-    with pytest.raises(ValueError, match=rf"a weight tied between {given}; sharding one would silently untie it.*"
-                       r"give the embedding 'vocab_embedding' and every module sharing its weight 'vocab_head'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"a weight tied between {given}; sharding one would silently untie it.*"
+        r"give the embedding 'vocab_embedding' and every module sharing its weight 'vocab_head'",
+    ):
         apply_explicit_plan(model, plan, _tp())
 
 
@@ -77,7 +95,9 @@ def test_a_tie_outside_the_vocabulary_pair_is_refused():
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     model = nn.ModuleDict({"a": a, "b": b})
-    with pytest.raises(ValueError, match=r"tp_plan shards 'a.weight', a weight tied between 'a': 'colwise', 'b': 'colwise'"):
+    with pytest.raises(
+        ValueError, match=r"tp_plan shards 'a.weight', a weight tied between 'a': 'colwise', 'b': 'colwise'"
+    ):
         apply_explicit_plan(model, {"*": "colwise"}, _tp())
 
 
@@ -88,7 +108,9 @@ def test_discovery_refuses_a_tie_it_would_break():
 
     model = nn.ModuleDict({"emb": nn.Embedding(8, 4), "tied": nn.Linear(4, 8, bias=False), "head": nn.Linear(4, 8)})
     model["tied"].weight = model["emb"].weight
-    with pytest.raises(ValueError, match=r"the token embedding 'emb' shares its weight with tied, which is not the LM head"):
+    with pytest.raises(
+        ValueError, match=r"the token embedding 'emb' shares its weight with tied, which is not the LM head"
+    ):
         _shard_vocabulary(model, _tp(), set(), TPReport(2, False))
 
 

@@ -81,7 +81,10 @@ class DeadStore:
 @pytest.mark.parametrize(
     ("agent_store", "where"),
     [
-        (None, "global rank 0's process (Lightning's launcher), so rank 0 failed or was killed; its own output has the error"),
+        (
+            None,
+            "global rank 0's process (Lightning's launcher), so rank 0 failed or was killed; its own output has the error",
+        ),
         ("True", "torchrun's agent, so the launcher itself stopped"),
     ],
 )

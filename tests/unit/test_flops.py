@@ -53,13 +53,11 @@ def eq3(big_b, s, l, h, v):
 @pytest.mark.parametrize(("shape", "billions"), TABLE_1)
 def test_parameter_count_reproduces_table_1(shape, billions):
     _, hidden, layers = shape
-    count = gpt_parameter_count(num_layers=layers, hidden_size=hidden,
-                                vocab_size=VOCAB, seq_length=SEQ)
+    count = gpt_parameter_count(num_layers=layers, hidden_size=hidden, vocab_size=VOCAB, seq_length=SEQ)
     assert round(count / 1e9, 1) == billions
 
 
-@pytest.mark.parametrize(("l", "h", "v", "s"),
-                         [(1, 1, 1, 1), (2, 12, 50, 7), (24, 2304, VOCAB, SEQ)])
+@pytest.mark.parametrize(("l", "h", "v", "s"), [(1, 1, 1, 1), (2, 12, 50, 7), (24, 2304, VOCAB, SEQ)])
 def test_parameter_count_equals_eq2_exactly(l, h, v, s):
     count = gpt_parameter_count(num_layers=l, hidden_size=h, vocab_size=v, seq_length=s)
     assert count == eq2(l, h, v, s)
@@ -73,11 +71,13 @@ def test_parameter_count_small_model_by_hand():
 # --------------------------------------------------------------------------- FLOPs
 
 
-@pytest.mark.parametrize(("big_b", "s", "l", "h", "v"),
-                         [(1, 6, 1, 1, 16), (3, 12, 2, 6, 32), (1536, 2048, 96, 12288, VOCAB)])
+@pytest.mark.parametrize(
+    ("big_b", "s", "l", "h", "v"), [(1, 6, 1, 1, 16), (3, 12, 2, 6, 32), (1536, 2048, 96, 12288, VOCAB)]
+)
 def test_flops_with_recompute_equal_eq3_exactly(big_b, s, l, h, v):
-    flops = gpt_flops_per_iteration(batch_size=big_b, seq_length=s, num_layers=l,
-                                    hidden_size=h, vocab_size=v, activation_recompute=True)
+    flops = gpt_flops_per_iteration(
+        batch_size=big_b, seq_length=s, num_layers=l, hidden_size=h, vocab_size=v, activation_recompute=True
+    )
     assert flops == eq3(big_b, s, l, h, v)
 
 
@@ -94,8 +94,7 @@ def test_flops_by_hand_small_model():
     assert gpt_flops_per_iteration(**kwargs, activation_recompute=False) == 3 * 480 + 180
 
 
-@pytest.mark.parametrize(("big_b", "s", "l", "h", "v"),
-                         [(4, 16, 2, 8, 100), (512, 2048, 24, 2304, VOCAB)])
+@pytest.mark.parametrize(("big_b", "s", "l", "h", "v"), [(4, 16, 2, 8, 100), (512, 2048, 24, 2304, VOCAB)])
 def test_flops_without_recompute_from_first_principles(big_b, s, l, h, v):
     tokens = big_b * s
     # (tokens x h) @ (h x 3h); (tokens x h) @ (h x h); (tokens x h) @ (h x 4h) and back.
@@ -104,8 +103,9 @@ def test_flops_without_recompute_from_first_principles(big_b, s, l, h, v):
     layer_forward = qkv + attn_out + mlp + scores + weighted_values
     logits_forward = 2 * big_b * s * h * v
     expected = 3 * (l * layer_forward + logits_forward)  # forward + backward (2x forward)
-    flops = gpt_flops_per_iteration(batch_size=big_b, seq_length=s, num_layers=l,
-                                    hidden_size=h, vocab_size=v, activation_recompute=False)
+    flops = gpt_flops_per_iteration(
+        batch_size=big_b, seq_length=s, num_layers=l, hidden_size=h, vocab_size=v, activation_recompute=False
+    )
     assert flops == expected
     # The closed form with 72 in place of 96 and V/(12lh) in place of V/(16lh).
     closed = 72 * big_b * s * l * h**2 * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h))
@@ -126,33 +126,34 @@ def test_recompute_ratio_is_four_thirds_only_for_the_transformer_layers():
 
 
 def test_training_time_gpt3_175b_is_about_34_days():
-    seconds = training_time_seconds(tokens=300e9, parameters=175e9, num_gpus=1024,
-                                    flops_per_gpu=140e12)
+    seconds = training_time_seconds(tokens=300e9, parameters=175e9, num_gpus=1024, flops_per_gpu=140e12)
     assert seconds == pytest.approx(8 * 300e9 * 175e9 / (1024 * 140e12))
     assert abs(seconds / SECONDS_PER_DAY - 34) < 1
 
 
 def test_training_time_1t_is_about_84_days():
-    seconds = training_time_seconds(tokens=450e9, parameters=1e12, num_gpus=3072,
-                                    flops_per_gpu=163e12)
+    seconds = training_time_seconds(tokens=450e9, parameters=1e12, num_gpus=3072, flops_per_gpu=163e12)
     assert abs(seconds / SECONDS_PER_DAY - 84) < 1
 
 
 def test_achieved_tflops_and_mfu():
     # 3.0e18 FLOPs in 10 s on 8 GPUs = 37.5e15 FLOP/s per GPU = 37500 TFLOP/s.
-    assert achieved_tflops_per_gpu(flops_per_iteration=3.0e18, iteration_seconds=10.0,
-                                   num_gpus=8) == pytest.approx(37_500.0)
+    assert achieved_tflops_per_gpu(flops_per_iteration=3.0e18, iteration_seconds=10.0, num_gpus=8) == pytest.approx(
+        37_500.0
+    )
     # 2.0e14 FLOPs in 1 s on 4 devices of 100e12 FLOP/s peak: 2e14 / 4e14 = 0.5.
-    mfu = model_flops_utilization(flops_per_iteration=2.0e14, iteration_seconds=1.0,
-                                  num_devices=4, peak_flops_per_device=100e12)
+    mfu = model_flops_utilization(
+        flops_per_iteration=2.0e14, iteration_seconds=1.0, num_devices=4, peak_flops_per_device=100e12
+    )
     assert mfu == pytest.approx(0.5)
 
 
 def test_paper_throughput_row_is_consistent():
     # Table 1, 175B row: 1536 sequences of 2048 tokens, 1536 GPUs at 153 TFLOP/s per GPU
     # must take F / (1536 * 153e12) seconds per iteration; feeding that back returns 153.
-    flops = gpt_flops_per_iteration(batch_size=1536, seq_length=2048, num_layers=96,
-                                    hidden_size=12288, vocab_size=VOCAB)
+    flops = gpt_flops_per_iteration(
+        batch_size=1536, seq_length=2048, num_layers=96, hidden_size=12288, vocab_size=VOCAB
+    )
     seconds = float(eq3(1536, 2048, 96, 12288, VOCAB)) / (1536 * 153e12)
     assert achieved_tflops_per_gpu(flops, seconds, 1536) == pytest.approx(153.0)
     mfu = model_flops_utilization(flops, seconds, 1536, 312e12)
@@ -165,15 +166,19 @@ def test_paper_throughput_row_is_consistent():
 P_TOTAL = 8e9
 
 
-@pytest.mark.parametrize(("stage", "bytes_per_param"), [
-    (0, 2 + 2 + 12),
-    (1, 2 + 2 + 12 / 4),
-    (2, 2 + (2 + 12) / 4),
-    (3, (2 + 2 + 12) / 4),
-])
+@pytest.mark.parametrize(
+    ("stage", "bytes_per_param"),
+    [
+        (0, 2 + 2 + 12),
+        (1, 2 + 2 + 12 / 4),
+        (2, 2 + (2 + 12) / 4),
+        (3, (2 + 2 + 12) / 4),
+    ],
+)
 def test_model_state_zero_stages(stage, bytes_per_param):
-    got = model_state_bytes_per_rank(P_TOTAL, tensor_parallel_size=2, pipeline_parallel_size=4,
-                                     data_parallel_size=4, zero_stage=stage)
+    got = model_state_bytes_per_rank(
+        P_TOTAL, tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=4, zero_stage=stage
+    )
     assert got == pytest.approx(P_TOTAL / (2 * 4) * bytes_per_param)
 
 
@@ -183,15 +188,16 @@ def test_model_state_defaults_are_16_bytes_per_param():
 
 def test_model_state_custom_split():
     # fp32 weights and grads with Adam moments: 4 + 4 + 8; ZeRO-1 over 2 ranks -> 8 + 4.
-    got = model_state_bytes_per_rank(1000, data_parallel_size=2, zero_stage=1,
-                                     bytes_per_param=16, weight_bytes=4, grad_bytes=4)
+    got = model_state_bytes_per_rank(
+        1000, data_parallel_size=2, zero_stage=1, bytes_per_param=16, weight_bytes=4, grad_bytes=4
+    )
     assert got == 12_000
 
 
 # --------------------------------------------------------------------------- activations
 
 
-S, B, H, A, T = 2048, 1, 12288, 96, 8   # GPT-3 175B, as in Korthikanti et al.
+S, B, H, A, T = 2048, 1, 12288, 96, 8  # GPT-3 175B, as in Korthikanti et al.
 
 
 def act(**kwargs):
@@ -215,20 +221,21 @@ def test_activation_sequence_parallel_is_exactly_one_over_t():
 
 def test_activation_selective_recompute():
     assert act(tensor_parallel_size=T, recompute="selective") == pytest.approx(S * B * H * 13)
-    assert act(tensor_parallel_size=T, sequence_parallel=True,
-               recompute="selective") == pytest.approx(S * B * H * 34 / T)
+    assert act(tensor_parallel_size=T, sequence_parallel=True, recompute="selective") == pytest.approx(
+        S * B * H * 34 / T
+    )
     assert act(recompute="selective") == S * B * H * 34
 
 
 def test_activation_full_recompute_keeps_layer_input():
     assert act(tensor_parallel_size=T, recompute="full") == 2 * S * B * H
-    assert act(tensor_parallel_size=T, sequence_parallel=True,
-               recompute="full") == pytest.approx(2 * S * B * H / T)
+    assert act(tensor_parallel_size=T, sequence_parallel=True, recompute="full") == pytest.approx(2 * S * B * H / T)
 
 
 def test_activation_ordering_for_gpt3():
-    none, sel, full = (act(tensor_parallel_size=T, sequence_parallel=True, recompute=r)
-                       for r in (None, "selective", "full"))
+    none, sel, full = (
+        act(tensor_parallel_size=T, sequence_parallel=True, recompute=r) for r in (None, "selective", "full")
+    )
     assert full < sel < none
     # Concrete sizes in GiB for one layer, one sequence: 114/8, 34/8 and 2/8 bytes x sbh.
     gib = 2**30
@@ -239,32 +246,38 @@ def test_activation_ordering_for_gpt3():
 # --------------------------------------------------------------------------- device peaks
 
 
-@pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA H200", 989),
-    ("nvidia h200", 989),
-    ("NVIDIA H100 80GB HBM3", 989),
-    ("NVIDIA H100 PCIe", 756),
-    ("NVIDIA A100-SXM4-80GB", 312),
-    ("NVIDIA A100 80GB PCIe", 312),
-    ("H100 SXM", 989),
-])
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H200", 989),
+        ("nvidia h200", 989),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("H100 SXM", 989),
+    ],
+)
 def test_device_peak_bf16(name, tflops):
     assert device_peak_flops(name) == tflops * 1e12
 
 
-@pytest.mark.parametrize(("name", "dtype", "tflops"), [
-    ("NVIDIA A100-SXM4-40GB", "tf32", 156),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
-    ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
-    ("NVIDIA H100 80GB HBM3", "fp32", 67),
-    ("NVIDIA H100 PCIe", "tf32", 378),
-    ("NVIDIA H100 PCIe", "fp32", 51),
-    ("NVIDIA H200", "tf32", 494.5),
-    ("NVIDIA H200", "fp32", 67),
-    ("NVIDIA H200", "fp16", 989),
-    ("NVIDIA H100 PCIe", "torch.bfloat16", 756),
-    ("NVIDIA A100-SXM4-80GB", "BF16-mixed", 312),
-])
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("NVIDIA A100-SXM4-40GB", "tf32", 156),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67),
+        ("NVIDIA H100 PCIe", "tf32", 378),
+        ("NVIDIA H100 PCIe", "fp32", 51),
+        ("NVIDIA H200", "tf32", 494.5),
+        ("NVIDIA H200", "fp32", 67),
+        ("NVIDIA H200", "fp16", 989),
+        ("NVIDIA H100 PCIe", "torch.bfloat16", 756),
+        ("NVIDIA A100-SXM4-80GB", "BF16-mixed", 312),
+    ],
+)
 def test_device_peak_other_dtypes(name, dtype, tflops):
     assert device_peak_flops(name, dtype=dtype) == pytest.approx(tflops * 1e12)
 
@@ -296,32 +309,41 @@ def test_device_peak_bad_override():
 # --------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: gpt_parameter_count(0, 8, 10, 4), r"num_layers must be a positive integer, got 0"),
-    (lambda: gpt_parameter_count(2, 8.0, 10, 4),
-     r"hidden_size must be a positive integer, got 8\.0"),
-    (lambda: gpt_parameter_count(2, 8, True, 4),
-     r"vocab_size must be a positive integer, got True"),
-    (lambda: gpt_flops_per_iteration(-1, 4, 2, 8, 10),
-     r"batch_size must be a positive integer, got -1"),
-    (lambda: gpt_flops_per_iteration(1, 4, 2, 8, 10, activation_recompute="yes"),
-     r"activation_recompute must be True or False, got 'yes'"),
-    (lambda: training_time_seconds(0, 1e9, 8, 1e14), r"tokens must be a positive number, got 0"),
-    (lambda: training_time_seconds(1e9, 1e9, 0, 1e14), r"num_gpus must be a positive integer"),
-    (lambda: model_state_bytes_per_rank(1e9, zero_stage=4),
-     r"zero_stage must be one of \(0, 1, 2, 3\), got 4; use 0 for no sharding"),
-    (lambda: model_state_bytes_per_rank(1e9, tensor_parallel_size=0),
-     r"tensor_parallel_size must be a positive integer, got 0; use 1 for no TP"),
-    (lambda: model_state_bytes_per_rank(1e9, bytes_per_param=3),
-     r"bytes_per_param \(3\) must cover weight_bytes \(2\) \+ grad_bytes \(2\)"),
-    (lambda: act(recompute="partial"),
-     r"recompute must be one of \(None, 'selective', 'full'\), got 'partial'"),
-    (lambda: act(sequence_parallel=1), r"sequence_parallel must be True or False, got 1"),
-    (lambda: act(num_heads=0), r"num_heads must be a positive integer, got 0"),
-    (lambda: model_flops_utilization(1e15, 0, 8, 1e14),
-     r"iteration_seconds must be a positive number, got 0; pass the measured"),
-    (lambda: achieved_tflops_per_gpu(1e15, 1.0, 0), r"num_gpus must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: gpt_parameter_count(0, 8, 10, 4), r"num_layers must be a positive integer, got 0"),
+        (lambda: gpt_parameter_count(2, 8.0, 10, 4), r"hidden_size must be a positive integer, got 8\.0"),
+        (lambda: gpt_parameter_count(2, 8, True, 4), r"vocab_size must be a positive integer, got True"),
+        (lambda: gpt_flops_per_iteration(-1, 4, 2, 8, 10), r"batch_size must be a positive integer, got -1"),
+        (
+            lambda: gpt_flops_per_iteration(1, 4, 2, 8, 10, activation_recompute="yes"),
+            r"activation_recompute must be True or False, got 'yes'",
+        ),
+        (lambda: training_time_seconds(0, 1e9, 8, 1e14), r"tokens must be a positive number, got 0"),
+        (lambda: training_time_seconds(1e9, 1e9, 0, 1e14), r"num_gpus must be a positive integer"),
+        (
+            lambda: model_state_bytes_per_rank(1e9, zero_stage=4),
+            r"zero_stage must be one of \(0, 1, 2, 3\), got 4; use 0 for no sharding",
+        ),
+        (
+            lambda: model_state_bytes_per_rank(1e9, tensor_parallel_size=0),
+            r"tensor_parallel_size must be a positive integer, got 0; use 1 for no TP",
+        ),
+        (
+            lambda: model_state_bytes_per_rank(1e9, bytes_per_param=3),
+            r"bytes_per_param \(3\) must cover weight_bytes \(2\) \+ grad_bytes \(2\)",
+        ),
+        (lambda: act(recompute="partial"), r"recompute must be one of \(None, 'selective', 'full'\), got 'partial'"),
+        (lambda: act(sequence_parallel=1), r"sequence_parallel must be True or False, got 1"),
+        (lambda: act(num_heads=0), r"num_heads must be a positive integer, got 0"),
+        (
+            lambda: model_flops_utilization(1e15, 0, 8, 1e14),
+            r"iteration_seconds must be a positive number, got 0; pass the measured",
+        ),
+        (lambda: achieved_tflops_per_gpu(1e15, 1.0, 0), r"num_gpus must be a positive integer, got 0"),
+    ],
+)
 def test_invalid_inputs_raise(call, message):
     with pytest.raises(ValueError, match=message):
         call()

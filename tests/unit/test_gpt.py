@@ -13,8 +13,15 @@ from recipes.gpt import GPT, GPTConfig, GPTLightningModule, OptimConfig, cosine_
 @pytest.mark.parametrize("position", ["learned", "rotary"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_variants_forward_and_tying(position, tie):
-    cfg = GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, hidden_size=16,
-                    position_embedding=position, tie_embeddings=tie)
+    cfg = GPTConfig(
+        vocab_size=50,
+        seq_length=16,
+        num_layers=2,
+        num_heads=2,
+        hidden_size=16,
+        position_embedding=position,
+        tie_embeddings=tie,
+    )
     model = GPT(cfg)
     logits = model(torch.randint(0, 50, (3, 16)))
     assert logits.shape == (3, 16, 50)
@@ -45,7 +52,10 @@ def test_initial_loss_is_near_uniform():
         ({"num_layers": 0}, r"num_layers=0 must be a positive integer"),
         ({"dropout": 1.0}, r"dropout=1.0 must be in \[0, 1\)"),
         ({"position_embedding": "alibi"}, r"position_embedding='alibi'"),
-        ({"hidden_size": 12, "num_heads": 4, "position_embedding": "rotary"}, r"rotary position embedding needs an even head size"),
+        (
+            {"hidden_size": 12, "num_heads": 4, "position_embedding": "rotary"},
+            r"rotary position embedding needs an even head size",
+        ),
     ],
 )
 def test_config_errors(kwargs, match):

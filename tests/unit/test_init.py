@@ -10,7 +10,9 @@ import torch.nn as nn
 from lightning_ptdp.parallel.init import ROWS_PER_DRAW, Constant, Normal, fill, initialize, materialize
 
 
-@pytest.mark.parametrize(("offsets", "shape"), [((0, 0), (200, 12)), ((70, 4), (61, 5)), ((63, 0), (2, 12)), ((199, 11), (1, 1))])
+@pytest.mark.parametrize(
+    ("offsets", "shape"), [((0, 0), (200, 12)), ((70, 4), (61, 5)), ((63, 0), (2, 12)), ((199, 11), (1, 1))]
+)
 def test_a_piece_equals_that_part_of_the_whole_tensor(offsets, shape):
     full_shape = (200, 12)
     assert full_shape[0] > 3 * ROWS_PER_DRAW  # pieces cross several draw blocks

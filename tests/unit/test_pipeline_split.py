@@ -20,7 +20,9 @@ def _record(net: nn.Module, layout: ChunkLayout, idx: torch.Tensor):
     return record_forward(net, transformer_blocks(net), layout, lambda: net(idx), idx.shape[0])
 
 
-@pytest.mark.parametrize(("family", "pp", "vpp"), [("nanogpt", 2, 1), ("nanogpt", 2, 2), ("llama", 4, 1), ("llama", 2, 2)])
+@pytest.mark.parametrize(
+    ("family", "pp", "vpp"), [("nanogpt", 2, 1), ("nanogpt", 2, 2), ("llama", 4, 1), ("llama", 2, 2)]
+)
 def test_chunks_in_sequence_reproduce_the_model(family, pp, vpp):
     """One copy of the model per pipeline rank, each cut to its chunks; chunk c's output fed to
     chunk c+1 gives exactly the unsplit model's logits (the same ops run, so bit-identical)."""
@@ -55,15 +57,22 @@ def test_a_split_model_refuses_direct_calls():
     idx = torch.randint(0, 64, (2, 32))
     layout = ChunkLayout(num_layers=2, pp=2, vpp=1)
     split_model(net, transformer_blocks(net), layout, 0, _record(net, layout, idx))
-    with pytest.raises(RuntimeError, match=r"this rank holds only chunks \[0\] of the model, so its forward runs inside"):
+    with pytest.raises(
+        RuntimeError, match=r"this rank holds only chunks \[0\] of the model, so its forward runs inside"
+    ):
         net(idx)
 
 
 @pytest.mark.parametrize(
     ("layers", "pp", "vpp", "match"),
     [
-        (6, 4, 1, r"6 transformer blocks cannot be cut into pipeline_parallel_size\(4\) \* virtual_pipeline_size\(1\) = 4 "
-                   r"equal chunks; p\*v must divide 6: one of \[2, 3, 6\]"),
+        (
+            6,
+            4,
+            1,
+            r"6 transformer blocks cannot be cut into pipeline_parallel_size\(4\) \* virtual_pipeline_size\(1\) = 4 "
+            r"equal chunks; p\*v must divide 6: one of \[2, 3, 6\]",
+        ),
         (8, 2, 3, r"virtual_pipeline_size in \[1, 2, 4\] works with pipeline_parallel_size=2"),
     ],
 )
@@ -107,7 +116,10 @@ class _Net(nn.Module):
     [
         ("tuple", r"block 0 \(_Block\) returned tuple; the pipeline split sends one activation tensor"),
         ("between", r"block 1 does not receive block 0's output as its first argument"),
-        ("reuse", r"block 0 ran after 1 blocks; the pipeline split needs the forward to call every transformer block exactly once"),
+        (
+            "reuse",
+            r"block 0 ran after 1 blocks; the pipeline split needs the forward to call every transformer block exactly once",
+        ),
         ("none", r"the probe forward ran 0 of 2 transformer blocks"),
     ],
 )
@@ -119,7 +131,9 @@ def test_forwards_the_split_cannot_cut_are_named(mode, match):
 
 
 def test_a_model_without_blocks_is_refused():
-    with pytest.raises(PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks"):
+    with pytest.raises(
+        PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks"
+    ):
         transformer_blocks(nn.Linear(4, 4))
 
 
@@ -131,15 +145,28 @@ def test_microbatches_split_every_tensor_and_share_the_rest():
 
 
 def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused():
-    with pytest.raises(ValueError, match=r"micro_batch_size=3 does not divide the per-replica batch of 8 samples; choose one of \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"micro_batch_size=3 does not divide the per-replica batch of 8 samples; choose one of \[1, 2, 4, 8\]",
+    ):
         split_microbatches((torch.zeros(8, 4), torch.zeros(8, 4)), 3)
 
 
 @pytest.mark.parametrize(
     ("schedule", "m", "pp", "match"),
     [
-        ("1f1b", 2, 4, r"'1f1b' cannot run m=2 microbatches .*1F1B needs at least pipeline_parallel_size=4 microbatches; counts that work: \[4, 5, 6"),
-        ("interleaved_1f1b", 9, 4, r"cannot run m=9 .*divisible by max\(1, m // 4\); counts that work: \[1, 2, 3, 4, 5, 6, 7, 8, 10, 12"),
+        (
+            "1f1b",
+            2,
+            4,
+            r"'1f1b' cannot run m=2 microbatches .*1F1B needs at least pipeline_parallel_size=4 microbatches; counts that work: \[4, 5, 6",
+        ),
+        (
+            "interleaved_1f1b",
+            9,
+            4,
+            r"cannot run m=9 .*divisible by max\(1, m // 4\); counts that work: \[1, 2, 3, 4, 5, 6, 7, 8, 10, 12",
+        ),
     ],
 )
 def test_a_microbatch_count_the_schedule_cannot_run_is_refused(schedule, m, pp, match):

@@ -15,7 +15,6 @@ from dataclasses import replace
 import pytest
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.tools.flops import training_time_seconds
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.planner import (
     FIT_ROWS,
@@ -33,6 +32,7 @@ from lightning_ptdp.planner import (
     plan,
 )
 from lightning_ptdp.planner.cost import all_reduce_seconds, gemm_seconds, wave_efficiency
+from lightning_ptdp.tools.flops import training_time_seconds
 
 GB = 1e9
 # Float sums of the same terms in a different order: relative difference of a few ulps.

@@ -41,7 +41,10 @@ def test_fused_and_grouped_projections_get_whole_heads(family, module, style, sh
 
 def test_the_models_own_plan_agrees_and_a_disagreement_is_logged(caplog):
     entries = _entries(_plan("hf_llama"))
-    assert all(detail.endswith("model's tp plan agrees (colwise)") or detail.endswith("agrees (rowwise)") for _, detail in entries.values())
+    assert all(
+        detail.endswith("model's tp plan agrees (colwise)") or detail.endswith("agrees (rowwise)")
+        for _, detail in entries.values()
+    )
     torch.manual_seed(0)
     net = REAL_FAMILIES["hf_llama"]()
     net.model.config.base_model_tp_plan = {**net.model.config.base_model_tp_plan, "layers.*.mlp.up_proj": "rowwise"}
@@ -53,6 +56,9 @@ def test_the_models_own_plan_agrees_and_a_disagreement_is_logged(caplog):
 
 
 def test_unequal_fused_parts_that_t_cannot_split_are_refused():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide every part of the fused "
-                       r"'transformer.h.0.attn.qkv' \(4 \| 2 \| 2 units of 8\).*choose tensor_parallel_size from 1 or 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 does not divide every part of the fused "
+        r"'transformer.h.0.attn.qkv' \(4 \| 2 \| 2 units of 8\).*choose tensor_parallel_size from 1 or 2",
+    ):
         _plan("litgpt_llama", 4)

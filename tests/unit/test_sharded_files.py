@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_ptdp.checkpoint.command import consolidated_state_dict, shard
-from lightning_ptdp.checkpoint.dcp_save import VERSIONS, _version_dir, remove
 from lightning_ptdp.checkpoint.dcp_load import open_checkpoint
+from lightning_ptdp.checkpoint.dcp_save import VERSIONS, _version_dir, remove
 
 
 def _weights(value: float) -> dict:
@@ -64,9 +64,12 @@ def test_a_plain_folder_at_the_name_is_refused_and_left_untouched(tmp_path):
     target = tmp_path / "last.ckpt"
     target.mkdir()
     (target / "results.csv").write_text("user data")
-    with pytest.raises(OSError, match=r"last\.ckpt' is a plain folder, not a ptdp sharded checkpoint .* ptdp does "
-                                      r"not replace, move or delete it\. Move or delete it yourself, or save the "
-                                      r"checkpoint under another name"):
+    with pytest.raises(
+        OSError,
+        match=r"last\.ckpt' is a plain folder, not a ptdp sharded checkpoint .* ptdp does "
+        r"not replace, move or delete it\. Move or delete it yourself, or save the "
+        r"checkpoint under another name",
+    ):
         shard(_weights(1.0), str(target))
     assert (target / "results.csv").read_text() == "user data" and not target.is_symlink()
     assert not (tmp_path / VERSIONS).exists() or os.listdir(tmp_path / VERSIONS) == []  # nothing written
@@ -79,8 +82,11 @@ def test_a_copy_without_the_versions_folder_says_so(tmp_path):
     shard(_weights(1.0), str(tmp_path / "a" / "last.ckpt"))
     (tmp_path / "b").mkdir()
     os.symlink(os.readlink(tmp_path / "a" / "last.ckpt"), tmp_path / "b" / "last.ckpt")  # `cp -r` of the name only
-    with pytest.raises(ValueError, match=r"which is not there: a sharded checkpoint's name points into the hidden "
-                                         r"\.ptdp folder beside it\. Copy the checkpoint with `cp -rL`"):
+    with pytest.raises(
+        ValueError,
+        match=r"which is not there: a sharded checkpoint's name points into the hidden "
+        r"\.ptdp folder beside it\. Copy the checkpoint with `cp -rL`",
+    ):
         open_checkpoint(str(tmp_path / "b" / "last.ckpt"))
 
 
@@ -91,7 +97,11 @@ def test_consolidate_keeps_one_submodule_under_its_own_keys_as_safetensors(tmp_p
 
     from lightning_ptdp.checkpoint.command import main
 
-    state = {"net.model.layer.weight": torch.randn(4, 3), "net.model.norm.bias": torch.randn(3), "head.weight": torch.randn(2)}
+    state = {
+        "net.model.layer.weight": torch.randn(4, 3),
+        "net.model.norm.bias": torch.randn(3),
+        "head.weight": torch.randn(2),
+    }
     shard(state, str(tmp_path / "run.ckpt"))
     out = tmp_path / "model.safetensors"
     assert main(["consolidate", str(tmp_path / "run.ckpt"), str(out), "--strip-prefix", "net.model."]) == 0

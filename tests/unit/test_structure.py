@@ -15,18 +15,35 @@ PACKAGE = ROOT / "lightning_ptdp"
 
 LAYERS: dict[str, int] = {
     # 0: foundation, knows no parallelism technique
-    "config": 0, "faults": 0, "parallel.dims": 0, "parallel.blocks": 0, "parallel.comm": 0, "testing": 0,
+    "config": 0,
+    "faults": 0,
+    "parallel.dims": 0,
+    "parallel.blocks": 0,
+    "parallel.comm": 0,
+    "testing": 0,
     "tools.flops": 0,
     # 1: the three axes, side by side
-    "tensor_parallel": 1, "pipeline": 1, "data_parallel": 1,
+    "tensor_parallel": 1,
+    "pipeline": 1,
+    "data_parallel": 1,
     # 2: what combines an axis with state: kernels, checkpoints, gradient finishing, values, recompute
-    "kernels": 2, "checkpoint": 2, "parallel.grads": 2, "parallel.init": 2, "parallel.recompute": 2,
+    "kernels": 2,
+    "checkpoint": 2,
+    "parallel.grads": 2,
+    "parallel.init": 2,
+    "parallel.recompute": 2,
     # 3: the fixed order
     "parallel.parallelize": 3,
     # 4: Lightning's side
-    "strategy": 4, "strategy_steps": 4, "strategy_collectives": 4, "probe": 4, "callbacks": 4,
+    "strategy": 4,
+    "strategy_steps": 4,
+    "strategy_collectives": 4,
+    "probe": 4,
+    "callbacks": 4,
     # 5: commands and the package's front door
-    "tools": 5, "planner": 5, "": 5,
+    "tools": 5,
+    "planner": 5,
+    "": 5,
 }
 AXES = {"tensor_parallel", "pipeline", "data_parallel"}
 MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 400, 8
@@ -119,6 +136,8 @@ def test_nothing_refers_to_files_outside_the_repository():
     offenders = [
         str(p.relative_to(ROOT))
         for p in tracked
-        if "venv" not in p.parts and p.name != "test_structure.py" and ("DESIGN.md" in p.read_text() or "../shared" in p.read_text())
+        if "venv" not in p.parts
+        and p.name != "test_structure.py"
+        and ("DESIGN.md" in p.read_text() or "../shared" in p.read_text())
     ]
     assert offenders == []

@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
-from lightning_ptdp.tensor_parallel.layers import ShardLayout, VocabShard
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.layers import ShardLayout, VocabShard
 from tests.models import build_model
 
 
@@ -29,16 +29,28 @@ def _styles(report) -> dict[str, str]:
 
 def test_plans_are_found_from_dataflow_for_each_family():
     assert _styles(_plan(_net("gpt"), 2)) == {
-        "attn.query": "colwise", "attn.key": "colwise", "attn.value": "colwise", "attn.proj": "rowwise",
-        "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
+        "attn.query": "colwise",
+        "attn.key": "colwise",
+        "attn.value": "colwise",
+        "attn.proj": "rowwise",
+        "mlp.fc_in": "colwise",
+        "mlp.fc_out": "rowwise",
     }
     assert _styles(_plan(_net("nanogpt"), 2)) == {
-        "attn.c_attn": "colwise_fused:3", "attn.c_proj": "rowwise", "c_fc": "colwise", "c_proj": "rowwise",
+        "attn.c_attn": "colwise_fused:3",
+        "attn.c_proj": "rowwise",
+        "c_fc": "colwise",
+        "c_proj": "rowwise",
     }
     llama = _plan(_net("llama"), 4)
     assert _styles(llama) == {
-        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-        "w1": "colwise", "w3": "colwise", "w2": "rowwise",
+        "attention.wq": "colwise",
+        "attention.wk": "colwise",
+        "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "w1": "colwise",
+        "w3": "colwise",
+        "w2": "rowwise",
     }
     details = {path.split("*.")[1]: detail for path, _, detail in llama.entries}
     assert details["attention.wq"].startswith("1/4 heads") and details["attention.wk"].startswith("1/2 heads")
@@ -48,7 +60,11 @@ def test_plans_are_found_from_dataflow_for_each_family():
 @pytest.mark.parametrize(
     ("family", "tp", "match"),
     [
-        ("gpt", 3, r"tensor_parallel_size=3 does not divide the 4 attention heads of 'blocks.0.attn.query'; choose tensor_parallel_size from 1, 2 or 4"),
+        (
+            "gpt",
+            3,
+            r"tensor_parallel_size=3 does not divide the 4 attention heads of 'blocks.0.attn.query'; choose tensor_parallel_size from 1, 2 or 4",
+        ),
         ("nanogpt", 8, r"tensor_parallel_size=8 does not divide the 4 attention heads of 'h.0.attn.c_attn'"),
         ("llama", 3, r"tensor_parallel_size=3 does not divide the 4 attention heads of 'layers.0.attention.wq'"),
     ],
@@ -91,7 +107,9 @@ class ControlFlowNet(nn.Module):
 def test_control_flow_in_the_forward_is_read_as_it_runs():
     # data-dependent Python control flow defeated symbolic tracing; the recorded forward just runs it
     net = ControlFlowNet()
-    styles = {path: style for path, style, _ in tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8))).entries}
+    styles = {
+        path: style for path, style, _ in tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8))).entries
+    }
     assert styles == {"blocks.*.a": "colwise", "blocks.*.b": "rowwise"}
 
 
@@ -104,7 +122,10 @@ def test_block_that_cannot_run_names_it_and_shows_the_explicit_plan():
     net = ControlFlowNet()
     for block in net.blocks:
         block.__class__ = FailingBlock
-    with pytest.raises(TPDiscoveryError, match=r"could not run block 'blocks.0' \(FailingBlock\).*needs gradients.*tp_plan=\{'blocks.\*.<linear>': 'rowwise'"):
+    with pytest.raises(
+        TPDiscoveryError,
+        match=r"could not run block 'blocks.0' \(FailingBlock\).*needs gradients.*tp_plan=\{'blocks.\*.<linear>': 'rowwise'",
+    ):
         tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
 
 
@@ -122,7 +143,9 @@ class HeadSumBlock(nn.Module):
 
 def test_op_across_the_sharded_dim_names_block_and_op():
     net = nn.Sequential(HeadSumBlock(), HeadSumBlock())
-    with pytest.raises(TPDiscoveryError, match=r"block '0': .*sum.* cannot be split by heads automatically; pass an explicit plan"):
+    with pytest.raises(
+        TPDiscoveryError, match=r"block '0': .*sum.* cannot be split by heads automatically; pass an explicit plan"
+    ):
         tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
 
 
