@@ -208,6 +208,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
             destroy_process_group_at_exit()
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.options.failure_timeout)
+        self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         self._dp_group = None  # (group, size), looked up on the first reduce
@@ -386,7 +387,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
 
     @override
     def teardown(self) -> None:
-        """Unwrap the DDP wrapper so the LightningModule is usable again after fit."""
+        """Unwrap the DDP wrapper so the LightningModule is usable again after fit; SIGTERM as before the run."""
+        if self._failures is not None:
+            self._failures.release_sigterm()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         super().teardown()
