@@ -210,7 +210,11 @@ def test_a_released_handler_still_installed_acts_as_the_one_before_it(sigterm_re
     """Lightning's signal connector puts back, after the strategy's teardown, what it found at the
     run's start (this handler): it then hands SIGTERM on, and a later run skips over it."""
     seen = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+
+    def before_the_runs(signum, frame):
+        seen.append(signum)
+
+    signal.signal(signal.SIGTERM, before_the_runs)
     earlier = records(dist.HashStore(), 0)
     earlier.catch_sigterm()
     earlier.release_sigterm()
@@ -221,7 +225,7 @@ def test_a_released_handler_still_installed_acts_as_the_one_before_it(sigterm_re
     later.catch_sigterm()
     later.release_sigterm()
     sigterm_self()
-    assert signal.getsignal(signal.SIGTERM) is not earlier._on_sigterm and seen == [signal.SIGTERM] * 2
+    assert signal.getsignal(signal.SIGTERM) is before_the_runs and seen == [signal.SIGTERM] * 2
 
 
 def test_a_released_handler_over_the_default_ends_the_process_by_sigterm():
