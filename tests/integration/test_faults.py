@@ -35,10 +35,10 @@ printed its message: the default action is back, the termination is not swallowe
 from the agent's summary: it reaps each worker, so it has the operating system's status, signals
 included, which a rank cannot write itself (SIGKILL runs nothing of it, a default SIGTERM no
 atexit). When a rank raises inside a sharded save, DCP raises the failure on every rank, naming
-the failed one: every rank's error must say so. After a save fault, every checkpoint name in the folder must be a complete checkpoint
-of its step, last.ckpt still the first save's (read in this process: consolidated for sharded,
-torch.load for full), ckpt_path="last" must resolve to it, and the interrupted write must be there
-under no name.
+the failed one: every rank's error must say so. After a save fault, every checkpoint name in the
+folder must be a complete checkpoint of its step, last.ckpt still the first save's (read in this
+process: consolidated for sharded, torch.load for full), ckpt_path="last" must resolve to it, and
+the interrupted write must be there under no name.
 """
 
 from __future__ import annotations
