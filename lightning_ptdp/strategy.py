@@ -208,7 +208,8 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
             destroy_process_group_at_exit()
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.options.failure_timeout)
-        self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
+        if not getattr(self.cluster_environment, "auto_requeue", False):  # SLURM requeue owns SIGTERM there
+            self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         self._dp_group = None  # (group, size), looked up on the first reduce
