@@ -127,10 +127,6 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         self.num_nodes = 1
 
     @property
-    def on_nonfinite(self) -> str:
-        return self.options.on_nonfinite
-
-    @property
     def checkpoint_format(self) -> str:
         return self.checkpointer.format
 
@@ -183,7 +179,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         assert self.cluster_environment is not None
         self._dims = None
         _ = self.parallel_dims
-        check_grad_scaler(self.precision_plugin, self.on_nonfinite)
+        check_grad_scaler(self.precision_plugin, self.options.on_nonfinite)
         if self.cluster_environment.creates_processes_externally:
             return
         if self.options.start_method == "popen":
@@ -237,7 +233,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.parallel_dims.pp > 1:
-            check_grad_scaler(self.precision_plugin, self.on_nonfinite, pipeline=True)
+            check_grad_scaler(self.precision_plugin, self.options.on_nonfinite, pipeline=True)
         self._parallelized = parallel = parallelize(
             self.model,
             config=self.parallel_config,
@@ -273,9 +269,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             output = closure()
             if self._parallelized is not None:
                 self._parallelized.gradients.finish(params)
-            if self.on_nonfinite != "ignore":
+            if self.options.on_nonfinite != "ignore":
                 step = self.lightning_module.trainer.global_step
-                apply_policy(self.on_nonfinite, nonfinite_ranks(output, params), step, params)
+                apply_policy(self.options.on_nonfinite, nonfinite_ranks(output, params), step, params)
             return output
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
