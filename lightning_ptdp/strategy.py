@@ -127,10 +127,6 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         self.num_nodes = 1
 
     @property
-    def on_nonfinite(self) -> str:
-        return self.options.on_nonfinite
-
-    @property
     def checkpoint_format(self) -> str:
         return self.checkpointer.format
 
@@ -183,7 +179,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         assert self.cluster_environment is not None
         self._dims = None
         _ = self.parallel_dims
-        check_grad_scaler(self.precision_plugin, self.on_nonfinite)
+        check_grad_scaler(self.precision_plugin, self.options.on_nonfinite)
         if self.cluster_environment.creates_processes_externally:
             return
         if self.options.start_method == "popen":
@@ -208,6 +204,8 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
             destroy_process_group_at_exit()
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.options.failure_timeout)
+        if not getattr(self.cluster_environment, "auto_requeue", False):  # SLURM requeue owns SIGTERM there
+            self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         self._dp_group = None  # (group, size), looked up on the first reduce
@@ -235,7 +233,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.parallel_dims.pp > 1:
-            check_grad_scaler(self.precision_plugin, self.on_nonfinite, pipeline=True)
+            check_grad_scaler(self.precision_plugin, self.options.on_nonfinite, pipeline=True)
         self._parallelized = parallel = parallelize(
             self.model,
             config=self.parallel_config,
@@ -271,9 +269,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             output = closure()
             if self._parallelized is not None:
                 self._parallelized.gradients.finish(params)
-            if self.on_nonfinite != "ignore":
+            if self.options.on_nonfinite != "ignore":
                 step = self.lightning_module.trainer.global_step
-                apply_policy(self.on_nonfinite, nonfinite_ranks(output, params), step, params)
+                apply_policy(self.options.on_nonfinite, nonfinite_ranks(output, params), step, params)
             return output
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
@@ -386,7 +384,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
 
     @override
     def teardown(self) -> None:
-        """Unwrap the DDP wrapper so the LightningModule is usable again after fit."""
+        """Unwrap the DDP wrapper so the LightningModule is usable again after fit; SIGTERM as before the run."""
+        if self._failures is not None:
+            self._failures.release_sigterm()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         super().teardown()

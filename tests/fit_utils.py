@@ -95,11 +95,15 @@ def fit_and_record(
     model_overrides: dict | None = None,
     tp_plan: dict | None = None,
     trainer_kwargs: dict | None = None,
+    accumulate: int = 1,
+    callbacks: list | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
 
     ``strategy_kwargs=None`` is the single-process reference (Lightning's default strategy).
+    ``accumulate``: the same global batches in that many equal parts (``accumulate_grad_batches``),
+    the same samples in the same order; losses are still one per optimizer step.
     """
     from lightning_ptdp import ParallelConfig, PTDPStrategy
 
@@ -114,18 +118,30 @@ def fit_and_record(
         replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
         # full: "state" is compared with the whole single-process model, not this rank's pieces
         strategy = PTDPStrategy(**{"checkpoint_format": "full", **strategy_kwargs}, tp_plan=tp_plan)
-    datamodule = zoo_data(global_batch // replicas, (steps + 1) * global_batch * (SEQ + 1), 4 * (SEQ + 1))
+    if global_batch % (replicas * accumulate):
+        raise ValueError(f"global_batch={global_batch} is not {replicas} replicas x {accumulate} equal parts")
+    datamodule = zoo_data(
+        global_batch // (replicas * accumulate), (steps + 1) * global_batch * (SEQ + 1), 4 * (SEQ + 1)
+    )
     if strategy_kwargs is None:
         use_distributed_order(datamodule, seed)
     recorder = LossRecorder()
+    extra = {"accumulate_grad_batches": accumulate} if accumulate > 1 else {}
     trainer = quiet_trainer(
-        devices=devices, strategy=strategy, max_steps=steps, callbacks=[recorder], **(trainer_kwargs or {})
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[recorder, *(callbacks or [])],
+        **extra,
+        **(trainer_kwargs or {}),
     )
     trainer.fit(model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss
+    losses = [sum(recorder.losses[i : i + accumulate]) for i in range(0, len(recorder.losses), accumulate)]
     return {
-        "losses": recorder.losses,
+        "losses": losses,
         "first_grads": recorder.first_grads,
         "initial": initial,
         "state": state,

@@ -6,16 +6,23 @@ peer stopped rewrites its exception's message to lead with that record, keeping 
 (a new exception would skip Lightning's teardown); with no record, a rank was killed and the message
 names the ranks that had not reported. Store operations wait at most ``failure_timeout`` (under
 Lightning's launcher the store dies with rank 0). pipeline/failure.py records a stage's error first.
+
+A launcher stops the other ranks with SIGTERM once one exits (torchrun, at once). While the strategy
+runs (``catch_sigterm`` to ``release_sigterm``), SIGTERM raises ``Terminated`` in the main thread, so
+the rank stops through ``on_exception`` and names the failed rank; once it is stopping, a SIGTERM is
+noted but does not interrupt the message (the rank exits non-zero anyway).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -56,6 +63,10 @@ def is_transport_error(error: BaseException) -> bool:
     )
 
 
+class Terminated(Exception):
+    """SIGTERM reached a running rank: its launcher is stopping the job (torchrun does once a rank exits)."""
+
+
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -76,6 +87,9 @@ class FailureRecords:
 
     def __init__(self, store: Any, run: int, rank: int, world_size: int, timeout: timedelta = FAILURE_TIMEOUT) -> None:
         self.store, self.run, self.rank, self.world_size, self.timeout = store, run, rank, world_size, timeout
+        self._sigterm: Optional[str] = None  # None (not caught), "running", "stopping" or "released"
+        self._sigterm_previous: Any = None
+        self.terminated = False  # a SIGTERM came while this rank was already stopping
 
     @classmethod
     def open(cls, rank: int, world_size: int, timeout: timedelta = FAILURE_TIMEOUT) -> "FailureRecords":
@@ -101,11 +115,56 @@ class FailureRecords:
     def _record_first(self, cause: BaseException) -> None:
         self.store.compare_set(self._key("first"), "", f"rank {self.rank} failed with {describe(cause)}")
 
+    def catch_sigterm(self) -> None:
+        """From now on SIGTERM raises ``Terminated`` (main thread only; Python runs handlers there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        owner = getattr(previous, "__self__", None)  # a released handler of an earlier run: skip over it
+        if isinstance(owner, FailureRecords) and owner._sigterm == "released":
+            previous = owner._sigterm_previous
+        self._sigterm, self._sigterm_previous = "running", previous
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def release_sigterm(self) -> None:
+        """Put back the handler ``catch_sigterm`` found (at the strategy's teardown)."""
+        if self._sigterm is None or self._sigterm == "released":
+            return
+        self._sigterm = "released"
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_previous)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._sigterm == "running":
+            raise Terminated(f"rank {self.rank} received SIGTERM: its launcher is stopping the job")
+        if self._sigterm == "stopping":  # already on its way out with a non-zero exit: let it say why
+            self.terminated = True
+            return
+        # released, yet still installed (Lightning's signal connector restores what it found at the
+        # run's start): behave as the handler that was there before
+        previous = self._sigterm_previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _stopping(self) -> None:
+        """SIGTERM from here on must not interrupt the store operations and the message: it is noted
+        only, by this handler directly (Lightning's, in front of it during the run, broadcasts)."""
+        if self._sigterm == "running":
+            self._sigterm = "stopping"
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+
     def on_exception(self, error: BaseException) -> None:
         """Record this rank's own error; or, when a collective broke under this rank because a peer
-        stopped, make ``error``'s message lead with which rank failed and why."""
+        stopped (or its launcher terminated it), make ``error``'s message lead with which rank failed
+        and why."""
+        self._stopping()
         cause = root_cause(error)
-        broken = is_transport_error(cause)
+        terminated = isinstance(cause, Terminated)
+        broken = terminated or is_transport_error(cause)
         try:
             with store_timeout(self.store, self.timeout):
                 if not broken:
@@ -119,7 +178,8 @@ class FailureRecords:
             explanation = f"the job's store is unreachable: it lives in {store_host()}"
         if explanation is None:
             return
-        message = f"{explanation} (rank {self.rank} stopped because its collective broke: {describe(cause)})"
+        reason = "its launcher terminated it" if terminated else "its collective broke"
+        message = f"{explanation} (rank {self.rank} stopped because {reason}: {describe(cause)})"
         log.error("%s", message)  # now, in case the launcher kills this process before the traceback prints
         if len(error.args) <= 1:
             error.args = (message,)

@@ -345,8 +345,12 @@ class PipelineEngine:
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, before):
                 p.grad = grad
-        payload = self._payload(lambda: {"loss": sum(float(o) for o in outputs) / len(outputs)})
-        loss = torch.tensor(payload["loss"], device=self.device)
+        payload = self._payload(
+            lambda: {"loss": sum(float(o) for o in outputs) / len(outputs), "dtype": outputs[0].dtype}
+        )
+        # the step's own dtype: under precision="bf16-true" the default dtype is bf16 here, which
+        # would round a float32 loss to 8 bits (4.162 reported as 4.156)
+        loss = torch.tensor(payload["loss"], dtype=payload["dtype"], device=self.device)
         return {"loss": loss} if payload["as_dict"] else loss
 
     def apply_pending_grads(self) -> None:

@@ -13,15 +13,17 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_ptdp.faults.records import FailureRecords, is_transport_error, root_cause
+from lightning_ptdp.faults.records import FailureRecords, Terminated, is_transport_error, root_cause
 
 log = logging.getLogger(__name__)
 
 
 def stop_pipeline(error: BaseException, pp_group: Any, records: Optional[FailureRecords]) -> None:
     """After ``error`` interrupted a pipeline step on this rank: if it is this rank's own error,
-    record it and release the peers; a broken transfer (a peer stopped) is reported by on_exception."""
-    if is_transport_error(root_cause(error)):
+    record it and release the peers; a broken transfer (a peer stopped) or the launcher's SIGTERM is
+    reported by on_exception."""
+    cause = root_cause(error)
+    if is_transport_error(cause) or isinstance(cause, Terminated):
         return
     if records is not None:
         records.record(error)

@@ -255,41 +255,6 @@ def test_triton_kernels_run_on_each_ranks_heads_and_bias_shard(dist_pool):
                 assert relative_error(result["grads"][name], expected, expected) <= KERNEL_GRAD_REL, name
 
 
-BF16_LOSS_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: partial sums rounded per rank differ at ~1e-2
-
-
-BF16_LAYOUTS = {
-    "t2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-    "d2-zero3": {"zero_stage": 3},  # FSDP2 shards the fp32 master weights (mixed) or the bf16 ones (true)
-    "p2": {"pipeline_parallel_size": 2, "micro_batch_size": 2},  # bf16 activations cross the stages
-}
-
-
-BF16_CASES = [("bf16-mixed", "t2-sp"), ("bf16-true", "t2-sp"), ("bf16-mixed", "d2-zero3"), ("bf16-true", "p2")]
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize(("precision", "layout"), BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
-def test_bf16_precisions_under_tp_zero_and_pp(dist_pool, precision, layout):
-    """bf16-mixed keeps fp32 master weights (and reduces fp32 gradients: DDP, FSDP2 and the pipeline's
-    dp average all see the fp32 .grad); bf16-true trains bf16 weights. Losses follow the single process."""
-    kwargs = BF16_LAYOUTS[layout]
-    trainer_kwargs = {"precision": precision}
-    results = dist_pool(2).run(
-        fit_and_record,
-        "gpt",
-        strategy_kwargs=kwargs,
-        devices=2,
-        steps=5,
-        global_batch=GLOBAL_BATCH,
-        trainer_kwargs=trainer_kwargs,
-    )
-    ref = fit_and_record("gpt", steps=5, global_batch=GLOBAL_BATCH, trainer_kwargs=trainer_kwargs)
-    assert results[0]["losses"] == pytest.approx(ref["losses"], rel=BF16_LOSS_RTOL)
-    dtype = torch.float32 if precision == "bf16-mixed" else torch.bfloat16  # mixed: fp32 master weights
-    assert all(v.dtype == dtype for k, v in results[0]["state"].items() if v.is_floating_point())
-
-
 def predict_tokens(devices: int, strategy_kwargs: dict | None) -> torch.Tensor:
     """``trainer.predict`` with the recipe's predict_step (argmax over the vocabulary)."""
     import lightning as L

@@ -1,9 +1,14 @@
 """The failure records and the messages a stopping rank gets, on an in-process store (no process
-group): who failed and with what, who did not report, and a store that died with its host."""
+group): who failed and with what, who did not report, and a store that died with its host; SIGTERM
+from the launcher while the strategy runs."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -133,3 +138,104 @@ def from_cause(cause: BaseException) -> BaseException:
     wrapper = RuntimeError("the stage failed")
     wrapper.__cause__ = cause
     return wrapper
+
+
+@pytest.fixture
+def sigterm_restored():
+    """Whatever a test does to SIGTERM's handler, the one before it is put back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield before
+    signal.signal(signal.SIGTERM, before)
+
+
+def sigterm_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler in the main thread, here, before returning
+
+
+def test_sigterm_while_running_stops_the_rank_through_on_exception_naming_the_failed_rank(sigterm_restored):
+    store = dist.HashStore()
+    records(store, 1).on_exception(ValueError("bad shape"))  # the failed rank
+    survivor = records(store, 0)
+    survivor.catch_sigterm()
+    with pytest.raises(failure.Terminated) as stopped:
+        sigterm_self()
+    survivor.on_exception(stopped.value)
+    assert str(stopped.value) == (
+        "rank 1 failed with ValueError: bad shape (rank 0 stopped because its launcher terminated it: "
+        "Terminated: rank 0 received SIGTERM: its launcher is stopping the job)"
+    )
+    survivor.release_sigterm()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_restored
+
+
+def test_a_killed_rank_is_named_by_a_rank_its_launcher_terminated(sigterm_restored):
+    survivor = records(dist.HashStore(), 0)
+    survivor.catch_sigterm()
+    with pytest.raises(failure.Terminated) as stopped:
+        sigterm_self()
+    survivor.on_exception(stopped.value)
+    assert str(stopped.value).startswith(
+        "no rank recorded an error, so a rank was killed or ran out of memory (SIGKILL, the OOM killer); "
+        "global ranks that had not reported when rank 0 stopped: [1]"
+    )
+
+
+def test_sigterm_while_stopping_does_not_interrupt_the_message(sigterm_restored):
+    """on_exception puts its own handler in front (Lightning's broadcasts) and only notes SIGTERM."""
+    store = dist.HashStore()
+    records(store, 1).on_exception(ValueError("bad shape"))
+
+    class SigtermOnGet:  # SIGTERM arrives mid-way through the store operations
+        timeout, set_timeout = store.timeout, store.set_timeout
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def get(self, key):
+            sigterm_self()
+            return store.get(key)
+
+    survivor = records(SigtermOnGet(), 0)
+    survivor.catch_sigterm()
+    signal.signal(signal.SIGTERM, lambda *_: pytest.fail("Lightning's handler ran while the rank was stopping"))
+    survivor_error = RuntimeError(BROKEN)
+    survivor.on_exception(survivor_error)
+    assert survivor.terminated
+    assert str(survivor_error).startswith("rank 1 failed with ValueError: bad shape (rank 0 stopped because its coll")
+    survivor.release_sigterm()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_restored
+
+
+def test_a_released_handler_still_installed_acts_as_the_one_before_it(sigterm_restored):
+    """Lightning's signal connector puts back, after the strategy's teardown, what it found at the
+    run's start (this handler): it then hands SIGTERM on, and a later run skips over it."""
+    seen = []
+
+    def before_the_runs(signum, frame):
+        seen.append(signum)
+
+    signal.signal(signal.SIGTERM, before_the_runs)
+    earlier = records(dist.HashStore(), 0)
+    earlier.catch_sigterm()
+    earlier.release_sigterm()
+    signal.signal(signal.SIGTERM, earlier._on_sigterm)  # as Lightning's connector restores it
+    sigterm_self()
+    assert seen == [signal.SIGTERM]
+    later = records(dist.HashStore(), 0, run=1)
+    later.catch_sigterm()
+    later.release_sigterm()
+    sigterm_self()
+    assert signal.getsignal(signal.SIGTERM) is before_the_runs and seen == [signal.SIGTERM] * 2
+
+
+def test_a_released_handler_over_the_default_ends_the_process_by_sigterm():
+    """Never swallowed: with the default action before the run, SIGTERM after it still kills."""
+    code = (
+        "import os, signal; from datetime import timedelta; import torch.distributed as dist\n"
+        "from lightning_ptdp.faults.records import FailureRecords\n"
+        "r = FailureRecords(dist.HashStore(), 0, 0, 2, timedelta(seconds=1))\n"
+        "r.catch_sigterm(); r.release_sigterm(); signal.signal(signal.SIGTERM, r._on_sigterm)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); print('survived')\n"
+    )
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == -signal.SIGTERM and "survived" not in ended.stdout, ended.stderr
