@@ -1,16 +1,10 @@
 """When one rank fails, the others stop soon after and say which rank it was.
 
 In ``Strategy.on_exception`` (``FailureRecords``): a rank that raised its own error records it in
-the job's rendezvous store (the run's first record wins); a rank whose collective broke because a
-peer stopped rewrites its exception's message to lead with that record, keeping type and traceback
-(a new exception would skip Lightning's teardown); with no record, a rank was killed and the message
-names the ranks that had not reported. Store operations wait at most ``failure_timeout`` (under
-Lightning's launcher the store dies with rank 0). pipeline/failure.py records a stage's error first.
-
-A launcher stops the other ranks with SIGTERM once one exits (torchrun, at once). While the strategy
-runs (``catch_sigterm`` to ``release_sigterm``), SIGTERM raises ``Terminated`` in the main thread, so
-the rank stops through ``on_exception`` and names the failed rank; once it is stopping, a SIGTERM is
-noted but does not interrupt the message (the rank exits non-zero anyway).
+the job's rendezvous store (the run's first record wins); a rank whose collective broke, or whose
+launcher sent SIGTERM (raised as ``Terminated`` from setup to teardown), rewrites its message to
+lead with that record, keeping type and traceback; with no record, the message names the ranks that
+had not reported. Store operations wait at most ``failure_timeout``. docs/architecture.md: details.
 """
 
 from __future__ import annotations
