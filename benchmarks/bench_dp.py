@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from benchmarks.results import paired_ratio, pool_of, spread, stats
+from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
 
 WARMUP_STEPS = 10
 TITLE = "data parallelism: ptdp vs Lightning DDPStrategy (issue 2)"
@@ -65,16 +65,10 @@ def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int,
     )
     strategy = PTDPStrategy() if strategy_name == "ptdp" else DDPStrategy()
     timer = StepTimer(warmup)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer],
     )
     trainer.fit(model, data)

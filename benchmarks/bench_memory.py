@@ -38,7 +38,7 @@ import threading
 import lightning as L
 import torch
 
-from benchmarks.results import pool_of, stats
+from benchmarks.results import cpu_trainer, pool_of, stats
 
 TITLE = "model-state memory per rank for each ZeRO stage, from the allocator (issue 5)"
 MODEL = {"vocab_size": 512, "seq_length": 64, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
@@ -160,16 +160,9 @@ def measure(t: int, p: int, zero: int) -> dict:
     gc.collect()  # the pool's process ran other configurations: their leftovers must not be freed during this one
     callback = Measure()
     model = GPTLightningModule(GPTConfig(**MODEL))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=WORLD_SIZE,
         max_steps=MEASURED_STEP + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[callback],
         strategy=PTDPStrategy(**kwargs),
     )

@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
-from benchmarks.results import cpu_description, today, write_section
+from benchmarks.results import cpu_description, cpu_trainer, today, write_section
 
 MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 4, "hidden_size": 128}
 CONTENDERS = ("ptdp", "lightning")
@@ -48,16 +48,10 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
         val_tokens=2 * (seq + 1),
     )
     timer = StepTimer(warmup)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         strategy=PTDPStrategy(kernels="torch") if name == "ptdp" else "auto",
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer],
     )
     trainer.fit(model, data)

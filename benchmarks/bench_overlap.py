@@ -17,7 +17,7 @@ import statistics
 import lightning as L
 import torch
 
-from benchmarks.results import paired_ratio, pool_of, spread, stats
+from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
 
 TITLE = "dp gradient reduction overlapped with the pipeline's backward (issue 18)"
 MODEL = {"vocab_size": 256, "seq_length": 64, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
@@ -74,16 +74,9 @@ def measure(overlap: bool, steps: int, warmup: int, model: dict) -> dict:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     recorder = CommRecorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=DEVICES,
         max_steps=steps + warmup,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[recorder],
         strategy=PTDPStrategy(**LAYOUT, overlap_grad_reduce=overlap),
     )

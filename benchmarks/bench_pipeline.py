@@ -25,7 +25,7 @@ import statistics
 import lightning as L
 import torch
 
-from benchmarks.results import pool_of, spread, stats
+from benchmarks.results import cpu_trainer, pool_of, spread, stats
 
 TITLE = "pipeline bubble: GPipe, 1F1B, interleaved 1F1B, measured (issue 4)"
 MODEL = {"vocab_size": 256, "seq_length": 256, "num_layers": 8, "num_heads": 8, "hidden_size": 512}
@@ -62,16 +62,9 @@ def measure(
         val_tokens=2 * (seq + 1),
     )
     recorder = TimelineRecorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=PP,
         max_steps=steps + warmup,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[recorder],
         strategy=PTDPStrategy(
             pipeline_parallel_size=PP, virtual_pipeline_size=vpp, micro_batch_size=1, pipeline_schedule=schedule

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 
 from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
-from benchmarks.results import paired_ratio, pool_of, spread, stats
+from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
 
 TITLE = "tensor parallelism: ptdp vs ModelParallelStrategy + hand-written DTensor plan (issue 3)"
 MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
@@ -89,16 +89,10 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
         val_tokens=2 * (seq + 1),
     )
     timer = StepTimer(warmup)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=TP,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer],
     )
     trainer.fit(model, data)
