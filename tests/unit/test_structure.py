@@ -137,7 +137,6 @@ def test_nothing_refers_to_files_outside_the_repository():
     offenders = [
         str(p.relative_to(ROOT))
         for p in tracked
-        if "venv" not in p.parts
-        and any(marker in p.read_text() for marker in OUTSIDE_MARKERS)
+        if "venv" not in p.parts and any(marker in p.read_text() for marker in OUTSIDE_MARKERS)
     ]
     assert offenders == []
