@@ -19,9 +19,10 @@ keeps freed pages.
 Formulas: 16 bytes per parameter this rank would hold without ZeRO (4 weight + 4 gradient + 8 Adam
 moments; with bf16 mixed precision the ZeRO paper's 2 + 2 + 12 is also 16), divided as each stage
 divides it over d: stage 0: 4 + 4 + 8, stage 1: 4 + 4 + 8/d, stage 2: 4 + (4 + 8)/d, stage 3: 16/d.
-ptdp's stages 1-3 are FSDP2, which keeps weights and gradients sharded at rest in all three (stages
-1 and 2 keep the gathered weights from forward until backward, stage 3 gathers them again), so
-at rest FSDP's formula is 16/d for stages 1-3. A third formula column sums numel * element_size of
+ptdp's stage 1 is that (torch's ZeroRedundancyOptimizer: whole weights and gradients, Adam
+moments of the parameters the rank owns); its stages 2 and 3 are FSDP2, which keeps weights and
+gradients sharded at rest in both (stage 2 keeps the gathered weights from forward until backward,
+stage 3 gathers them again), so ptdp's formula at rest is 16/d for stages 2-3. A third formula column sums numel * element_size of
 the tensors the rank's parameters, gradients and optimizer state hold: that too is a formula (what
 those tensors should occupy), not a measurement. Prints JSON.
 """
@@ -127,7 +128,8 @@ class Measure(L.Callback):
             return
         self.sampler.sample()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = [v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+        holder = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the local optimizer holds this rank's share
+        state = [v for p in params for v in holder.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
         self.result["tensor_bytes"] = {
             "weights": sum(_bytes(p) for p in params),
             "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
@@ -170,14 +172,14 @@ def measure(t: int, p: int, zero: int) -> dict:
     return callback.result
 
 
-def formula(unsharded_params: int, zero: int, d: int, fsdp: bool = False) -> float:
-    """Bytes at rest: the ZeRO paper's division per stage, or FSDP2's (all of it over d)."""
+def formula(unsharded_params: int, zero: int, d: int, ptdp: bool = False) -> float:
+    """Bytes at rest: the ZeRO paper's division per stage, or ptdp's (stages 2-3 are FSDP2: all over d)."""
     weight, grad, adam = 4.0, 4.0, 8.0
     if zero >= 1:
         adam /= d
-    if zero >= 2 or (zero >= 1 and fsdp):
+    if zero >= 2:
         grad /= d
-    if zero >= 3 or (zero >= 1 and fsdp):
+    if zero >= 3 or (zero >= 2 and ptdp):
         weight /= d
     return unsharded_params * (weight + grad + adam)
 
@@ -194,7 +196,7 @@ def run(*, rounds: int = 1, layouts: list | None = None, pool=None) -> dict:
         d = WORLD_SIZE // (t * p)
         unsharded = [r["tensor_bytes"]["weights"] // 4 for r in per_config[(t, p, 0)][0]]  # per rank, zero 0
         samples = [(rank, r) for results in per_round for rank, r in enumerate(results)]
-        fsdp = [formula(unsharded[rank], zero, d, fsdp=True) for rank, _ in samples]
+        ptdp = [formula(unsharded[rank], zero, d, ptdp=True) for rank, _ in samples]
         rest = [r["allocator_at_rest"] for _, r in samples]
         rank0 = per_round[0][0]
         rows.append(
@@ -204,12 +206,12 @@ def run(*, rounds: int = 1, layouts: list | None = None, pool=None) -> dict:
                 "d": d,
                 "zero": zero,
                 "formula_zero_paper_rank0": formula(unsharded[0], zero, d),
-                "formula_fsdp_rank0": formula(unsharded[0], zero, d, fsdp=True),
+                "formula_ptdp_rank0": formula(unsharded[0], zero, d, ptdp=True),
                 "formula_tensor_bytes_rank0": rank0["tensor_bytes"],
                 # over every rank and round: median and spread
                 "allocator_at_rest": stats(rest),
                 "allocator_peak_in_step": stats([r["allocator_peak_in_step"] for _, r in samples]),
-                "allocator_at_rest_over_fsdp_formula": stats([m / f for m, f in zip(rest, fsdp)]),
+                "allocator_at_rest_over_ptdp_formula": stats([m / f for m, f in zip(rest, ptdp)]),
             }
         )
     return {
@@ -234,19 +236,20 @@ def markdown(result: dict) -> str:
         rest, peak, ratio = (
             r["allocator_at_rest"],
             r["allocator_peak_in_step"],
-            r["allocator_at_rest_over_fsdp_formula"],
+            r["allocator_at_rest_over_ptdp_formula"],
         )
         tensors = sum(r["formula_tensor_bytes_rank0"].values())
         lines.append(
             f"| {r['t']} | {r['p']} | {r['d']} | {r['zero']} | {r['formula_zero_paper_rank0'] / mib:.2f} "
-            f"| {r['formula_fsdp_rank0'] / mib:.2f} | {tensors / mib:.2f} "
+            f"| {r['formula_ptdp_rank0'] / mib:.2f} | {tensors / mib:.2f} "
             f"| {rest['median'] / mib:.2f} ({rest['min'] / mib:.2f}-{rest['max'] / mib:.2f}) "
             f"| {peak['median'] / mib:.2f} ({peak['min'] / mib:.2f}-{peak['max'] / mib:.2f}) "
             f"| {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) |"
         )
     table = "\n".join("  " + line for line in lines)
-    ddp = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] == 0 and r["p"] == 1]
-    rest = [r["allocator_at_rest_over_fsdp_formula"]["median"] for r in result["rows"] if r["zero"] > 0 or r["p"] > 1]
+    rows = result["rows"]
+    ddp = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] <= 1 and r["p"] == 1]
+    rest = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] >= 2 or r["p"] > 1]
     return f"""- Sizes: {s["world_size"]} gloo ranks, 1 thread each; recipes GPT l={m["num_layers"]} h={m["hidden_size"]}
   a={m["num_heads"]} V={m["vocab_size"]} s={m["seq_length"]}, tied embedding, batch {s["batch"]} per replica
   (microbatches of {s["micro_batch_size_when_p>1"]} when p > 1); fp32, AdamW; step {s["measured_step"]} of
@@ -258,21 +261,22 @@ def markdown(result: dict) -> str:
   It counts everything the run allocates, not only tensors (Lightning's and the strategy's objects,
   gloo's buffers).
 - Formulas (not measurements): "ZeRO paper" = 16 bytes per parameter the rank holds without ZeRO,
-  divided per stage (stage 1: Adam over d; 2: + gradients; 3: + weights); "FSDP" = ptdp's stages
-  1-3 keep weights and gradients sharded at rest too (16/d); "tensor bytes" = the sum of
-  numel x element_size of rank 0's parameters, gradients and Adam moments.
+  divided per stage (stage 1: Adam over d; 2: + gradients; 3: + weights); "ptdp" = the same for
+  stage 1 (torch's ZeroRedundancyOptimizer), while its stages 2-3 (FSDP2) keep the weights sharded
+  at rest too (16/d); "tensor bytes" = the sum of numel x element_size of rank 0's parameters,
+  gradients and optimizer state.
 
-  | t | p | d | zero | formula: ZeRO paper | formula: FSDP | formula: tensor bytes | measured at rest | measured peak in step | at rest / FSDP formula |
+  | t | p | d | zero | formula: ZeRO paper | formula: ptdp | formula: tensor bytes | measured at rest | measured peak in step | at rest / ptdp formula |
   |---|---|---|---|---|---|---|---|---|---|
 {table}
 
   (MiB per rank; formulas for rank 0, whose pipeline stage holds the embedding.) **At rest, measured
-  / FSDP formula: median {statistics.median(ddp):.3f} (range {min(ddp):.3f}-{max(ddp):.3f}) at ZeRO-0 with p = 1,
+  / ptdp formula: median {statistics.median(ddp):.3f} (range {min(ddp):.3f}-{max(ddp):.3f}) at ZeRO 0-1 with p = 1,
   where DDP keeps its gradient buckets, a second copy of the gradients (4 of the 16 bytes per
   parameter); {statistics.median(rest):.3f} (range {min(rest):.3f}-{max(rest):.3f}) in every other row.** The rest of
   the excess at rest is what the run allocates besides the model state (the Trainer's, the
-  strategy's and gloo's objects and buffers); the peak adds the step's activations and, at ZeRO 1-3,
-  the gathered weights (stages 1 and 2 keep them from forward to backward, so their peak is above stage 3's).
+  strategy's and gloo's objects and buffers); the peak adds the step's activations and, at ZeRO 2-3,
+  the gathered weights (stage 2 keeps them from forward to backward, so its peak is above stage 3's).
 """
 
 

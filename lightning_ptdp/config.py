@@ -69,7 +69,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms, dropout and residuals along the sequence inside each TP group (needs t > 1)."""
     zero_stage: int = 0
-    """0: replicated; 1: optimizer state sharded over d; 2: and gradients; 3: and parameters."""
+    """0: replicated; 1: optimizer state sharded over d (torch's ZeroRedundancyOptimizer, gradients
+    all-reduced whole); 2: and gradients (FSDP2); 3: and parameters (FSDP2)."""
     activation_checkpointing: Union[RecomputeMode, None] = None
     """None, "full" (recompute each transformer block) or "selective" (only the attention core)."""
     pipeline_schedule: PipelineSchedule = "interleaved_1f1b"
@@ -79,6 +80,11 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Under PP with d > 1 (no ZeRO): start each chunk's dp gradient all-reduce as soon as its last
     backward ran, overlapping the other chunks' compute (Megatron-Core's option of that name)."""
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO stages 2 and 3 shard gradients (and parameters) with FSDP2; stage 1 keeps DDP's."""
+        return self.zero_stage >= 2
 
     def __post_init__(self) -> None:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -109,10 +115,10 @@ class ParallelConfig:
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline_parallel_size > 1 "
                 "(it interleaves chunks across pipeline ranks); set pipeline_parallel_size or use 1"
             )
-        if self.pipeline_schedule == "zero_bubble" and self.zero_stage > 0 and self.pipeline_parallel_size > 1:
+        if self.pipeline_schedule == "zero_bubble" and self.fsdp and self.pipeline_parallel_size > 1:
             raise ValueError(
                 f"pipeline_schedule='zero_bubble' with zero_stage={self.zero_stage} is not supported yet (FSDP2 under "
-                "the deferred weight-gradient step is untested); use 'interleaved_1f1b' or zero_stage=0"
+                "the deferred weight-gradient step is untested); use 'interleaved_1f1b' or zero_stage=0 or 1"
             )
         if self.virtual_pipeline_size > 1 and self.pipeline_schedule == "1f1b":
             raise ValueError(

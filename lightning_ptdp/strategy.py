@@ -255,6 +255,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             )
         if fitting:
             self.setup_optimizers(trainer)
+            self.optimizers = parallel.shard_optimizer_states(self.optimizers, self.lr_scheduler_configs)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

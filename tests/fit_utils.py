@@ -137,7 +137,7 @@ def fit_and_record(
     )
     trainer.fit(model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
-    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    local_numel = sum(_local(p).numel() for p in model.parameters())
     # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss
     losses = [sum(recorder.losses[i : i + accumulate]) for i in range(0, len(recorder.losses), accumulate)]
     return {
@@ -146,7 +146,22 @@ def fit_and_record(
         "initial": initial,
         "state": state,
         "local_numel": local_numel,
+        "optimizer_numel": optimizer_numel(trainer),
     }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def optimizer_numel(trainer: L.Trainer) -> int:
+    """Elements of optimizer state this rank holds (ZeRO-1: its local optimizer's; ZeRO 2/3: shards)."""
+    total = 0
+    for optimizer in trainer.optimizers:
+        local = getattr(optimizer, "optim", optimizer)  # torch's ZeroRedundancyOptimizer keeps its share there
+        for values in local.state.values():
+            total += sum(_local(v).numel() for v in values.values() if torch.is_tensor(v) and v.dim() > 0)
+    return total
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:

@@ -79,7 +79,7 @@ class ReplicaConsistency(pl.Callback):
         strategy = trainer.strategy
         mesh = getattr(strategy, "device_mesh", None)
         problems = []
-        zero = getattr(getattr(strategy, "parallel_config", None), "zero_stage", 0) > 0
+        zero = getattr(getattr(strategy, "parallel_config", None), "zero_stage", 0) >= 2  # FSDP-sharded
         if not zero:
             group = mesh["dp"].get_group() if mesh is not None else None
             named = sorted(pl_module.named_parameters())

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.checkpoint import dcp_load, dcp_save, full, rng
+from lightning_ptdp.data_parallel.zero1 import dp_group_of, local_optimizer, sync_groups_after_load
 
 LOADED_IN_PLACE = dcp_load.LOADED_IN_PLACE
 
@@ -68,24 +69,33 @@ class Checkpointer:
         )
 
     def optimizer_state(self, view: ShardingView, optimizer: Any) -> dict[str, Any]:
+        """Sharded: this rank's pieces (under ZeRO-1 of the parameters it owns). Full: unsharded."""
+        local = local_optimizer(optimizer)
         if self.format == "sharded":
-            return dcp_save.optimizer_pieces(view.module, optimizer, view.aliases)
+            return dcp_save.optimizer_pieces(view.module, local, view.aliases)
         return full.optimizer_state(
-            view.module, optimizer, tensor_parallel=view.tensor_parallel, zero=view.zero, pp_group=view.pp_group
+            view.module,
+            local,
+            tensor_parallel=view.tensor_parallel,
+            zero=view.zero,
+            pp_group=view.pp_group,
+            dp_group=dp_group_of(optimizer),
         )
 
     def load_optimizer_states(self, view: ShardingView, optimizers: list[Any], state: dict[str, Any]) -> None:
         if state.get(LOADED_IN_PLACE):
             return
         for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"]):
+            owned_only = dp_group_of(optimizer) is not None  # ZeRO-1: pick the entries this rank owns
             full.load_optimizer_state(
                 view.module,
-                optimizer,
+                local_optimizer(optimizer),
                 optimizer_state,
                 tensor_parallel=view.tensor_parallel,
                 zero=view.zero,
-                aliases=view.aliases,
+                aliases=view.aliases if view.aliases is not None or not owned_only else {},
             )
+            sync_groups_after_load(optimizer)
 
     # ------------------------------------------------------------------ files
     @staticmethod
@@ -104,16 +114,19 @@ class Checkpointer:
                 "weights_only=None or False; or consolidate it (ptdp checkpoint consolidate) and load that file"
             )
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        return dcp_load.load(
+        loaded = dcp_load.load(
             path,
             module=view.module,
-            optimizers=optimizers,
+            optimizers=[local_optimizer(o) for o in optimizers],
             aliases=view.aliases,
             rank=rank,
             world_size=world,
             strict=strict,
             pipeline=view.pp_group is not None,
         )
+        for optimizer in optimizers:
+            sync_groups_after_load(optimizer)
+        return loaded
 
     @staticmethod
     def restore_rng(loaded: dict[str, Any]) -> None:

@@ -117,22 +117,33 @@ def load_model_state(
 
 
 def optimizer_state(
-    module: nn.Module, optimizer: Any, *, tensor_parallel: bool, zero: bool, pp_group: Any = None
+    module: nn.Module,
+    optimizer: Any,
+    *,
+    tensor_parallel: bool,
+    zero: bool,
+    pp_group: Any = None,
+    dp_group: Any = None,
 ) -> dict[str, Any]:
     """Unsharded optimizer state keyed by parameter name, the same on every layout (under ZeRO
-    alone only rank 0 receives it)."""
+    alone only rank 0 receives it). ``dp_group``: ZeRO-1, whose dp ranks each hold the state of
+    the parameters they own (gathered first, so TP and PP see whole states as at stage 0)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank0_only = zero and not tensor_parallel and pp_group is None
-    gathered = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
-    state = map_optimizer_state_by_name(module, gathered, to_full=True) if tensor_parallel else gathered
-    return _gather_optimizer_stages(state, pp_group) if pp_group is not None else state
+    state = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
+    if dp_group is not None:
+        state = _gather_optimizer_parts(state, dp_group)
+    if tensor_parallel:
+        state = map_optimizer_state_by_name(module, state, to_full=True)
+    return _gather_optimizer_parts(state, pp_group) if pp_group is not None else state
 
 
-def _gather_optimizer_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
-    """Every stage's per-parameter state in one dict; param groups joined group by group."""
-    parts: list[Optional[dict]] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(parts, detached_cpu(state), group=pp_group)
+def _gather_optimizer_parts(state: dict[str, Any], group: Any) -> dict[str, Any]:
+    """Every rank's per-parameter state in one dict (pipeline stages, ZeRO-1 owners); param
+    groups joined group by group."""
+    parts: list[Optional[dict]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, detached_cpu(state), group=group)
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for part in parts:
         merged["state"].update(part["state"])

@@ -79,8 +79,8 @@ def sum_partial_gradients(model: nn.Module, partial: list[tuple[nn.Module, str]]
         return
     if any(hasattr(param, "to_local") for _, param in replicated):
         raise NotImplementedError(
-            "zero_stage > 0 with key/value heads replicated over tensor-parallel ranks "
-            "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or a smaller t"
+            "zero_stage 2 or 3 with key/value heads replicated over tensor-parallel ranks "
+            "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or 1, or a smaller t"
         )
     rows = [layer.layout.indices(tp.rank).to(param.device) for layer, param in replicated]
     fulls = []

@@ -20,6 +20,7 @@ from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
+from lightning_ptdp.data_parallel.zero1 import shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.dims import ParallelDims
@@ -45,7 +46,16 @@ class Parallelized:
     tp_report: Optional[TPReport] = None
     pipeline: Optional[PipelineEngine] = None
     zero: bool = False
+    """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
+    optimizer_state_group: Any = None
+    """ZeRO-1 with d > 1: the dp group each optimizer's state is sharded over."""
     gradients: GradientFinisher = field(init=False)
+
+    def shard_optimizer_states(self, optimizers: list[Any], scheduler_configs: list[Any]) -> list[Any]:
+        """ZeRO-1: the optimizers configure_optimizers built, each stepping only its dp rank's share."""
+        if self.optimizer_state_group is None:
+            return optimizers
+        return shard_optimizer_states(optimizers, scheduler_configs, self.optimizer_state_group)
 
     @property
     def sharding(self) -> ShardingView:
@@ -84,15 +94,16 @@ def parallelize(
                         recomputed blocks, so a block of another chunk is never recomputed.
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
-    5. data parallel    last: it wraps the final per-rank parameters (ZeRO shards them over dp;
-                        under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk).
+    5. data parallel    last: it wraps the final per-rank parameters (ZeRO 2/3 shards them over dp;
+                        under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk;
+                        ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
 
     ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
     block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
     count. Data parallelism only when training. TP, recompute, the split and the pretrained read are
     cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
-    result = Parallelized(module, root=module, zero=config.zero_stage > 0)
+    result = Parallelized(module, root=module, zero=config.fsdp)
     check_reusable(module, config, dims)
     if dims.tp > 1:
         # a second stage (fit, then validate) finds the model already rewritten: reuse that
@@ -106,8 +117,8 @@ def parallelize(
         module.__dict__["_ptdp_recompute"] = wrapped
         log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
     if dims.pp > 1:
-        # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO FSDP's)
-        dp_sync = training and config.zero_stage == 0 and dims.dp > 1
+        # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO 2/3 FSDP's)
+        dp_sync = training and not config.fsdp and dims.dp > 1
         grad_sync = (
             DataParallelGradSync(group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce)
             if dp_sync
@@ -145,11 +156,13 @@ def parallelize(
         # built on the meta device (configure_model): allocate and initialise only what TP and the
         # pipeline split left this rank, before data parallelism wraps or shards it
         materialize_shards(module, device, result.pipeline)
-    if training and config.zero_stage > 0:
+    if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
+    if training and config.zero_stage == 1 and dims.dp > 1:
+        result.optimizer_state_group = mesh["dp"].get_group()
     pipeline = result.pipeline
     result.gradients = GradientFinisher(
         model=module,
@@ -160,7 +173,7 @@ def parallelize(
         dp_group=mesh["dp"].get_group(),
         dp_rank=mesh["dp"].get_local_rank(),
         dp_size=dims.dp,
-        zero=config.zero_stage > 0,
+        zero=config.fsdp,
         device=device,
     )
     return result
@@ -185,7 +198,7 @@ def check_reusable(module: torch.nn.Module, config: ParallelConfig, dims: Parall
 
 
 def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
-    """Refused at setup, before any step: ZeRO cannot shard KV heads copied over several TP ranks
+    """Refused at setup, before any step: ZeRO 2/3 cannot shard KV heads copied over several TP ranks
     (t > n_kv_heads), whose copies' gradients must be summed over the tp group before the step."""
     from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
 
@@ -196,7 +209,7 @@ def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: 
             raise ValueError(
                 f"zero_stage={config.zero_stage} with tensor_parallel_size={dims.tp} > the {heads} key/value heads of "
                 f"'{name}': each KV head is replicated over {layer.layout.replication} TP ranks, and ZeRO cannot sum "
-                f"those copies' sharded gradients. Use zero_stage=0, or tensor_parallel_size in {fits} (dividing the "
+                f"those copies' sharded gradients. Use zero_stage=0 or 1, or tensor_parallel_size in {fits} (dividing the "
                 "KV heads)"
             )
 

@@ -20,6 +20,7 @@ def run_epochs(
     zero_stage: int = 0,
     pipeline: dict | None = None,
     layers: int = 2,
+    checkpoint_format: str = "sharded",
 ) -> list:
     import lightning as L
 
@@ -35,7 +36,12 @@ def run_epochs(
     data = MarkovDataModule(
         vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1, val_tokens=100
     )
-    strategy = PTDPStrategy(tensor_parallel_size=tensor_parallel_size or 1, zero_stage=zero_stage, **pipeline)
+    strategy = PTDPStrategy(
+        tensor_parallel_size=tensor_parallel_size or 1,
+        zero_stage=zero_stage,
+        checkpoint_format=checkpoint_format,
+        **pipeline,
+    )
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
     trainer.fit(model, data, ckpt_path=resume)
@@ -83,6 +89,25 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
     resumed_p2v2 = dist_pool(2).run(run_epochs, 2, None, 2, None, flat, pipeline=p2v2, layers=4)
     for losses in resumed_p2v2:
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+@pytest.mark.world_size(4)
+def test_zero1_checkpoints_resume_on_other_layouts(dist_pool, tmp_path):
+    """ZeRO-1 at d=4 keeps each Adam moment on one dp rank: saved sharded (each rank its own) and
+    full (gathered), resumed at t=2 d=2 under ZeRO-1 and without ZeRO; and a t=2 checkpoint
+    resumed into ZeRO-1 at d=4 (each rank loading only what it owns): losses continue as uninterrupted."""
+    sharded, full, t2 = (str(tmp_path / name) for name in ("zero1.ckpt", "zero1-full.ckpt", "t2.ckpt"))
+    uninterrupted = dist_pool(4).run(run_epochs, 4, None, 2, None, None)[0]
+    for path, fmt in ((sharded, "sharded"), (full, "full")):
+        first = dist_pool(4).run(run_epochs, 4, None, 1, path, None, 1, checkpoint_format=fmt)
+        for losses in first:
+            assert losses == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    for path, zero_stage in ((sharded, 1), (full, 1), (full, 0)):
+        resumed = dist_pool(4).run(run_epochs, 4, 2, 2, None, path, zero_stage)[0]
+        assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (path, zero_stage)
+    dist_pool(4).run(run_epochs, 4, 2, 1, t2, None)
+    resumed = dist_pool(4).run(run_epochs, 4, None, 2, None, t2, 1)[0]
+    assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
 
 
 def run_mid_epoch(root: str, *, crash_at_step: int | None = None, resume: str | None = None) -> dict:

@@ -98,6 +98,9 @@ LAYOUTS = {  # chosen so every kind of piece appears
     "nanogpt-t2p2": ("nanogpt", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2}, {}),
     # fused q/k/v rows cut by TP, then by ZeRO across the q|k block edge; vocab 62 padded to 64
     "nanogpt-t2d2-zero3": ("nanogpt", {"tensor_parallel_size": 2, "zero_stage": 3}, {}),
+    # ZeRO-1: each dp rank writes the Adam state of the parameters it owns, the full file gathers them
+    "nanogpt-t2d2-zero1": ("nanogpt", {"tensor_parallel_size": 2, "zero_stage": 1}, {}),
+    "nanogpt-p2d2-zero1": ("nanogpt", {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 1}, {}),
     # 2 KV heads over t=4: each KV head replicated on two ranks (written once)
     "llama-t4-gqa": ("llama", {"tensor_parallel_size": 4}, {"num_kv_heads": 2}),
 }

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 on the dp axis (FSDP2) against the single-process reference."""
+"""ZeRO stages 1-3 on the dp axis (1: torch's ZeroRedundancyOptimizer; 2, 3: FSDP2) against one process."""
 
 from __future__ import annotations
 
@@ -35,20 +35,40 @@ def test_zero_matches_single_process(dist_pool, family, devices, zero_stage):
     )
     for result in results[1:]:
         assert result["losses"] == pytest.approx(results[0]["losses"], rel=1e-6)
-    # each rank holds 1/d of every parameter (FSDP pads a shard by at most one row per tensor)
+    assert_holds_its_share(results, ref, devices, zero_stage)
+
+
+def assert_holds_its_share(results: list[dict], ref: dict, dp: int, zero_stage: int, tp: int = 1) -> None:
+    """Stage 1: whole parameters (1/t of them under TP), and each element's optimizer state on exactly
+    one dp rank, balanced within the largest tensor torch's greedy partition places whole. Stages
+    2/3: the state 1/d (FSDP pads a shard by at most one row per tensor); stage 3 also parameters."""
     for result in results:
-        assert result["local_numel"] <= ref["local_numel"] / devices * 1.1, (result["local_numel"], ref["local_numel"])
+        if zero_stage == 1:
+            assert ref["local_numel"] / tp <= result["local_numel"] <= ref["local_numel"] / tp * 1.1
+            assert result["optimizer_numel"] <= ref["optimizer_numel"] / tp / dp * 1.35, result["optimizer_numel"]
+        else:
+            assert result["optimizer_numel"] <= ref["optimizer_numel"] / tp / dp * 1.1, result["optimizer_numel"]
+        if zero_stage == 3:
+            assert result["local_numel"] <= ref["local_numel"] / tp / dp * 1.1, (
+                result["local_numel"],
+                ref["local_numel"],
+            )
+    if zero_stage == 1 and tp == 1:
+        assert sum(r["optimizer_numel"] for r in results) == ref["optimizer_numel"]  # none twice, none lost
 
 
 @pytest.mark.parametrize(
-    ("family", "zero_stage", "sequence_parallel"),
-    [("gpt", 1, False), ("llama", 3, True)],
-    ids=["gpt-zero1-t2-d2", "llama-zero3-t2-d2-sp"],
+    ("family", "zero_stage", "sequence_parallel", "overrides"),
+    [("gpt", 1, False, None), ("llama", 3, True, None), ("llama", 1, False, {"num_kv_heads": 1})],
+    ids=["gpt-zero1-t2-d2", "llama-zero3-t2-d2-sp", "llama-kv-replicated-zero1-t2-d2"],
 )
 @pytest.mark.world_size(4)
-def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zero_stage, sequence_parallel):
+def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zero_stage, sequence_parallel, overrides):
+    """The third case: one KV head copied to both TP ranks, whose gradients are summed over tp; stage
+    1 keeps whole gradients, so it runs where stages 2/3 are refused (the next test)."""
     devices = 4  # t=2 x d=2: each TP shard is sharded again over its dp group
     kwargs = {"zero_stage": zero_stage, "tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
+    clip = {"gradient_clip_val": 0.5}
     results = dist_pool(devices).run(
         fit_and_record,
         family,
@@ -56,14 +76,15 @@ def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zer
         devices=devices,
         steps=STEPS,
         global_batch=GLOBAL_BATCH,
-        trainer_kwargs={"gradient_clip_val": 0.5},
+        trainer_kwargs=clip,
+        model_overrides=overrides,
     )
-    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, trainer_kwargs={"gradient_clip_val": 0.5})
+    ref = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, trainer_kwargs=clip, model_overrides=overrides)
     for result in results:
         assert_matches_reference(
             result, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
         )
-        assert result["local_numel"] < ref["local_numel"] / 2  # sharded by t and again by d
+    assert_holds_its_share(results, ref, 2, zero_stage, tp=2)  # sharded by t and again by d
 
 
 @pytest.mark.parametrize(
@@ -85,8 +106,7 @@ def test_zero_on_blocks_held_by_the_lightning_module(dist_pool, family, zero_sta
     assert_matches_reference(
         results[0], ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL, skip=NOISE_DRIVEN
     )
-    for result in results:
-        assert result["local_numel"] <= ref["local_numel"] / 2 * 1.1, (result["local_numel"], ref["local_numel"])
+    assert_holds_its_share(results, ref, 2, zero_stage)
 
 
 def _zero_on_tied_dict_model() -> bool:
@@ -113,7 +133,7 @@ def test_zero_refuses_a_weight_tied_across_separate_units(dist_pool):
 
 
 def fit_zero_with_replicated_kv_heads() -> None:
-    """ZeRO-1 at t=2 on a Llama with one KV head (replicated over both TP ranks): refused at setup."""
+    """ZeRO-2 at t=2 on a Llama with one KV head (replicated over both TP ranks): refused at setup."""
     import lightning as L
 
     from lightning_ptdp import PTDPStrategy
@@ -127,7 +147,7 @@ def fit_zero_with_replicated_kv_heads() -> None:
             Steps.started += 1
 
     trainer = quiet_trainer(
-        devices=4, strategy=PTDPStrategy(zero_stage=1, tensor_parallel_size=2), max_steps=1, callbacks=[Steps()]
+        devices=4, strategy=PTDPStrategy(zero_stage=2, tensor_parallel_size=2), max_steps=1, callbacks=[Steps()]
     )
     try:
         trainer.fit(build_model("llama", num_kv_heads=1), zoo_data(4, 4000, 100))
@@ -140,10 +160,10 @@ def test_zero_with_kv_heads_replicated_over_tp_is_refused_at_setup(dist_pool):
     from lightning_ptdp.testing import RankFailure
 
     refusal = (
-        r"ValueError: zero_stage=1 with tensor_parallel_size=2 > the 1 key/value heads of "
+        r"ValueError: zero_stage=2 with tensor_parallel_size=2 > the 1 key/value heads of "
         r"'net\.layers\.0\.attention\.wk': "
         r"each KV head is replicated over 2 TP ranks, and ZeRO cannot sum those copies' sharded gradients\. Use "
-        r"zero_stage=0, or tensor_parallel_size in \[1\] \(dividing the KV heads\)"
+        r"zero_stage=0 or 1, or tensor_parallel_size in \[1\] \(dividing the KV heads\)"
     )
     with pytest.raises(RankFailure, match=refusal) as failure:
         dist_pool(4).run(fit_zero_with_replicated_kv_heads)

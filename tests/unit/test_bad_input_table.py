@@ -74,8 +74,8 @@ STRATEGY = [
         r"tp_plan is given but tensor_parallel_size=1; set tensor_parallel_size > 1",
     ),
     (
-        {"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble", "zero_stage": 1},
-        r"pipeline_schedule='zero_bubble' with zero_stage=1 is not supported yet",
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble", "zero_stage": 2},
+        r"pipeline_schedule='zero_bubble' with zero_stage=2 is not supported yet",
     ),
 ]
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
