@@ -248,8 +248,8 @@ def markdown(result: dict) -> str:
         )
     table = "\n".join("  " + line for line in lines)
     rows = result["rows"]
-    ddp = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] <= 1 and r["p"] == 1]
-    rest = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] >= 2 or r["p"] > 1]
+    ddp = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] <= 1 and r["d"] > 1]
+    rest = [r["allocator_at_rest_over_ptdp_formula"]["median"] for r in rows if r["zero"] >= 2 or r["d"] == 1]
     return f"""- Sizes: {s["world_size"]} gloo ranks, 1 thread each; recipes GPT l={m["num_layers"]} h={m["hidden_size"]}
   a={m["num_heads"]} V={m["vocab_size"]} s={m["seq_length"]}, tied embedding, batch {s["batch"]} per replica
   (microbatches of {s["micro_batch_size_when_p>1"]} when p > 1); fp32, AdamW; step {s["measured_step"]} of
@@ -271,9 +271,9 @@ def markdown(result: dict) -> str:
 {table}
 
   (MiB per rank; formulas for rank 0, whose pipeline stage holds the embedding.) **At rest, measured
-  / ptdp formula: median {statistics.median(ddp):.3f} (range {min(ddp):.3f}-{max(ddp):.3f}) at ZeRO 0-1 with p = 1,
-  where DDP keeps its gradient buckets, a second copy of the gradients (4 of the 16 bytes per
-  parameter); {statistics.median(rest):.3f} (range {min(rest):.3f}-{max(rest):.3f}) in every other row.** The rest of
+  / ptdp formula: median {statistics.median(ddp):.3f} (range {min(ddp):.3f}-{max(ddp):.3f}) at ZeRO 0-1 with d > 1,
+  where DDP's gradient buckets (p = 1) or the pipeline's dp gradient buckets (p > 1) keep a second
+  copy of the gradients (4 of the 16 bytes per parameter); {statistics.median(rest):.3f} (range {min(rest):.3f}-{max(rest):.3f}) in every other row.** The rest of
   the excess at rest is what the run allocates besides the model state (the Trainer's, the
   strategy's and gloo's objects and buffers); the peak adds the step's activations and, at ZeRO 2-3,
   the gathered weights (stage 2 keeps them from forward to backward, so its peak is above stage 3's).

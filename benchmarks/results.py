@@ -27,7 +27,11 @@ def write_section(name: str, markdown: str, *, path: Path = RESULTS) -> Path:
     block = f"{start}\n{markdown.strip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    text = pattern.sub(lambda _: block, text, count=1) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
+    if pattern.search(text):  # the first copy is replaced; any later copy is stale and goes
+        first = pattern.search(text)
+        text = text[: first.start()] + block + pattern.sub("", text[first.end() :]).replace("\n\n\n\n", "\n\n")
+    else:
+        text = f"{text.rstrip()}\n\n{block}\n"
     path.write_text(text)
     return path
 

@@ -32,6 +32,7 @@ class ZooConfig:
     num_kv_heads: int = 2
     hidden_size: int = 32
     padding_idx: int | None = None  # of the Llama token embedding (transformers sets it from pad_token_id)
+    repeat_from_shapes: bool = False  # Llama's KV repeat count read from the tensors' head dims, not attributes
 
 
 class NanoAttention(nn.Module):
@@ -97,6 +98,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ZooConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.repeat_from_shapes = cfg.repeat_from_shapes
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
@@ -109,7 +111,7 @@ class LlamaAttention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
-        repeat = self.n_heads // self.n_kv_heads
+        repeat = q.shape[1] // k.shape[1] if self.repeat_from_shapes else self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -1,8 +1,8 @@
-"""ZeRO on the dp axis with FSDP2 (``fully_shard``): one unit per transformer block and per module
-holding parameters outside them, never a container (it has no forward to hook). Stages 1 and 2 keep
-parameters whole between forward and backward and reduce-scatter gradients (FSDP2 has no "full
-gradients, sharded optimizer" mode, so stage 1 shards gradients too, as Megatron's distributed
-optimizer does); stage 3 reshards parameters after forward. docs/architecture.md has the why.
+"""ZeRO stages 2 and 3 on the dp axis with FSDP2 (``fully_shard``): one unit per transformer block
+and per module holding parameters outside them, never a container (it has no forward to hook).
+Stage 2 keeps parameters whole between forward and backward and reduce-scatters gradients (as
+Megatron's distributed optimizer does); stage 3 reshards parameters after forward. Stage 1 is
+not FSDP (it has no whole-gradient mode): zero1.py. docs/architecture.md has the why.
 """
 
 from __future__ import annotations

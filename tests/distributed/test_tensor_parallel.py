@@ -92,6 +92,17 @@ def test_embedding_padding_idx_matches_single_process(dist_pool, tp, padding_idx
         assert torch.equal(grad[padding_idx], torch.zeros(32)) and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize(("tp", "kv_heads"), [(2, 2), (4, 2)], ids=["t2-kv-split", "t4-kv-replicated"])
+def test_kv_repeat_count_read_from_shapes_matches_single_process(dist_pool, tp, kv_heads):
+    """``repeat = q.shape[1] // k.shape[1]`` then ``repeat_interleave(repeat, dim=1)``: on each rank the
+    count comes out of its own heads (4/t q over 2/t KV heads, or 1 q over a replicated KV head)."""
+    overrides = {"repeat_from_shapes": True, "num_kv_heads": kv_heads}
+    results = dist_pool(tp).run(tp_step, "llama", False, overrides)
+    ref = reference_step("llama", overrides)
+    for result in results:
+        _check_against_reference(result, ref)
+
+
 def test_vocab_parallel_embedding_refuses_max_norm():
     from lightning_ptdp.tensor_parallel import TPGroup
     from lightning_ptdp.tensor_parallel.layers import VocabParallelEmbedding

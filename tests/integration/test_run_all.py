@@ -97,6 +97,11 @@ def test_write_section_replaces_its_own_and_keeps_the_rest(tmp_path):
     text = path.read_text()
     assert "new" in text and "old" not in text and "## GPU\nkept" in text
     assert text.index("## A") < text.index("## GPU")
+    # a stale second copy of a section (an older script wrote it elsewhere) goes on the next write
+    path.write_text(text + "\n<!-- section:a -->\n## A\nstale\n<!-- /section:a -->\n")
+    write_section("a", "## A\nnewer", path=path)
+    text = path.read_text()
+    assert text.count("<!-- section:a -->") == 1 and "newer" in text and "stale" not in text and "kept" in text
 
 
 def test_quick_without_results_writes_nothing(monkeypatch):
