@@ -276,11 +276,7 @@ def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def _style(region: RegionPlan, name: str) -> str:
-    if name == region.row:
-        return "rowwise"
-    if name in region.parts:
-        return "colwise_fused:" + "|".join(map(str, region.parts[name]))
-    return "colwise" if region.blocks[name] == 1 else f"colwise_fused:{region.blocks[name]}"
+    return region.style(name)
 
 
 def _layout_text(block: nn.Module, name: str) -> str:

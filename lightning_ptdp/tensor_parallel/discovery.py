@@ -24,6 +24,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _call_name,
     _shape,
     plan_hint,
+    working_plan_hint,
 )
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
@@ -195,8 +196,16 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int) -> BlockPlan:
         validate_layouts(region, name, tp_size)
         for col in region.columns:
             ratios[col] = region.units[col] // max(1, region.units[col] // tp_size)
+    failures = []
     for region in regions:
-        ShardPropagation(gm, region, ratios, tp_size, name).run()
+        try:
+            ShardPropagation(gm, region, ratios, tp_size, name).run()
+        except TPDiscoveryError as error:  # the other regions still run, to show the plan that works
+            failures.append((region, error))
+    if failures:
+        failed = {id(region) for region, _ in failures}
+        working = [r for r in regions if id(r) not in failed]
+        raise TPDiscoveryError(f"{failures[0][1]}; " + working_plan_hint(name, working, tp_size)) from failures[0][1]
     gm.graph.lint()
     return BlockPlan(gm.graph, regions)
 

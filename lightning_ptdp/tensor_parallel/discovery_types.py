@@ -12,9 +12,31 @@ import torch.nn.functional as F
 from torch import fx
 
 
+def _blocks_glob(block: str) -> str:
+    return re.sub(r"\.[^.]+$", ".*", block) if "." in block else "*"
+
+
+def working_plan_hint(block: str, regions: list[Any], tp_size: int) -> str:
+    """The explicit plan that works when discovery splits some of a block's regions but not all:
+    the regions it could split and an explicit plan can express, one glob each; the rest stay whole."""
+    blocks = _blocks_glob(block)
+    plan = {f"{blocks}.{m}": r.style(m) for r in regions if not r.rewrites_shapes for m in (*r.columns, r.row)}
+    if not plan:
+        return (
+            f"no region of '{block}' can be split without discovery, so keep its blocks whole: "
+            f"tensor_parallel_size=1, or a tp_plan that names only the embedding ('vocab_embedding') and the "
+            "LM head ('vocab_head')"
+        )
+    return (
+        f"an explicit plan that keeps that region whole on every rank and splits the rest works: "
+        f"PTDPStrategy(tensor_parallel_size={tp_size}, tp_plan={plan!r}) (add 'vocab_embedding' and "
+        "'vocab_head' entries for the embedding and the LM head)"
+    )
+
+
 def plan_hint(block: str, module: str) -> str:
     """The shortest explicit plan to suggest: one glob over every block of the list."""
-    blocks = re.sub(r"\.[^.]+$", ".*", block) if "." in block else "*"
+    blocks = _blocks_glob(block)
     return (
         f"pass an explicit plan instead, e.g. PTDPStrategy(tensor_parallel_size=2, tp_plan={{'{blocks}.{module}': "
         "'rowwise', ...}), one glob per module of the block, each 'colwise', 'rowwise', 'colwise_fused:3' "
@@ -104,6 +126,15 @@ class RegionPlan:
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
     partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
+    rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
+
+    def style(self, name: str) -> str:
+        """The explicit-plan style of one of this region's Linears."""
+        if name == self.row:
+            return "rowwise"
+        if name in self.parts:
+            return "colwise_fused:" + "|".join(map(str, self.parts[name]))
+        return "colwise" if self.blocks[name] == 1 else f"colwise_fused:{self.blocks[name]}"
 
 
 @dataclass

@@ -26,7 +26,6 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _call_name,
     _shape,
     _shape_args,
-    plan_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class ShardPropagation:
         where = f" (called at {site.where()})" if site is not None else ""
         return TPDiscoveryError(
             f"block '{self.name}': '{node.format_node()}'{where} {why}, so the region ending in '{self.region.row}' "
-            "cannot be split by heads automatically; " + plan_hint(self.name, self.region.row)
+            "cannot be split by heads automatically"
         )
 
     def run(self) -> None:
@@ -145,6 +144,7 @@ class ShardPropagation:
             return arg
         if arg % ratio:
             raise self.fail(node, f"uses size {arg}, not divisible by {ratio}")
+        self.region.rewrites_shapes |= ratio != 1  # an explicit plan would not rewrite it: discovery only
         return arg // ratio
 
     def _op_view(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
@@ -278,6 +278,7 @@ class ShardPropagation:
         if not isinstance(repeats, int) or (repeats * info.ratio) % self.tp_size:
             raise self.fail(node, "repeats key/value heads in a way that does not divide over the ranks")
         local = repeats * info.ratio // self.tp_size
+        self.region.rewrites_shapes |= local != repeats
         node.args = (node.args[0], local, *node.args[2:]) if len(node.args) > 1 else node.args
         if len(node.args) < 2:
             node.kwargs = {**node.kwargs, "repeats": local}

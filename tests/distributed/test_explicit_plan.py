@@ -53,3 +53,39 @@ def test_glob_plan_on_transformers_models_matches_single_process(dist_pool, fami
         # the planned layers really are split: at least their half of the weights is gone
         sharded = sum(v.numel() for k, v in ref["state"].items() if any(s in k for s in ("mlp", "wte", "embed_tokens")))
         assert result["local_numel"] <= ref["local_numel"] - sharded // 2 + 64  # + vocab padding slack
+
+
+def _suggested_plan_step(distributed: bool) -> dict:
+    """One forward/backward of a block list whose attention-like region discovery cannot split,
+    under the explicit plan its error suggests (t=2), or in one process."""
+    import torch
+
+    from tests.unit.test_tp_discovery import HeadSumThenMLPNet, suggested_plan
+
+    torch.manual_seed(0)
+    net = HeadSumThenMLPNet()
+    inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    if distributed:
+        import torch.distributed as dist
+
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_explicit_plan
+        from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+
+        plan = suggested_plan(HeadSumThenMLPNet(), 2)
+        apply_explicit_plan(net, plan, TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank()))
+    loss = net(inputs).square().mean()
+    loss.backward()
+    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "up_rows": net.layers[0].up.weight.shape[0]}
+
+
+@pytest.mark.world_size(2)
+def test_the_plan_a_discovery_error_suggests_runs_and_matches_one_process(dist_pool):
+    from tests.fit_utils import relative_error
+
+    ref = _suggested_plan_step(False)
+    for result in dist_pool(2).run(_suggested_plan_step, True):
+        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        assert result["up_rows"] == 8  # the MLP really is split: half of its 16 rows on each rank
+        for name, expected in ref["grads"].items():
+            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -141,12 +144,49 @@ class HeadSumBlock(nn.Module):
         return x + self.o(h)
 
 
-def test_op_across_the_sharded_dim_names_block_and_op():
+class HeadSumThenMLPBlock(HeadSumBlock):
+    """The attention-like region discovery cannot split, then an MLP region it can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.down(F.relu(self.up(x)))
+
+
+class HeadSumThenMLPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([HeadSumThenMLPBlock(), HeadSumThenMLPBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def suggested_plan(net: nn.Module, tp: int) -> dict:
+    """The explicit plan the discovery error suggests (tests/distributed/test_explicit_plan.py runs it)."""
+    import ast
+
+    with pytest.raises(TPDiscoveryError) as error:
+        tensor_parallel_plan(net, tp, probe=lambda: net(torch.ones(2, 4, 8)))
+    return ast.literal_eval(re.search(r"tp_plan=(\{.*?\})", str(error.value)).group(1))
+
+
+def test_op_across_the_sharded_dim_names_block_op_source_line_and_the_plan_that_works():
+    line = inspect.getsourcelines(HeadSumBlock.forward)[1] + 1  # the line of the .sum()
     net = nn.Sequential(HeadSumBlock(), HeadSumBlock())
     with pytest.raises(
-        TPDiscoveryError, match=r"block '0': .*sum.* cannot be split by heads automatically; pass an explicit plan"
+        TPDiscoveryError,
+        match=rf"block '0': .*sum.* \(called at .*test_tp_discovery\.py:{line} in forward\) .* cannot be split by "
+        r"heads automatically; no region of '0' can be split without discovery, so keep its blocks whole",
     ):
         tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+    # with a region discovery can split beside it: the plan for exactly that region, as globs
+    assert suggested_plan(HeadSumThenMLPNet(), 2) == {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
 
 
 def test_shard_layouts():
