@@ -131,7 +131,7 @@ def load_pretrained(
             piece.local.copy_(source.read(key, piece.offsets, tuple(piece.local.shape)).to(piece.local.device))
             count += piece.local.numel()
     if missing:
-        raise KeyError(
+        raise ValueError(
             f"pretrained={path!r} has no weights for {len(missing)} parameter(s), e.g. {missing[:3]} (looked up "
             f"without the prefix {strip!r}); pass pretrained_prefix='...' to name the part of the parameter names "
             f"the files leave out; the files hold keys such as {sorted(keys)[:3]}"

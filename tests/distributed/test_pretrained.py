@@ -11,6 +11,10 @@ LightningModule's prefix, load back into ``LlamaForCausalLM`` and round-trip thr
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 
@@ -20,6 +24,21 @@ STEPS = 3
 # fp32: t and p split the sums, round-off only (see test_real_models.py)
 LOSS_RTOL, GRAD_REL, UPDATE_REL = 1e-5, 1e-5, 1e-3
 T2P2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
+
+
+class SaveAtEnd(L.Callback):
+    """A sharded checkpoint of the trained run, as a user's ModelCheckpoint would leave it (the
+    run itself uses the full format, so that its recorded state is the whole model)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trainer.strategy.checkpoint_format = "sharded"
+        try:
+            trainer.save_checkpoint(self.path)
+        finally:
+            trainer.strategy.checkpoint_format = "full"
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +72,7 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
         devices=4,
         steps=STEPS,
         model_overrides={"path": pretrained_dir},
+        callbacks=[SaveAtEnd(str(tmp_path / "run.ckpt"))],
     )
     assert_ranks_match_reference(streamed, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     full = sum(v.numel() for k, v in ref["state"].items() if k in ref["first_grads"])
@@ -67,3 +87,21 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
     again = LlamaForCausalLM.from_pretrained(tmp_path / "trained").state_dict()
     for key, value in own.items():
         assert torch.equal(again[key], value), key
+
+    # and from the run's sharded checkpoint on disk, with the command the README gives
+    from lightning_ptdp.checkpoint.command import main as checkpoint_command
+
+    folder = tmp_path / "from_checkpoint"
+    folder.mkdir()
+    shutil.copy(Path(pretrained_dir) / "config.json", folder)
+    args = [
+        "consolidate",
+        str(tmp_path / "run.ckpt"),
+        str(folder / "model.safetensors"),
+        "--strip-prefix",
+        "net.model.",
+    ]
+    assert checkpoint_command(args) == 0
+    consolidated = LlamaForCausalLM.from_pretrained(folder).state_dict()
+    for key, value in own.items():
+        assert torch.equal(consolidated[key], value), key

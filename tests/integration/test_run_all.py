@@ -78,7 +78,7 @@ def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
     assert all(c["agrees"] for c in record["sections"]["tp"]["collectives_per_layer_and_microbatch"].values())
     # memory measured from the allocator: positive, at least the model state's formula, peak above rest
     for row in record["sections"]["memory"]["rows"]:
-        assert row["allocator_at_rest_over_fsdp_formula"]["min"] >= 0.99, row
+        assert row["allocator_at_rest_over_ptdp_formula"]["min"] >= 0.99, row
         assert row["allocator_peak_in_step"]["median"] > row["allocator_at_rest"]["median"], row
     assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == repository_results  # never the repository's file
 

@@ -202,3 +202,22 @@ def test_shard_layouts():
 def test_vocab_padding():
     shard = VocabShard.of(63, TPGroup(group=None, size=2, rank=1))
     assert (shard.padded_size, shard.start, shard.local, shard.valid) == (64, 32, 32, 31)
+
+
+def test_state_dict_hooks_that_would_see_a_shard_are_refused():
+    """torchtitan's fused wqkv splits itself into wq/wk/wv in a state_dict hook: on a TP shard that
+    would write wrong weights, so it is refused before anything is cut."""
+    net = _net("llama")
+    attention = net.layers[0].attention
+
+    def split_qkv_on_save(module, state_dict, prefix, local_metadata):
+        return state_dict
+
+    attention.register_state_dict_post_hook(split_qkv_on_save)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.0\.attention' \(LlamaAttention\) has state_dict hooks \(.*split_qkv_on_save\) that would "
+        r"treat this rank's tensor-parallel shard of 'layers\.0\.attention\.wq' as the whole tensor.*remove them",
+    ):
+        tensor_parallel_plan(net, 2, probe=lambda: net(tokens))
