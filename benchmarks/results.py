@@ -27,9 +27,10 @@ def write_section(name: str, markdown: str, *, path: Path = RESULTS) -> Path:
     block = f"{start}\n{markdown.strip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):  # the first copy is replaced; any later copy is stale and goes
-        first = pattern.search(text)
-        text = text[: first.start()] + block + pattern.sub("", text[first.end() :]).replace("\n\n\n\n", "\n\n")
+    first = pattern.search(text)
+    if first:  # the first copy is replaced; any later copy is stale and goes, with the blank lines before it
+        stale = re.compile(r"\n*" + pattern.pattern, re.DOTALL)
+        text = text[: first.start()] + block + stale.sub("", text[first.end() :])
     else:
         text = f"{text.rstrip()}\n\n{block}\n"
     path.write_text(text)

@@ -9,6 +9,8 @@ dataloader mid-epoch, ``pretrained`` reads weight files into shards, ``command``
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -17,6 +19,7 @@ import torch.nn as nn
 
 from lightning_ptdp.checkpoint import dcp_load, dcp_save, full, rng
 from lightning_ptdp.data_parallel.zero1 import dp_group_of, local_optimizer, sync_groups_after_load
+from lightning_ptdp.parallel.comm import raise_on_every_rank
 
 LOADED_IN_PLACE = dcp_load.LOADED_IN_PLACE
 
@@ -86,15 +89,21 @@ class Checkpointer:
         if state.get(LOADED_IN_PLACE):
             return
         for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"]):
-            owned_only = dp_group_of(optimizer) is not None  # ZeRO-1: pick the entries this rank owns
-            full.load_optimizer_state(
-                view.module,
-                local_optimizer(optimizer),
-                optimizer_state,
-                tensor_parallel=view.tensor_parallel,
-                zero=view.zero,
-                aliases=view.aliases if view.aliases is not None or not owned_only else {},
-            )
+            if dp_group_of(optimizer) is None:
+                full.load_optimizer_state(
+                    view.module,
+                    optimizer,
+                    optimizer_state,
+                    tensor_parallel=view.tensor_parallel,
+                    zero=view.zero,
+                    aliases=view.aliases,
+                )
+                continue
+            with _failure_raised_on_every_rank("loading ZeRO-1's share of the optimizer state"):
+                local = local_optimizer(optimizer)  # ZeRO-1: the entries this rank owns
+                full.load_owned_optimizer_state(
+                    view.module, local, optimizer_state, tensor_parallel=view.tensor_parallel, aliases=view.aliases
+                )
             sync_groups_after_load(optimizer)
 
     # ------------------------------------------------------------------ files
@@ -114,16 +123,19 @@ class Checkpointer:
                 "weights_only=None or False; or consolidate it (ptdp checkpoint consolidate) and load that file"
             )
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        loaded = dcp_load.load(
-            path,
-            module=view.module,
-            optimizers=[local_optimizer(o) for o in optimizers],
-            aliases=view.aliases,
-            rank=rank,
-            world_size=world,
-            strict=strict,
-            pipeline=view.pp_group is not None,
-        )
+        owned_only = [dp_group_of(o) is not None for o in optimizers]  # ZeRO-1: the entries this rank owns
+        with _failure_raised_on_every_rank("loading the sharded checkpoint", any(owned_only)):
+            loaded = dcp_load.load(
+                path,
+                module=view.module,
+                optimizers=[local_optimizer(o) for o in optimizers],
+                aliases=view.aliases,
+                rank=rank,
+                world_size=world,
+                strict=strict,
+                pipeline=view.pp_group is not None,
+                by_name=owned_only,
+            )
         for optimizer in optimizers:
             sync_groups_after_load(optimizer)
         return loaded
@@ -195,6 +207,21 @@ class Checkpointer:
             dcp_save.remove(path)
         else:
             remove_file(path)
+
+
+@contextmanager
+def _failure_raised_on_every_rank(what: str, active: bool = True) -> Iterator[None]:
+    """ZeRO-1 loads differ per rank (each its own share): a failure on some ranks is raised on all,
+    before the collective that follows the load would wait for them."""
+    if not active:
+        yield
+        return
+    problems = []
+    try:
+        yield
+    except Exception as error:  # shared below, then raised on every rank
+        problems.append(f"{what} failed: {type(error).__name__}: {error}")
+    raise_on_every_rank(problems)
 
 
 def _from_rank_zero(value: Any) -> Any:

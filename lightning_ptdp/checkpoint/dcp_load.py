@@ -23,7 +23,7 @@ from lightning_ptdp.checkpoint.dcp_save import (
     model_pieces,
     optimizer_state_pieces,
 )
-from lightning_ptdp.checkpoint.full import describe_mismatch
+from lightning_ptdp.checkpoint.full import describe_mismatch, load_named_optimizer_state
 from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 from lightning_ptdp.checkpoint.rng import set_rng_state
 from lightning_ptdp.parallel.comm import raise_on_every_rank
@@ -87,10 +87,12 @@ def _model_targets(
 class _OptimizerTarget:
     """One optimizer's state to load into: its tensors (live) and the DCP entries pointing at them."""
 
-    def __init__(self, module: nn.Module, optimizer: Any, index: int, saved: set[str], aliases: Any) -> None:
+    def __init__(
+        self, module: nn.Module, optimizer: Any, index: int, saved: set[str], aliases: Any, by_name: bool = False
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        self.optimizer, self.index = optimizer, index
+        self.optimizer, self.index, self.by_name = optimizer, index, by_name
         self.state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))
         self.entries: dict[str, Any] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (parameter, state field) -> DCP entry
@@ -131,6 +133,9 @@ class _OptimizerTarget:
                 key = self.keys.get((name, field))
                 if not torch.is_tensor(value) and key in loaded:
                     values[field] = loaded[key]
+        if self.by_name:  # ZeRO-1's local optimizer (see full.load_named_optimizer_state)
+            load_named_optimizer_state(module, self.optimizer, self.state)
+            return
         options = StateDictOptions(full_state_dict=False, strict=not self.fresh)  # fresh ones keep their new state
         set_optimizer_state_dict(module, self.optimizer, self.state, options=options)
 
@@ -145,6 +150,7 @@ def load(
     world_size: int,
     strict: bool,
     pipeline: bool,
+    by_name: Optional[list[bool]] = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into ``module`` and ``optimizers`` in place (any saved layout);
     return the rest of Lightning's checkpoint. A collective over all ranks."""
@@ -162,7 +168,7 @@ def load(
             problems.append(f"the checkpoint's weights do not fit this model: {problem} (checkpoint {path!r})")
         saved = set(metadata.state_dict_metadata)
         for index, optimizer in enumerate(optimizers):
-            target = _OptimizerTarget(module, optimizer, index, saved, aliases)
+            target = _OptimizerTarget(module, optimizer, index, saved, aliases, bool(by_name and by_name[index]))
             if not target.saved_any:
                 problems.append(
                     f"checkpoint {path!r} holds no state for optimizer {index}: it was saved with weights only "

@@ -132,18 +132,25 @@ def optimizer_state(
 
     rank0_only = zero and not tensor_parallel and pp_group is None
     state = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
-    if dp_group is not None:
-        state = _gather_optimizer_parts(state, dp_group)
-    if tensor_parallel:
+    if tensor_parallel:  # on the device, before any CPU copy (TP peers own the same parameters)
         state = map_optimizer_state_by_name(module, state, to_full=True)
+    if dp_group is not None:  # to dp rank 0 alone: the ranks that write (rank 0) are there
+        state = _gather_optimizer_parts(state, dp_group, to_first=True)
     return _gather_optimizer_parts(state, pp_group) if pp_group is not None else state
 
 
-def _gather_optimizer_parts(state: dict[str, Any], group: Any) -> dict[str, Any]:
+def _gather_optimizer_parts(state: dict[str, Any], group: Any, to_first: bool = False) -> dict[str, Any]:
     """Every rank's per-parameter state in one dict (pipeline stages, ZeRO-1 owners); param
-    groups joined group by group."""
-    parts: list[Optional[dict]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, detached_cpu(state), group=group)
+    groups joined group by group. ``to_first``: only the group's first rank gets it (the others
+    keep their own part)."""
+    first = dist.get_rank(group) == 0
+    parts: Optional[list[Any]] = [None] * dist.get_world_size(group) if first or not to_first else None
+    if to_first:
+        dist.gather_object(detached_cpu(state), parts, dst=dist.get_global_rank(group, 0), group=group)
+    else:
+        dist.all_gather_object(parts, detached_cpu(state), group=group)
+    if parts is None:
+        return state
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for part in parts:
         merged["state"].update(part["state"])
@@ -171,6 +178,33 @@ def stage_optimizer_state(
                 picked[name] = by_name[found[0]]
         groups.append({**state["param_groups"][index], "params": local})
     return {"state": picked, "param_groups": groups}
+
+
+def load_owned_optimizer_state(
+    module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, aliases: Any
+) -> None:
+    """ZeRO-1: the entries of a whole-model optimizer state that this rank's local optimizer owns."""
+    state = stage_optimizer_state(module, optimizer, state, aliases or {})
+    if tensor_parallel:
+        state = map_optimizer_state_by_name(module, state, to_full=False)
+    load_named_optimizer_state(module, optimizer, state)
+
+
+def load_named_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """A state keyed by parameter name into ``optimizer`` with torch's own ``load_state_dict``.
+    For ZeRO-1's local optimizers: torch's state-dict helpers refuse more than one parameter group
+    without parameters, which a dp rank owning nothing of two groups has."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    by_index, groups, index = {}, [], 0
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        indices = []
+        for param in group["params"]:
+            if names[id(param)] in state["state"]:
+                by_index[index] = state["state"][names[id(param)]]
+            indices.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": indices})
+    optimizer.load_state_dict({"state": by_index, "param_groups": groups})
 
 
 def load_optimizer_state(

@@ -11,22 +11,36 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
-def shard_optimizer_states(optimizers: list[Any], scheduler_configs: list[Any], dp_group: Any) -> list[Any]:
+def shard_optimizer_states(
+    optimizers: list[Any], scheduler_configs: list[Any], dp_group: Any, names: dict[int, str]
+) -> list[Any]:
     """Each optimizer ``configure_optimizers`` built, as a ZeroRedundancyOptimizer over ``dp_group``
-    with the same class, groups and hyperparameters; its LR schedulers drive the new one."""
-    sharded = {id(optimizer): _shard(optimizer, dp_group) for optimizer in optimizers}
+    with the same class, groups and hyperparameters; its LR schedulers drive the new one
+    (``names``: parameter names by id, to check every dp rank lists the same parameters)."""
+    sharded = {id(optimizer): _shard(optimizer, dp_group, names) for optimizer in optimizers}
     for config in scheduler_configs:
         for scheduler in [config.scheduler, *getattr(config.scheduler, "_schedulers", [])]:
             replacement = sharded.get(id(getattr(scheduler, "optimizer", None)))
             if replacement is not None:
                 scheduler.optimizer = replacement
                 replacement._opt_called = True  # what the scheduler's step-order check looks for on its optimizer
+    for optimizer in optimizers:  # anything still holding the old optimizer writes into the live groups
+        if sharded[id(optimizer)] is not optimizer:
+            optimizer.param_groups = sharded[id(optimizer)].param_groups
     return [sharded[id(optimizer)] for optimizer in optimizers]
 
 
-def _shard(optimizer: Any, dp_group: Any) -> ZeroRedundancyOptimizer:
+def _shard(optimizer: Any, dp_group: Any, names: dict[int, str]) -> Any:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if optimizer.process_group is not dp_group:
+            raise ValueError(
+                "zero_stage=1 builds the ZeroRedundancyOptimizer itself, over the data-parallel group only; "
+                "return the plain optimizer from configure_optimizers"
+            )
         return optimizer
+    if not any(group["params"] for group in optimizer.param_groups):  # no optimizer (Lightning's stand-in)
+        return optimizer
+    _check_same_order(optimizer, dp_group, names)
     if optimizer.state:
         raise ValueError(
             f"zero_stage=1 shards the optimizer state at setup, but {type(optimizer).__name__} already holds state "
@@ -43,6 +57,20 @@ def _shard(optimizer: Any, dp_group: Any) -> ZeroRedundancyOptimizer:
             f"{type(optimizer).__name__} ({error}). Use zero_stage=2 (FSDP2 shards state and gradients, any "
             "optimizer) or zero_stage=0"
         ) from error
+
+
+def _check_same_order(optimizer: Any, dp_group: Any, names: dict[int, str]) -> None:
+    """torch's partition follows the order of each group's parameters: every dp rank must list
+    them alike, or ranks would broadcast different parameters to each other."""
+    mine = [[names.get(id(p), str(tuple(p.shape))) for p in group["params"]] for group in optimizer.param_groups]
+    every: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(every, mine, group=dp_group)
+    if any(other != every[0] for other in every):
+        raise ValueError(
+            f"zero_stage=1: {type(optimizer).__name__}'s parameter groups list the parameters in a different order on "
+            "different data-parallel ranks (built from a set?), so the ranks would disagree on who updates which "
+            "parameter; build each group from a list in a fixed order (e.g. model.named_parameters())"
+        )
 
 
 def _constructor_defaults(optimizer: Any) -> dict[str, Any]:

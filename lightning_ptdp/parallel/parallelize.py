@@ -55,7 +55,8 @@ class Parallelized:
         """ZeRO-1: the optimizers configure_optimizers built, each stepping only its dp rank's share."""
         if self.optimizer_state_group is None:
             return optimizers
-        return shard_optimizer_states(optimizers, scheduler_configs, self.optimizer_state_group)
+        names = {id(p): n for n, p in self.root.named_parameters()}
+        return shard_optimizer_states(optimizers, scheduler_configs, self.optimizer_state_group, names)
 
     @property
     def sharding(self) -> ShardingView:

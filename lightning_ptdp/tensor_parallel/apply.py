@@ -184,6 +184,7 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
     ]
     heads = [(p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)]
+    refuse_state_dict_hooks(model, [emb_path, *(p for p, _ in heads)])
     if not acts_as(embedding, nn.Embedding):
         # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly
         report.entries.append(
@@ -238,7 +239,8 @@ def plan_block_lists(
         recorded = trace_block(blocks[0], args, kwargs, name)
         before = snapshot_args(recorded.graph)
         plan = plan_block(recorded, name, tp_size)
-        refuse_state_dict_hooks(model, [_join(name, m) for r in plan.regions for m in (*r.columns, r.row)])
+        linears = [m for r in plan.regions for m in (*r.columns, r.row)]
+        refuse_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in range(len(blocks)) for m in linears])
         planned.append((path, blocks, plan, args, BlockProgram.build(recorded.graph, plan, before)))
     return planned
 

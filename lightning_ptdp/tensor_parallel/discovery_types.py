@@ -20,7 +20,9 @@ def working_plan_hint(block: str, regions: list[Any], tp_size: int) -> str:
     """The explicit plan that works when discovery splits some of a block's regions but not all:
     the regions it could split and an explicit plan can express, one glob each; the rest stay whole."""
     blocks = _blocks_glob(block)
-    plan = {f"{blocks}.{m}": r.style(m) for r in regions if not r.rewrites_shapes for m in (*r.columns, r.row)}
+    # a region with per-head norms needs discovery's gradient sums (an explicit plan has none)
+    usable = [r for r in regions if not r.rewrites_shapes and not r.partial]
+    plan = {f"{blocks}.{m}": r.style(m) for r in usable for m in (*r.columns, r.row)}
     if not plan:
         return (
             f"no region of '{block}' can be split without discovery, so keep its blocks whole: "

@@ -21,6 +21,7 @@ def run_epochs(
     pipeline: dict | None = None,
     layers: int = 2,
     checkpoint_format: str = "sharded",
+    three_groups: bool = False,
 ) -> list:
     import lightning as L
 
@@ -31,6 +32,8 @@ def run_epochs(
 
     L.seed_everything(0, verbose=False)
     model = build_model("llama", num_layers=layers)
+    if three_groups:
+        model.configure_optimizers = lambda: three_param_groups(model)
     pipeline = pipeline or {}
     batch = 8 // (devices // ((tensor_parallel_size or 1) * pipeline.get("pipeline_parallel_size", 1)))
     data = MarkovDataModule(
@@ -91,22 +94,42 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
 
 
+def three_param_groups(model):
+    """Weights with decay, then two one-parameter groups without: at d=4 ZeRO-1 puts each small
+    group's parameter on one rank, so two ranks own nothing of two groups."""
+    import torch
+
+    alone = ("net.norm.weight", "net.layers.0.attention_norm.weight")
+    rest = [p for n, p in model.named_parameters() if n not in alone]
+    groups = [{"params": rest, "weight_decay": 0.01}]
+    groups += [{"params": [p for n, p in model.named_parameters() if n == name], "weight_decay": 0.0} for name in alone]
+    return torch.optim.AdamW(groups, lr=model.lr)
+
+
 @pytest.mark.world_size(4)
 def test_zero1_checkpoints_resume_on_other_layouts(dist_pool, tmp_path):
     """ZeRO-1 at d=4 keeps each Adam moment on one dp rank: saved sharded (each rank its own) and
     full (gathered), resumed at t=2 d=2 under ZeRO-1 and without ZeRO; and a t=2 checkpoint
-    resumed into ZeRO-1 at d=4 (each rank loading only what it owns): losses continue as uninterrupted."""
+    resumed into ZeRO-1 at d=4 (each rank loading only what it owns): losses continue as
+    uninterrupted. Three parameter groups, two of them a single parameter: ranks owning nothing of
+    a group load it too (torch's state-dict helpers refuse two such groups)."""
     sharded, full, t2 = (str(tmp_path / name) for name in ("zero1.ckpt", "zero1-full.ckpt", "t2.ckpt"))
-    uninterrupted = dist_pool(4).run(run_epochs, 4, None, 2, None, None)[0]
+    groups = {"three_groups": True}
+    uninterrupted = dist_pool(4).run(run_epochs, 4, None, 2, None, None, **groups)[0]
     for path, fmt in ((sharded, "sharded"), (full, "full")):
-        first = dist_pool(4).run(run_epochs, 4, None, 1, path, None, 1, checkpoint_format=fmt)
+        first = dist_pool(4).run(run_epochs, 4, None, 1, path, None, 1, checkpoint_format=fmt, **groups)
         for losses in first:
             assert losses == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
-    for path, zero_stage in ((sharded, 1), (full, 1), (full, 0)):
-        resumed = dist_pool(4).run(run_epochs, 4, 2, 2, None, path, zero_stage)[0]
-        assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (path, zero_stage)
-    dist_pool(4).run(run_epochs, 4, 2, 1, t2, None)
-    resumed = dist_pool(4).run(run_epochs, 4, None, 2, None, t2, 1)[0]
+    for path, devices, tp, zero_stage in (
+        (sharded, 4, None, 1),
+        (full, 4, None, 1),
+        (sharded, 4, 2, 1),
+        (full, 4, 2, 0),
+    ):
+        resumed = dist_pool(4).run(run_epochs, devices, tp, 2, None, path, zero_stage, **groups)[0]
+        assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (path, tp, zero_stage)
+    dist_pool(4).run(run_epochs, 4, 2, 1, t2, None, **groups)
+    resumed = dist_pool(4).run(run_epochs, 4, None, 2, None, t2, 1, **groups)[0]
     assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
 
 

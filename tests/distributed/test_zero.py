@@ -170,3 +170,30 @@ def test_zero_with_kv_heads_replicated_over_tp_is_refused_at_setup(dist_pool):
     with pytest.raises(RankFailure, match=refusal) as failure:
         dist_pool(4).run(fit_zero_with_replicated_kv_heads)
     assert "4 of 4 ranks failed" in str(failure.value) and "NotImplementedError" not in str(failure.value)
+
+
+def fit_zero1_with_rank_dependent_group_order() -> None:
+    """configure_optimizers lists the parameters in another order on rank 1 (a set would do that)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ptdp import PTDPStrategy
+    from tests.fit_utils import quiet_trainer, zoo_data
+    from tests.models import build_model
+
+    model = build_model("llama")
+    params = list(model.parameters())
+    ordered = params[::-1] if dist.get_rank() == 1 else params
+    model.configure_optimizers = lambda: torch.optim.AdamW(ordered, lr=1e-2)
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(zero_stage=1), max_steps=1)
+    trainer.fit(model, zoo_data(4, 4000, 100))
+
+
+def test_zero1_refuses_groups_listed_in_another_order_on_another_rank(dist_pool):
+    """torch's partition follows the group order: ranks disagreeing would swap parameters silently."""
+    from lightning_ptdp.testing import RankFailure
+
+    with pytest.raises(
+        RankFailure, match=r"(?s)2 of 2 ranks failed.*list the parameters in a different order on different"
+    ):
+        dist_pool(2).run(fit_zero1_with_rank_dependent_group_order)
