@@ -89,20 +89,16 @@ class Checkpointer:
         if state.get(LOADED_IN_PLACE):
             return
         for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"]):
-            if dp_group_of(optimizer) is None:
+            owned_only = dp_group_of(optimizer) is not None  # ZeRO-1: the entries this rank owns
+            with _failure_raised_on_every_rank("loading ZeRO-1's share of the optimizer state", owned_only):
                 full.load_optimizer_state(
                     view.module,
-                    optimizer,
+                    local_optimizer(optimizer),
                     optimizer_state,
                     tensor_parallel=view.tensor_parallel,
                     zero=view.zero,
                     aliases=view.aliases,
-                )
-                continue
-            with _failure_raised_on_every_rank("loading ZeRO-1's share of the optimizer state"):
-                local = local_optimizer(optimizer)  # ZeRO-1: the entries this rank owns
-                full.load_owned_optimizer_state(
-                    view.module, local, optimizer_state, tensor_parallel=view.tensor_parallel, aliases=view.aliases
+                    owned_only=owned_only,
                 )
             sync_groups_after_load(optimizer)
 

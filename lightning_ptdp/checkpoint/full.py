@@ -180,16 +180,6 @@ def stage_optimizer_state(
     return {"state": picked, "param_groups": groups}
 
 
-def load_owned_optimizer_state(
-    module: nn.Module, optimizer: Any, state: dict[str, Any], *, tensor_parallel: bool, aliases: Any
-) -> None:
-    """ZeRO-1: the entries of a whole-model optimizer state that this rank's local optimizer owns."""
-    state = stage_optimizer_state(module, optimizer, state, aliases or {})
-    if tensor_parallel:
-        state = map_optimizer_state_by_name(module, state, to_full=False)
-    load_named_optimizer_state(module, optimizer, state)
-
-
 def load_named_optimizer_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
     """A state keyed by parameter name into ``optimizer`` with torch's own ``load_state_dict``.
     For ZeRO-1's local optimizers: torch's state-dict helpers refuse more than one parameter group
@@ -215,11 +205,18 @@ def load_optimizer_state(
     tensor_parallel: bool,
     zero: bool,
     aliases: Optional[dict[str, list[str]]] = None,
+    owned_only: bool = False,
 ) -> None:
+    """A whole-model optimizer state into this rank's optimizer: its stage's entries (PP), cut to
+    its TP shards. ``owned_only``: ZeRO-1's local optimizer, which holds only the parameters this
+    dp rank owns (loaded by name, see ``load_named_optimizer_state``)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    if aliases is not None:
-        state = stage_optimizer_state(module, optimizer, state, aliases)
+    if aliases is not None or owned_only:
+        state = stage_optimizer_state(module, optimizer, state, aliases or {})
     if tensor_parallel:
         state = map_optimizer_state_by_name(module, state, to_full=False)
-    set_optimizer_state_dict(module, optimizer, state, options=_options())
+    if owned_only:
+        load_named_optimizer_state(module, optimizer, state)
+    else:
+        set_optimizer_state_dict(module, optimizer, state, options=_options())

@@ -286,7 +286,7 @@ def apply_tensor_parallel(
             _install_program(block, plan, program, tp, sequence_parallel)
             for region in plan.regions:
                 for name in (*region.columns, region.row):
-                    report.entries.append((_join(path, f"{i}.{name}"), _style(region, name), _layout_text(block, name)))
+                    report.entries.append((_join(path, f"{i}.{name}"), region.style(name), _layout_text(block, name)))
         if sequence_parallel:  # every replicated parameter in the blocks gets a partial gradient
             _enter_sequence_parallel(blocks, tp, report)
         else:  # only those applied to this rank's heads (per-head q/k norms)
@@ -302,10 +302,6 @@ def apply_tensor_parallel(
 
 def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(m, n) for m in module.modules() for n, _ in m.named_parameters(recurse=False)]
-
-
-def _style(region: RegionPlan, name: str) -> str:
-    return region.style(name)
 
 
 def _layout_text(block: nn.Module, name: str) -> str:
@@ -364,6 +360,6 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                 unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
                 what = "heads" if unit_size > 1 else "units"
                 detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
-                report.entries.append((_join(path, f"*.{name}"), _style(region, name), detail))
+                report.entries.append((_join(path, f"*.{name}"), region.style(name), detail))
     report.entries = cross_check(model, report.entries)
     return report
