@@ -16,7 +16,8 @@ from typing import Any
 
 import lightning as L
 
-from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
+from benchmarks.results import paired_ratio, pool_of, spread, stats
+from lightning_ptdp.testing import quiet_trainer
 
 WARMUP_STEPS = 10
 TITLE = "data parallelism: ptdp vs Lightning DDPStrategy (issue 2)"
@@ -65,7 +66,7 @@ def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int,
     )
     strategy = PTDPStrategy() if strategy_name == "ptdp" else DDPStrategy()
     timer = StepTimer(warmup)
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=steps,

@@ -39,7 +39,9 @@ import threading
 import lightning as L
 import torch
 
-from benchmarks.results import cpu_trainer, pool_of, stats
+from benchmarks.results import pool_of, stats
+from lightning_ptdp.data_parallel.zero1 import local_optimizer
+from lightning_ptdp.testing import quiet_trainer
 
 TITLE = "model-state memory per rank for each ZeRO stage, from the allocator (issue 5)"
 MODEL = {"vocab_size": 512, "seq_length": 64, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
@@ -128,7 +130,7 @@ class Measure(L.Callback):
             return
         self.sampler.sample()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        holder = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the local optimizer holds this rank's share
+        holder = local_optimizer(optimizer)  # ZeRO-1: the local optimizer holds this rank's share
         state = [v for p in params for v in holder.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
         self.result["tensor_bytes"] = {
             "weights": sum(_bytes(p) for p in params),
@@ -162,7 +164,7 @@ def measure(t: int, p: int, zero: int) -> dict:
     gc.collect()  # the pool's process ran other configurations: their leftovers must not be freed during this one
     callback = Measure()
     model = GPTLightningModule(GPTConfig(**MODEL))
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=WORLD_SIZE,
         max_steps=MEASURED_STEP + 1,
         callbacks=[callback],

@@ -24,7 +24,8 @@ import lightning as L
 import torch
 
 from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
-from benchmarks.results import cpu_description, cpu_trainer, today, write_section
+from benchmarks.results import cpu_description, today, write_section
+from lightning_ptdp.testing import quiet_trainer
 
 MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 4, "hidden_size": 128}
 CONTENDERS = ("ptdp", "lightning")
@@ -48,7 +49,7 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
         val_tokens=2 * (seq + 1),
     )
     timer = StepTimer(warmup)
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=1,
         strategy=PTDPStrategy(kernels="torch") if name == "ptdp" else "auto",
         max_steps=steps,

@@ -17,7 +17,8 @@ import statistics
 import lightning as L
 import torch
 
-from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
+from benchmarks.results import paired_ratio, pool_of, spread, stats
+from lightning_ptdp.testing import quiet_trainer
 
 TITLE = "dp gradient reduction overlapped with the pipeline's backward (issue 18)"
 MODEL = {"vocab_size": 256, "seq_length": 64, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
@@ -74,7 +75,7 @@ def measure(overlap: bool, steps: int, warmup: int, model: dict) -> dict:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     recorder = CommRecorder()
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=DEVICES,
         max_steps=steps + warmup,
         callbacks=[recorder],

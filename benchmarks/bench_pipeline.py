@@ -25,7 +25,8 @@ import statistics
 import lightning as L
 import torch
 
-from benchmarks.results import cpu_trainer, pool_of, spread, stats
+from benchmarks.results import pool_of, spread, stats
+from lightning_ptdp.testing import quiet_trainer
 
 TITLE = "pipeline bubble: GPipe, 1F1B, interleaved 1F1B, measured (issue 4)"
 MODEL = {"vocab_size": 256, "seq_length": 256, "num_layers": 8, "num_heads": 8, "hidden_size": 512}
@@ -62,7 +63,7 @@ def measure(
         val_tokens=2 * (seq + 1),
     )
     recorder = TimelineRecorder()
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=PP,
         max_steps=steps + warmup,
         callbacks=[recorder],

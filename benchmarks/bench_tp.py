@@ -22,7 +22,8 @@ import lightning as L
 import torch
 
 from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
-from benchmarks.results import cpu_trainer, paired_ratio, pool_of, spread, stats
+from benchmarks.results import paired_ratio, pool_of, spread, stats
+from lightning_ptdp.testing import quiet_trainer
 
 TITLE = "tensor parallelism: ptdp vs ModelParallelStrategy + hand-written DTensor plan (issue 3)"
 MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 4, "num_heads": 8, "hidden_size": 256}
@@ -89,7 +90,7 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
         val_tokens=2 * (seq + 1),
     )
     timer = StepTimer(warmup)
-    trainer = cpu_trainer(
+    trainer = quiet_trainer(
         devices=TP,
         strategy=strategy,
         max_steps=steps,

@@ -89,20 +89,3 @@ def pool_of(world_size: int, pool=None):
     else:
         with DistributedPool(world_size) as own:
             yield own
-
-
-def cpu_trainer(**kwargs):
-    """A Lightning Trainer on CPU that times training only: no logger, checkpoints, progress bar,
-    model summary or validation. ``kwargs`` add to or override these."""
-    import lightning as L
-
-    defaults = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    return L.Trainer(**{**defaults, **kwargs})

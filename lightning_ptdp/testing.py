@@ -5,6 +5,7 @@ workers and the default process group once, then runs one function after another
 returns the per-rank results. Each worker looks to Lightning like a torchrun child (RANK,
 LOCAL_RANK, WORLD_SIZE... set), so a function may build a ``Trainer(devices=N)`` and call ``fit``.
 A failure or a timeout tears the pool down: no worker is left mid-collective for the next call.
+``quiet_trainer`` is the Trainer the tests, benchmarks and calibration time: training only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,24 @@ from datetime import timedelta
 from typing import Any, Callable
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
+QUIET_TRAINER = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+"""Trainer settings that leave training alone: no logger, checkpoints, progress bar, summary or validation."""
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+def quiet_trainer(**kwargs: Any) -> Any:
+    """A Lightning Trainer with ``QUIET_TRAINER``'s settings; ``kwargs`` add to or override them."""
+    import lightning as L
+
+    return L.Trainer(**{**QUIET_TRAINER, **kwargs})
 
 
 class RankFailure(RuntimeError):

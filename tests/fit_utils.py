@@ -13,6 +13,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_ptdp.data_parallel.zero1 import local_optimizer
+from lightning_ptdp.testing import quiet_trainer
 from recipes.data import MarkovDataModule
 from tests.models import build_model
 
@@ -69,19 +71,6 @@ def use_distributed_order(datamodule: MarkovDataModule, seed: int) -> None:
         return DataLoader(datamodule.train_set, batch_size=datamodule.batch_size, sampler=sampler, drop_last=True)
 
     datamodule.train_dataloader = train_dataloader
-
-
-def quiet_trainer(**kwargs: Any) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 def fit_and_record(
@@ -158,7 +147,7 @@ def optimizer_numel(trainer: L.Trainer) -> int:
     """Elements of optimizer state this rank holds (ZeRO-1: its local optimizer's; ZeRO 2/3: shards)."""
     total = 0
     for optimizer in trainer.optimizers:
-        local = getattr(optimizer, "optim", optimizer)  # torch's ZeroRedundancyOptimizer keeps its share there
+        local = local_optimizer(optimizer)  # ZeRO-1: torch's ZeroRedundancyOptimizer keeps this rank's share there
         for values in local.state.values():
             total += sum(_local(v).numel() for v in values.values() if torch.is_tensor(v) and v.dim() > 0)
     return total

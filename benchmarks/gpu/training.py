@@ -97,10 +97,10 @@ def build(cfg, device: torch.device):
 
 
 def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, warmup: int) -> dict:
-    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.testing import quiet_trainer
     from lightning_ptdp.tools.flops import gpt_flops_per_iteration
     from recipes.gpt import GPTConfig
 
@@ -113,18 +113,12 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
         for block in module.gpt.blocks:
             block.compile(backend="inductor" if ctx.cuda else "eager")
     clock = _timer(warmup, ctx.cuda)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu" if ctx.cuda else "cpu",
         devices=1,
         precision="bf16-mixed",
         max_steps=steps,
         strategy=PTDPStrategy(kernels=variant.kernels) if variant.kernels else "auto",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     if ctx.cuda:

@@ -79,8 +79,7 @@ class ReplicaConsistency(pl.Callback):
         strategy = trainer.strategy
         mesh = getattr(strategy, "device_mesh", None)
         problems = []
-        zero = getattr(getattr(strategy, "parallel_config", None), "zero_stage", 0) >= 2  # FSDP-sharded
-        if not zero:
+        if not getattr(getattr(strategy, "parallel_config", None), "fsdp", False):  # ZeRO 2-3 shard the replicas
             group = mesh["dp"].get_group() if mesh is not None else None
             named = sorted(pl_module.named_parameters())
             found = self._compare([n for n, _ in named], [p for _, p in named], group, strategy.root_device)

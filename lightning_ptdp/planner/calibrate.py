@@ -120,6 +120,7 @@ def measure_layout(t: int, p: int, d: int, v: int) -> tuple[float, float]:
 
     from lightning_ptdp import PTDPStrategy
     from lightning_ptdp.planner import Cluster, estimate, layout_arguments
+    from lightning_ptdp.testing import quiet_trainer
     from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
@@ -154,16 +155,9 @@ def measure_layout(t: int, p: int, d: int, v: int) -> tuple[float, float]:
         train_tokens=(batches + 2) * args.per_rank_batch_size * d * (seq + 1),
         val_tokens=2 * (seq + 1),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         strategy=PTDPStrategy(**args.strategy),
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[StepClock()],
         **{k: v for k, v in args.trainer.items() if k != "num_nodes"},
     )
