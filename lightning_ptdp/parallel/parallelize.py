@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero
-from lightning_ptdp.data_parallel.zero1 import shard_optimizer_states
+from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.dims import ParallelDims
