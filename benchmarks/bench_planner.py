@@ -128,7 +128,13 @@ def calibration_markdown(result: dict, command: str) -> str:
             f"(all gradients, 4 ranks), hence {r['all_reduce_fp32_bytes_per_cpu_second'] / 1e9:.2f} GB/s and "
             f"{r['all_reduce_hop_cpu_s'] * 1e6:.0f} us per ring hop. CPU share of a rank: "
             f"{r['cpu_share_measured']} measured (CPU/wall while all compute), {r['cpu_share_nominal']} nominal "
-            f"({r['cores']} cores / 4 ranks); each layout's prediction runs these CPU-second figures at the share probed around its run. "
+            f"({r['cores']} cores / 4 ranks). Host costs from timed `Trainer.fit` steps of shallower models at p=1 "
+            f"(CPU s per rank per step {r['host_probes_cpu_s']}; the predicted model is deeper and the pipelines are "
+            f"not probed): {r['layer_overhead_cpu_s_timed'] * 1e3:.2f} ms per layer and microbatch, "
+            f"{r['loop_overhead_cpu_s'] * 1e3:.2f} ms per training-loop iteration, "
+            f"{r['tp_layer_overhead_cpu_s'] * 1e3:.2f} ms more per TP layer (t=2 shallow-probe residual left: "
+            f"{r['host_fit_left_at_t2_shallow_cpu_s']} s). Each layout is timed in {r['rounds']} alternated rounds, "
+            "each between two speed probes; its prediction runs these CPU-second figures at the speed probed around it. "
             f"For contrast, wall-clock `ptdp doctor --bench` figures: bus bandwidth "
             f"{r['wall_clock_doctor_bench']['busbw'] / 1e9:.3f} GB/s, 4 KB all-reduce "
             f"{r['wall_clock_doctor_bench']['all_reduce_4kb_s'] * 1e6:.0f} us (mostly waiting for a descheduled peer)."
@@ -136,9 +142,9 @@ def calibration_markdown(result: dict, command: str) -> str:
         "",
         (
             "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer "
-            "| share probed | share in run | predicted CPU s | measured CPU s |"
+            "| share probed | block CPU s probed | speed vs calibration | share in run | predicted CPU s | measured CPU s |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["layouts"]:
         parts = " | ".join(
@@ -148,17 +154,19 @@ def calibration_markdown(result: dict, command: str) -> str:
         lines.append(
             f"| {x['t']} | {x['p']} | {x['d']} | {x['v']} | {x['m']} | {x['predicted_s']} "
             f"| {x['measured_s']} | {x['error']:+.1%} | {parts} | {x['cpu_share_probed']} "
-            f"| {x['cpu_share_during_run']} | {x['predicted_cpu_s']} | {x['measured_cpu_s']} |"
+            f"| {x['block_cpu_probed_s']} | {x['speed_vs_calibration']} | {x['cpu_share_during_run']} | {x['predicted_cpu_s']} | {x['measured_cpu_s']} |"
         )
     lines += [
         "",
         (
-            "Columns compute ... optimizer: the predicted step's parts (s). Share probed: a rank's CPU / wall while "
-            "all 4 ranks run blocks for 1.5 s right before and after that layout's run (median); the prediction "
-            "scales the calibrated CPU rates to it (other users' jobs share this VM). Share in run: CPU / wall over "
-            "the timed steps (a diagnostic, not used). Predicted / measured CPU s: CPU seconds of one rank per step, "
-            "the prediction times the probed share against the measured step times the in-run share: the model's "
-            "work, free of the machine's load."
+            "Columns compute ... optimizer: the predicted step's parts (s); the bubble at twice the share, capped at "
+            "a core (while a pipeline fills and drains about half the ranks compute). Share and block CPU s probed: a "
+            "rank's CPU / wall and CPU seconds per block while all 4 ranks run blocks for 1.5 s right before and after "
+            "each timed run (median); speed vs calibration: how much faster a rank computes then than during the "
+            "calibration (share ratio times block-cost ratio), which scales every calibrated rate (other users' jobs "
+            "share this VM). Share in run: CPU / wall over the timed steps (a diagnostic, not used). Predicted / "
+            "measured CPU s: CPU seconds of one rank per step outside the bubble, predicted against measured: the "
+            "model's work, free of the machine's load. Ranking: layouts measured within 5% of each other count as tied."
         ),
         "",
         (

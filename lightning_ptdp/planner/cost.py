@@ -53,6 +53,14 @@ class Cluster:
     """Fixed seconds per transformer layer's forward + backward, per microbatch, whatever its size:
     per-op dispatch (Python, autograd, kernel launch). 0 on GPUs, where the launch queue hides it
     behind the GEMMs; ``ptdp plan --calibrate`` measures it on the CPU from two block sizes."""
+    tp_layer_overhead_s: float = 0.0
+    """Fixed seconds a tensor-parallel layer adds per microbatch (forward + backward) beyond its
+    FLOPs and collectives' transfer: launching 4 collectives and waking their threads, the shards'
+    dispatch. 0 on GPUs (hidden behind the GEMMs); measured on the CPU from timed steps."""
+    loop_overhead_s: float = 0.0
+    """Fixed seconds per training-loop iteration (Lightning's step: logging, hooks, the embedding
+    and loss outside the layers). The loop runs once per microbatch at p = 1 (gradient
+    accumulation) and once per step under a pipeline. 0 on GPUs; measured on the CPU."""
     tree_all_reduce: bool = True
     """Whether the collective library has a tree all-reduce (NCCL does; gloo's CPU all-reduce is a ring)."""
 
@@ -69,10 +77,10 @@ class Cluster:
             "network_hop_latency",
         ):
             check_positive(f"Cluster.{name}", getattr(self, name), integer=False)
-        if isinstance(self.layer_overhead_s, bool) or not (
-            isinstance(self.layer_overhead_s, (int, float)) and self.layer_overhead_s >= 0
-        ):
-            raise ValueError(f"Cluster.layer_overhead_s must be a number >= 0, got {self.layer_overhead_s!r}")
+        for name in ("layer_overhead_s", "tp_layer_overhead_s", "loop_overhead_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"Cluster.{name} must be a number >= 0, got {value!r}")
         if (
             isinstance(self.gemm_efficiency, bool)
             or not isinstance(self.gemm_efficiency, (int, float))

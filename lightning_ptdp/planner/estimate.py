@@ -1,6 +1,6 @@
 """Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
 
-    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
+    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + loop + DP + optimizer
 
 Ranks are ordered as in Megatron (t innermost, then d, then p); nothing overlaps (Megatron 2021).
 Each term (GEMMs at their shapes, memory-bound kernels by bytes, 4 or 6 TP all-reduces per layer,
@@ -107,7 +107,8 @@ def _layer_seconds(
     collectives = (6 if recompute == "full" else 4) + (1 if sp else 0)
     within = cluster.gpus_per_node % t == 0
     per_node = t if within else gcd(t, cluster.gpus_per_node)
-    return forward + backward + again, collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster)
+    communication = collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster) + cluster.tp_layer_overhead_s
+    return forward + backward + again, communication
 
 
 def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster) -> float:
@@ -186,7 +187,8 @@ def cost(
         per_node = min(d, max(1, cluster.gpus_per_node // t)) if spans else d
         dp = (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, d, per_node, cluster)
     optimizer = memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (d if zero_stage else 1), cluster)
-    step = m * (compute_mb + tp_mb + pp_mb) + embedding + bubble + dp + optimizer
+    loop = (m if p == 1 else 1) * cluster.loop_overhead_s  # at p = 1 gradient accumulation runs the loop m times
+    step = m * (compute_mb + tp_mb + pp_mb) + loop + embedding + bubble + dp + optimizer
     layer_flops, logit_flops = executed_flops(model, batch, recompute)
     return Layout(
         tensor_parallel_size=t,
@@ -202,7 +204,7 @@ def cost(
         pipeline_schedule=schedule,
         scatter_gather=scatter_gather,
         step_time_s=step,
-        compute_s=m * compute_mb,
+        compute_s=m * compute_mb + loop,
         tensor_parallel_comm_s=m * tp_mb,
         pipeline_comm_s=m * pp_mb + embedding,
         bubble_s=bubble,

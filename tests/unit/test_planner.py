@@ -712,3 +712,53 @@ def test_layer_overhead_adds_per_layer_and_microbatch_and_defaults_to_zero():
     assert b.compute_s - a.compute_s == pytest.approx(4 * 2 * 1e-3)  # 4 layers, m = 16 / 8 = 2
     with pytest.raises(ValueError, match="layer_overhead_s"):
         Cluster(num_gpus=8, layer_overhead_s=-1.0)
+
+
+def test_host_overheads_enter_per_tp_layer_and_per_loop_iteration():
+    base = Cluster(num_gpus=8)
+    assert base.tp_layer_overhead_s == 0.0 and base.loop_overhead_s == 0.0
+    size = ModelSize(num_layers=4, hidden_size=512, num_heads=8, seq_length=256, vocab_size=1024)
+    slow = replace(base, tp_layer_overhead_s=1e-3, loop_overhead_s=2e-3)
+
+    def both(**layout):
+        kwargs = {"activation_checkpointing": None, **layout}
+        return estimate(size, base, 64, **kwargs), estimate(size, slow, 64, **kwargs)
+
+    a, b = both(tensor_parallel_size=2, pipeline_parallel_size=1)  # d = 4, m = 16: the loop runs 16 times
+    assert b.tensor_parallel_comm_s - a.tensor_parallel_comm_s == pytest.approx(16 * 4 * 1e-3)
+    assert b.compute_s - a.compute_s == pytest.approx(16 * 2e-3)
+    a, b = both(tensor_parallel_size=1, pipeline_parallel_size=2)  # under a pipeline: once per step, no TP
+    assert b.compute_s - a.compute_s == pytest.approx(2e-3)
+    assert b.tensor_parallel_comm_s == a.tensor_parallel_comm_s == 0.0
+    for name in ("tp_layer_overhead_s", "loop_overhead_s"):
+        with pytest.raises(ValueError, match=name):
+            Cluster(num_gpus=8, **{name: -1.0})
+
+
+def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
+    """Timed-step CPU seconds built from known overheads on top of a fitted cluster: the residual
+    split finds each of them again (exact arithmetic, so a tight tolerance)."""
+    from lightning_ptdp.planner.calibrate import GLOBAL_BATCH, HOST_DEPTHS, HOST_PROBES, _cpu_step, fit_host_overheads
+    from lightning_ptdp.planner.calibrate import fit_cluster
+
+    machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
+    cluster, _ = fit_cluster([machine] * 4)
+    truth = replace(cluster, peak_flops=30e9, hbm_bandwidth=5e9, intra_node_bandwidth=0.5e9, nvlink_hop_latency=50e-6)
+    truth = replace(truth, layer_overhead_s=11e-3, loop_overhead_s=20e-3, tp_layer_overhead_s=3e-3)
+    probes = {(t, p, d, v, n): _cpu_step(truth, t, p, v, n) for t, p, d, v in HOST_PROBES for n in HOST_DEPTHS}
+    fitted, figures = fit_host_overheads(cluster, 0.5, probes)
+    assert figures["layer_overhead_cpu_s_timed"] == pytest.approx(11e-3, rel=1e-6)
+    assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
+    assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert figures["host_fit_left_at_t2_shallow_cpu_s"] == pytest.approx(0.0, abs=1e-9)
+    assert fitted.loop_overhead_s == pytest.approx(40e-3, rel=1e-6)  # at half a core: twice the wall time
+    assert GLOBAL_BATCH % HOST_PROBES[1][2] == 0
+
+
+def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
+    from lightning_ptdp.planner.calibrate import same_ranking
+
+    rows = [{"measured_s": 1.0, "predicted_s": 1.3}, {"measured_s": 1.03, "predicted_s": 1.2}]
+    assert same_ranking(rows)  # 3% apart: their order is the machine's noise
+    rows.append({"measured_s": 2.0, "predicted_s": 1.25})
+    assert not same_ranking(rows)  # twice as slow measured, predicted faster than the first
