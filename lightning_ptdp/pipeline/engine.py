@@ -85,7 +85,8 @@ class StepTimeline:
     comm: list[Span] = field(default_factory=list)
     """Data-parallel gradient buckets (kind "D"), from start to arrival: beside compute, not in ``busy``."""
     exposed_comm: float = 0.0
-    """Seconds this rank waited for those buckets after the schedule: the communication not hidden."""
+    """Seconds this rank waited for those buckets after the schedule: the communication not hidden,
+    plus any wait for a dp replica that was still computing (compare the replicas' timelines)."""
 
     @property
     def busy(self) -> float:

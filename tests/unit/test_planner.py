@@ -738,8 +738,14 @@ def test_host_overheads_enter_per_tp_layer_and_per_loop_iteration():
 def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
     """Timed-step CPU seconds built from known overheads on top of a fitted cluster: the residual
     split finds each of them again (exact arithmetic, so a tight tolerance)."""
-    from lightning_ptdp.planner.calibrate import GLOBAL_BATCH, HOST_DEPTHS, HOST_PROBES, _cpu_step, fit_host_overheads
-    from lightning_ptdp.planner.calibrate import fit_cluster
+    from lightning_ptdp.planner.calibrate import (
+        GLOBAL_BATCH,
+        HOST_DEPTHS,
+        HOST_PROBES,
+        _cpu_step,
+        fit_cluster,
+        fit_host_overheads,
+    )
 
     machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
     cluster, _ = fit_cluster([machine] * 4)
