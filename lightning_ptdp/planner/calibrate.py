@@ -126,22 +126,14 @@ def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_
     import torch
 
     from lightning_ptdp import PTDPStrategy
-    from lightning_ptdp.planner import Cluster, estimate, layout_arguments
+    from lightning_ptdp.planner import Cluster, layout_arguments
     from lightning_ptdp.testing import quiet_trainer
     from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
     cluster = Cluster(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_bytes=1e12)
     model = {**MODEL, "num_layers": num_layers}
-    layout = estimate(
-        replace(_size(), num_layers=num_layers),
-        cluster,
-        GLOBAL_BATCH,
-        tensor_parallel_size=t,
-        pipeline_parallel_size=p,
-        virtual_pipeline_size=v,
-        activation_checkpointing=None,
-    )
+    layout = _estimate(cluster, t, p, v, num_layers)
     args = layout_arguments(layout, cluster)
     stamps: list[float] = []
     cpu: list[float] = []
@@ -242,8 +234,8 @@ def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
     return cluster, figures
 
 
-def _cpu_step(cluster, t: int, p: int, v: int, num_layers: int) -> float:
-    """The model's step at this layout on ``cluster`` (at a whole core: CPU seconds of one rank)."""
+def _estimate(cluster, t: int, p: int, v: int, num_layers: int = MODEL["num_layers"]):
+    """The planner's ``Layout`` of the small GPT, ``num_layers`` deep, at this layout on ``cluster``."""
     from lightning_ptdp.planner import estimate
 
     return estimate(
@@ -254,7 +246,12 @@ def _cpu_step(cluster, t: int, p: int, v: int, num_layers: int) -> float:
         pipeline_parallel_size=p,
         virtual_pipeline_size=v,
         activation_checkpointing=None,
-    ).step_time_s
+    )
+
+
+def _cpu_step(cluster, t: int, p: int, v: int, num_layers: int) -> float:
+    """The model's step at this layout on ``cluster`` (at a whole core: CPU seconds of one rank)."""
+    return _estimate(cluster, t, p, v, num_layers).step_time_s
 
 
 def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dict]:
@@ -362,7 +359,6 @@ def _timed(pool, fn, *args) -> tuple[list, float, float]:
 
 def calibrate() -> dict:
     """Measure this machine, then predict and measure the five layouts; one dict of the figures."""
-    from lightning_ptdp.planner import estimate
     from lightning_ptdp.testing import DistributedPool
 
     pool = DistributedPool(WORLD)
@@ -387,7 +383,6 @@ def calibrate() -> dict:
     }
     cluster, host_figures = fit_host_overheads(cluster, figures["cpu_share_measured"], host)
     figures.update(host_figures)
-    size = _size()
     rows = []
     for (t, p, d, v), rounds in runs.items():
         out = [rank for ranks, _, _ in rounds for rank in ranks]
@@ -395,15 +390,7 @@ def calibrate() -> dict:
         block = statistics.median(x for _, _, x in rounds)
         speed = share / figures["cpu_share_measured"] * reference / block  # this VM now over at calibration
         seconds = statistics.median(statistics.median(step for step, _, _ in ranks) for ranks, _, _ in rounds)
-        x = estimate(
-            size,
-            at_speed(cluster, speed),
-            GLOBAL_BATCH,
-            tensor_parallel_size=t,
-            pipeline_parallel_size=p,
-            virtual_pipeline_size=v,
-            activation_checkpointing=None,
-        )
+        x = _estimate(at_speed(cluster, speed), t, p, v)
         # On an oversubscribed CPU a pipeline's bubble is time when about half the ranks compute (the
         # stages filling or draining), and they get up to twice the share: a whole core here.
         bubble = x.bubble_s * (share / min(1.0, 2 * share) - 1)
