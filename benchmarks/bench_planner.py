@@ -141,10 +141,10 @@ def calibration_markdown(result: dict, command: str) -> str:
         ),
         "",
         (
-            "| t | p | d | v | m | predicted s | measured s | error | compute | TP | P2P | bubble | DP | optimizer "
+            "| t | p | d | v | m | predicted s | measured s | rounds s | error | compute | TP | P2P | bubble | DP | optimizer "
             "| share probed | block CPU s probed | speed vs calibration | share in run | predicted CPU s | measured CPU s |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["layouts"]:
         parts = " | ".join(
@@ -153,7 +153,7 @@ def calibration_markdown(result: dict, command: str) -> str:
         )
         lines.append(
             f"| {x['t']} | {x['p']} | {x['d']} | {x['v']} | {x['m']} | {x['predicted_s']} "
-            f"| {x['measured_s']} | {x['error']:+.1%} | {parts} | {x['cpu_share_probed']} "
+            f"| {x['measured_s']} | {', '.join(map(str, x['measured_rounds_s']))} | {x['error']:+.1%} | {parts} | {x['cpu_share_probed']} "
             f"| {x['block_cpu_probed_s']} | {x['speed_vs_calibration']} | {x['cpu_share_during_run']} | {x['predicted_cpu_s']} | {x['measured_cpu_s']} |"
         )
     lines += [
@@ -166,12 +166,14 @@ def calibration_markdown(result: dict, command: str) -> str:
             "calibration (share ratio times block-cost ratio), which scales every calibrated rate (other users' jobs "
             "share this VM). Share in run: CPU / wall over the timed steps (a diagnostic, not used). Predicted / "
             "measured CPU s: CPU seconds of one rank per step outside the bubble, predicted against measured: the "
-            "model's work, free of the machine's load. Ranking: layouts measured within 5% of each other count as tied."
+            "model's work, free of the machine's load. Ranking: two layouts measured within 5% of each other, or "
+            "within either one's spread over its rounds, count as tied."
         ),
         "",
         (
             f"- Largest error {r['max_abs_error']:.1%} (target 25%): {'met' if r['max_abs_error'] <= 0.25 else 'missed'}; "
-            f"same ranking as measured: {r['same_ranking']}. {r.get('verdict', '')}"
+            f"same ranking as measured: {r['same_ranking']} (the same order even without ties: "
+            f"{r['same_order_without_ties']}). {r.get('verdict', '')}"
         ),
     ]
     return "\n".join(lines)

@@ -768,3 +768,8 @@ def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
     assert same_ranking(rows)  # 3% apart: their order is the machine's noise
     rows.append({"measured_s": 2.0, "predicted_s": 1.25})
     assert not same_ranking(rows)  # twice as slow measured, predicted faster than the first
+    # 10% apart, but one layout's own rounds spread 15%: the measurement does not order them
+    noisy = [{"measured_s": 1.0, "predicted_s": 1.2, "round_spread": 0.15}, {"measured_s": 1.1, "predicted_s": 1.1}]
+    assert same_ranking(noisy)
+    noisy[0]["round_spread"] = 0.02
+    assert not same_ranking(noisy)
