@@ -51,7 +51,6 @@ class CommRecorder(L.Callback):
                 "compute_end": max(s.end for s in timeline.spans),
                 "comm_done": max((s.end for s in timeline.comm), default=timeline.end),
                 "buckets": len(timeline.comm),
-                "comm_s": sum(s.end - s.start for s in timeline.comm),
                 "loss": float(loss),
             }
         )
@@ -92,7 +91,6 @@ def measure(overlap: bool, steps: int, warmup: int, model: dict) -> dict:
         "ends": [(s["compute_end"], s["comm_done"]) for s in timed],
         "step_s": statistics.median(s["step_s"] for s in timed),
         "exposed_s": statistics.median(s["exposed_s"] for s in timed),
-        "comm_s": statistics.median(s["comm_s"] for s in timed),
         "buckets": timed[-1]["buckets"],
         "losses": [s["loss"] for s in recorder.steps],
     }
@@ -129,7 +127,6 @@ def run(*, rounds: int = 3, steps: int = 8, warmup: int = 2, model: dict | None 
                         "replica_skew_s": skew,
                         "step_s": max(r["step_s"] for r in per_rank),  # the step ends when the slowest rank's does
                         "exposed_s": statistics.mean(r["exposed_s"] for r in per_rank),
-                        "comm_s": statistics.mean(r["comm_s"] for r in per_rank),
                         "buckets": per_rank[0]["buckets"],
                         "losses": per_rank[-1]["losses"],  # the last stage's (every rank logs the same)
                     }

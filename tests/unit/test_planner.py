@@ -742,7 +742,7 @@ def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
         GLOBAL_BATCH,
         HOST_DEPTHS,
         HOST_PROBES,
-        _cpu_step,
+        _estimate,
         fit_cluster,
         fit_host_overheads,
     )
@@ -751,7 +751,9 @@ def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
     cluster, _ = fit_cluster([machine] * 4)
     truth = replace(cluster, peak_flops=30e9, hbm_bandwidth=5e9, intra_node_bandwidth=0.5e9, nvlink_hop_latency=50e-6)
     truth = replace(truth, layer_overhead_s=11e-3, loop_overhead_s=20e-3, tp_layer_overhead_s=3e-3)
-    probes = {(t, p, d, v, n): _cpu_step(truth, t, p, v, n) for t, p, d, v in HOST_PROBES for n in HOST_DEPTHS}
+    probes = {
+        (t, p, d, v, n): _estimate(truth, t, p, v, n).step_time_s for t, p, d, v in HOST_PROBES for n in HOST_DEPTHS
+    }
     fitted, figures = fit_host_overheads(cluster, 0.5, probes)
     assert figures["layer_overhead_cpu_s_timed"] == pytest.approx(11e-3, rel=1e-6)
     assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
