@@ -1,12 +1,10 @@
 """``ptdp plan --calibrate``: the cost model on this machine's CPU, predicted beside measured.
 
-On 4 local gloo processes it measures CPU seconds (not wall: with more ranks than cores a waiting
-rank's core runs another) of one block's forward + backward at two sizes (FLOP rate and per-layer
-overhead), an AdamW step, gloo all-reduces at the layouts' sizes, and the core share a rank gets;
-then timed ``Trainer.fit`` steps of 1- and 4-layer models at p = 1 for the host costs (per layer,
-per loop iteration, per TP layer). It then predicts and measures the step time of the 8-layer
-model at (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1) and (1,4,1) v=2, each round at the speed
-probed around it; nothing is fitted to those times. Torch is imported here only.
+On 4 gloo processes it measures CPU seconds (a waiting rank's core runs another) of a block at two
+sizes, an AdamW step, gloo all-reduces and the core share; timed ``Trainer.fit`` steps of 1- and
+4-layer models at p = 1 give the host costs. It then predicts and measures the 8-layer model at
+(t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) v=2, each round at the speed probed around
+it; nothing is fitted to those times (docs/architecture.md, "The planner"). Torch is imported here only.
 """
 
 from __future__ import annotations
