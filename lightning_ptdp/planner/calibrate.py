@@ -119,6 +119,24 @@ def probe_speed(seconds: float = 1.5) -> tuple[float, float]:
     return used / (time.perf_counter() - wall), used / calls
 
 
+def step_clock():
+    """A Lightning callback that stamps wall and CPU time (``.stamps``, ``.cpu``) once per optimizer
+    step: at p = 1 Lightning's batch is one microbatch of a gradient-accumulated step."""
+    import lightning as L
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+            self.cpu: list[float] = []
+
+        def on_train_batch_end(self, trainer, *_: object) -> None:
+            if trainer.global_step > len(self.stamps):
+                self.stamps.append(time.perf_counter())
+                self.cpu.append(time.process_time())
+
+    return StepClock()
+
+
 def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_layers"]) -> tuple[float, float, float]:
     """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
     rank's CPU seconds / wall seconds over the timed steps, its CPU seconds per timed step)."""
@@ -135,15 +153,7 @@ def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_
     model = {**MODEL, "num_layers": num_layers}
     layout = _estimate(cluster, t, p, v, num_layers)
     args = layout_arguments(layout, cluster)
-    stamps: list[float] = []
-    cpu: list[float] = []
-
-    class StepClock(L.Callback):
-        def on_train_batch_end(self, trainer, *_: object) -> None:
-            if len(stamps) < trainer.global_step + 1:
-                stamps.append(time.perf_counter())
-                cpu.append(time.process_time())
-
+    clock = step_clock()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     seq, steps = MODEL["seq_length"], WARMUP + TIMED
@@ -158,10 +168,12 @@ def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_
     trainer = quiet_trainer(
         strategy=PTDPStrategy(**args.strategy),
         max_steps=steps,
-        callbacks=[StepClock()],
+        callbacks=[clock],
         **{k: v for k, v in args.trainer.items() if k != "num_nodes"},
     )
     trainer.fit(GPTLightningModule(GPTConfig(**model)), data)
+    stamps, cpu = clock.stamps, clock.cpu
+    assert len(stamps) == WARMUP + TIMED, f"{len(stamps)} optimizer steps stamped, expected {WARMUP + TIMED}"
     step = statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
     used = cpu[-1] - cpu[WARMUP - 1]
     return step, used / (stamps[-1] - stamps[WARMUP - 1]), used / TIMED

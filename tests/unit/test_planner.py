@@ -775,3 +775,21 @@ def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
     assert same_ranking(noisy)
     noisy[0]["round_spread"] = 0.02
     assert not same_ranking(noisy)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_step_clock_stamps_once_per_optimizer_step_under_gradient_accumulation(accumulate):
+    # At p = 1 a Lightning batch is one microbatch; a stamp per batch, or one extra before the first
+    # step ends, would time the wrong window (it once counted 5 steps' CPU as 4).
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ptdp.planner.calibrate import step_clock
+    from lightning_ptdp.testing import quiet_trainer
+
+    clock = step_clock()
+    trainer = quiet_trainer(max_steps=4, accumulate_grad_batches=accumulate, callbacks=[clock], limit_val_batches=0)
+    L.seed_everything(0, verbose=False)
+    trainer.fit(BoringModel())
+    assert len(clock.stamps) == len(clock.cpu) == 4
+    assert clock.stamps == sorted(clock.stamps)
