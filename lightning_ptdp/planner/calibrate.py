@@ -18,7 +18,7 @@ from dataclasses import replace
 MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
 LAYOUTS = ((1, 1, 4, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 1), (1, 4, 1, 2))  # (t, p, d, v)
 HOST_PROBES = ((1, 1, 4, 1), (2, 1, 2, 1))  # (t, p, d, v) of the timed steps that measure host overheads
-HOST_DEPTHS = (1, 4)  # their models' layer counts: shallower than MODEL, so no predicted run is measured twice
+HOST_DEPTHS = (1, 6)  # their models' layer counts: shallower than MODEL, so no predicted run is measured twice
 RANK_TIE = 0.05  # layouts measured this close (or within their own rounds' spread) have no order here
 ROUNDS = 3  # each layout timed 3 times, every other round in reverse order; medians over the rounds
 GLOBAL_BATCH = 16
@@ -270,6 +270,8 @@ def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dic
     at t = 1 its growth per layer is added to ``layer_overhead_s`` and what is left at the shallow
     depth is ``loop_overhead_s`` per loop iteration; at t = 2 its growth per layer is
     ``tp_layer_overhead_s``. Nothing here sees the predicted layouts' depth or their pipelines."""
+    from lightning_ptdp.planner.estimate import executed_flops
+
     whole = at_speed(cluster, 1.0 / share)  # rates of a whole core: the estimates are CPU seconds
     low, high = HOST_DEPTHS
     (t1, p1, d1, v1), (t2, p2, d2, v2) = HOST_PROBES
@@ -281,13 +283,18 @@ def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dic
     one = lambda c, layers: residual(c, t1, p1, d1, v1, layers)
     two = lambda c, layers: residual(c, t2, p2, d2, v2, layers)
     per_layer = (one(whole, high) - one(whole, low)) / (high - low) / m1
-    whole = replace(whole, layer_overhead_s=max(0.0, whole.layer_overhead_s + per_layer))
+    overhead = whole.layer_overhead_s + per_layer
+    if overhead < 0:  # a timed layer costs less than the block's FLOPs at the block-fitted rate: a faster rate
+        flops_s = executed_flops(replace(_size(), num_layers=1), 1, None)[0] / whole.peak_flops
+        whole = replace(whole, peak_flops=whole.peak_flops * flops_s / (flops_s + overhead))
+    whole = replace(whole, layer_overhead_s=max(0.0, overhead))
     whole = replace(whole, loop_overhead_s=max(0.0, one(whole, low) / m1))
     tp_per_layer = (two(whole, high) - two(whole, low)) / (high - low) / m2
     whole = replace(whole, tp_layer_overhead_s=max(0.0, tp_per_layer))
     figures = {
         "host_probes_cpu_s": {f"t{t} p{p} d{d} v{v} L{n}": round(x, 4) for (t, p, d, v, n), x in probes.items()},
         "layer_overhead_cpu_s_timed": round(whole.layer_overhead_s, 6),
+        "flops_per_cpu_second_timed": round(whole.peak_flops),
         "loop_overhead_cpu_s": round(whole.loop_overhead_s, 6),
         "tp_layer_overhead_cpu_s": round(whole.tp_layer_overhead_s, 6),
         "host_fit_left_at_t2_shallow_cpu_s": round(two(whole, low), 4),
@@ -381,31 +388,41 @@ def calibrate() -> dict:
     pool = DistributedPool(WORLD)
     try:
         machine = pool.run(measure_machine)
-        # every timed run sits between two speed probes: this VM's speed drifts with other users' jobs
-        probes = {
-            (*layout, layers): _timed(pool, measure_layout, *layout, layers)
-            for layout in HOST_PROBES
-            for layers in HOST_DEPTHS
-        }
-        runs: dict[tuple, list] = {layout: [] for layout in LAYOUTS}
+        # the host probes' and the layouts' runs, in alternated rounds; every timed run sits between two
+        # speed probes: this VM's speed drifts with other users' jobs
+        host_keys = [(*layout, layers) for layout in HOST_PROBES for layers in HOST_DEPTHS]
+        keys = host_keys + [(*layout, MODEL["num_layers"]) for layout in LAYOUTS]
+        timed: dict[tuple, list] = {key: [] for key in keys}
         for index in range(ROUNDS):
-            for layout in LAYOUTS if index % 2 == 0 else LAYOUTS[::-1]:
-                runs[layout].append(_timed(pool, measure_layout, *layout))
+            for key in keys if index % 2 == 0 else keys[::-1]:
+                timed[key].append(_timed(pool, measure_layout, *key))
     finally:
         pool.close()
     cluster, figures = fit_cluster(machine)
     reference = statistics.median(m["block_b1_cpu_s"] for m in machine)
-    host = {  # each probe's CPU seconds per step, at the calibration's speed
-        key: statistics.median(cpu for _, _, cpu in out) * reference / block for key, (out, _, block) in probes.items()
+    host = {  # each probe's CPU seconds per step at the calibration's speed, median over its rounds
+        key: statistics.median(
+            statistics.median(cpu for _, _, cpu in out) * reference / block for out, _, block in timed[key]
+        )
+        for key in host_keys
     }
+    runs = {key[:4]: timed[key] for key in keys[len(host_keys) :]}
     cluster, host_figures = fit_host_overheads(cluster, figures["cpu_share_measured"], host)
     figures.update(host_figures)
+    # A TP rank sleeps at each collective until its partner has run: it gets less of a core than a
+    # t = 1 rank does. The shallow probes' CPU / wall over their timed steps measures how much less.
+    in_run = {
+        n: statistics.median(s for k in host_keys if k[0] == n for o, _, _ in timed[k] for _, s, _ in o) for n in (1, 2)
+    }
+    figures["host_probes_share_in_run"] = {f"t{n}": round(x, 3) for n, x in in_run.items()}
+    figures["tp_share_factor"] = round(in_run[2] / in_run[1], 3)
     rows = []
     for (t, p, d, v), rounds in runs.items():
         out = [rank for ranks, _, _ in rounds for rank in ranks]
         per_round, guesses = [], []
         for ranks, share, block in rounds:  # each timed run predicted at the speed probed around it
             speed = share / figures["cpu_share_measured"] * reference / block  # this VM then over at calibration
+            speed *= in_run[2] / in_run[1] if t > 1 else 1.0
             x = _estimate(at_speed(cluster, speed), t, p, v)
             # On an oversubscribed CPU a pipeline's bubble is time when about half the ranks compute (the
             # stages filling or draining), and they get up to twice the share: a whole core here.

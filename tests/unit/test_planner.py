@@ -762,6 +762,16 @@ def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
     assert fitted.loop_overhead_s == pytest.approx(40e-3, rel=1e-6)  # at half a core: twice the wall time
     assert GLOBAL_BATCH % HOST_PROBES[1][2] == 0
 
+    # A timed layer cheaper than the block benchmark's FLOPs at its rate (no overhead left to take
+    # from): the rate rises to match instead of the difference being clipped away.
+    faster = replace(truth, peak_flops=40e9, layer_overhead_s=0.0)
+    probes = {key: _estimate(faster, *key[:2], key[3], key[4]).step_time_s for key in probes}
+    fitted, figures = fit_host_overheads(cluster, 0.5, probes)
+    assert figures["flops_per_cpu_second_timed"] == pytest.approx(40e9, rel=1e-6)
+    assert figures["layer_overhead_cpu_s_timed"] == 0.0
+    assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
+    assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
+
 
 def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
     from lightning_ptdp.planner.calibrate import same_ranking
