@@ -2,181 +2,34 @@
 
 On 4 gloo processes it measures CPU seconds (a waiting rank's core runs another) of a block at two
 sizes, an AdamW step, gloo all-reduces and the core share; timed ``Trainer.fit`` steps of 1- and
-4-layer models at p = 1 give the host costs. It then predicts and measures the 8-layer model at
+6-layer models at p = 1 give the host costs. It then predicts and measures the 8-layer model at
 (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) v=2, each round at the speed probed around
-it; nothing is fitted to those times (docs/architecture.md, "The planner"). Torch is imported here only.
+it; nothing is fitted to those times (docs/architecture.md, "The planner"). ``measure.py`` times.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
-import time
 from dataclasses import replace
 
-MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 8, "num_heads": 4, "hidden_size": 256}
+from lightning_ptdp.planner.measure import (
+    GLOBAL_BATCH,
+    MODEL,
+    WORLD,
+    between_probes,
+    measure_layout,
+    measure_machine,
+    small_estimate,
+    small_size,
+)
+
 LAYOUTS = ((1, 1, 4, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 1), (1, 4, 1, 2))  # (t, p, d, v)
 HOST_PROBES = ((1, 1, 4, 1), (2, 1, 2, 1))  # (t, p, d, v) of the timed steps that measure host overheads
 HOST_DEPTHS = (1, 6)  # their models' layer counts: shallower than MODEL, so no predicted run is measured twice
+PIPELINE_PROBE = (1, 2, 2, 1, 2)  # (t, p, d, v, layers): a one-layer-per-stage pipeline, for the engine's costs
 RANK_TIE = 0.05  # layouts measured this close (or within their own rounds' spread) have no order here
 ROUNDS = 3  # each layout timed 3 times, every other round in reverse order; medians over the rounds
-GLOBAL_BATCH = 16
-WORLD = 4
-WARMUP, TIMED = 2, 4
-
-
-def _size():
-    from lightning_ptdp.planner.models import ModelSize
-
-    return ModelSize(
-        num_layers=MODEL["num_layers"],
-        hidden_size=MODEL["hidden_size"],
-        num_heads=MODEL["num_heads"],
-        vocab_size=MODEL["vocab_size"],
-        seq_length=MODEL["seq_length"],
-    )
-
-
-def _cpu_seconds(fn, repeats: int, warmup: int = 2) -> tuple[float, float]:
-    """(median CPU seconds of this process per call, CPU seconds / wall seconds over the timed calls).
-
-    CPU time (``time.process_time``: every thread of the process, gloo's included) is the work a call
-    costs; a rank waiting on a descheduled peer sleeps and costs nothing, its core runs another rank."""
-    for _ in range(warmup):
-        fn()
-    cpu, wall_start, cpu_start = [], time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        c = time.process_time()
-        fn()
-        cpu.append(time.process_time() - c)
-    share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
-    return statistics.median(cpu), share
-
-
-def measure_machine(repeats: int = 12) -> dict:
-    """On every rank at once, as in training: CPU seconds of one block's forward + backward at b=1
-    and b=2, of an AdamW step over the whole model, and of gloo all-reduces at the sizes and group
-    sizes the layouts use; and the CPU share a rank gets while all ranks compute."""
-    import torch
-    import torch.distributed as dist
-
-    from lightning_ptdp.tools.interconnect import benchmark_collectives
-    from recipes.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-    model = GPT(GPTConfig(**MODEL))
-    block = model.blocks[0]
-    for b in (1, 2):
-        x = torch.randn(b, MODEL["seq_length"], MODEL["hidden_size"], requires_grad=True)
-        dist.barrier()
-        out[f"block_b{b}_cpu_s"], out[f"share_b{b}"] = _cpu_seconds(lambda x=x: block(x).sum().backward(), repeats)
-    params = list(model.parameters())
-    for q in params:
-        q.grad = torch.randn_like(q)
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    dist.barrier()
-    out["adam_cpu_s"], _ = _cpu_seconds(optimizer.step, repeats)
-    out["adam_parameters"] = sum(q.numel() for q in params)
-    # gloo all-reduces: the TP activation (fp32 s*h) in pairs of consecutive ranks, both pairs at
-    # once; the DP gradients (fp32, all parameters) over all ranks.
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    pair = pairs[rank // 2]
-    tp = torch.randn(MODEL["seq_length"] * MODEL["hidden_size"])
-    dp = torch.randn(out["adam_parameters"])
-    dist.barrier()
-    out["tp_all_reduce_cpu_s"], _ = _cpu_seconds(lambda: dist.all_reduce(tp, group=pair), 5 * repeats)
-    dist.barrier()
-    out["dp_all_reduce_cpu_s"], _ = _cpu_seconds(lambda: dist.all_reduce(dp), repeats)
-    dist.barrier()
-    rows = benchmark_collectives([4096, tp.numel() * 4], torch.device("cpu"), iters=20)  # ptdp doctor --bench
-    ar = {row.size_bytes: row for row in rows if row.op == "all_reduce"}
-    out["wall_busbw"], out["wall_4kb_s"] = ar[max(ar)].busbw_gbps * 1e9, ar[min(ar)].time_us * 1e-6
-    out["tp_bytes"], out["dp_bytes"] = tp.numel() * 4, dp.numel() * 4
-    return out
-
-
-def probe_speed(seconds: float = 1.5) -> tuple[float, float]:
-    """(CPU / wall of this rank, its CPU seconds per block forward + backward at b=1) while every
-    rank runs blocks for ``seconds``: how fast this shared VM is now (other users' load, cache and
-    frequency included), measured beside each timed run and compared with ``measure_machine``'s."""
-    import torch
-    import torch.distributed as dist
-
-    from recipes.gpt import GPT, GPTConfig
-
-    block = GPT(GPTConfig(**{**MODEL, "num_layers": 1})).blocks[0]
-    x = torch.randn(1, MODEL["seq_length"], MODEL["hidden_size"], requires_grad=True)
-    block(x).sum().backward()
-    dist.barrier()
-    calls, wall, cpu = 0, time.perf_counter(), time.process_time()
-    while time.perf_counter() - wall < seconds:
-        block(x).sum().backward()
-        calls += 1
-    used = time.process_time() - cpu
-    return used / (time.perf_counter() - wall), used / calls
-
-
-def step_clock():
-    """A Lightning callback that stamps wall and CPU time (``.stamps``, ``.cpu``) once per optimizer
-    step: at p = 1 Lightning's batch is one microbatch of a gradient-accumulated step."""
-    import lightning as L
-
-    class StepClock(L.Callback):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-            self.cpu: list[float] = []
-
-        def on_train_batch_end(self, trainer, *_: object) -> None:
-            if trainer.global_step > len(self.stamps):
-                self.stamps.append(time.perf_counter())
-                self.cpu.append(time.process_time())
-
-    return StepClock()
-
-
-def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_layers"]) -> tuple[float, float, float]:
-    """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
-    rank's CPU seconds / wall seconds over the timed steps, its CPU seconds per timed step)."""
-    import lightning as L
-    import torch
-
-    from lightning_ptdp import PTDPStrategy
-    from lightning_ptdp.planner import Cluster, layout_arguments
-    from lightning_ptdp.testing import quiet_trainer
-    from recipes.data import MarkovDataModule
-    from recipes.gpt import GPTConfig, GPTLightningModule
-
-    cluster = Cluster(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_bytes=1e12)
-    model = {**MODEL, "num_layers": num_layers}
-    layout = _estimate(cluster, t, p, v, num_layers)
-    args = layout_arguments(layout, cluster)
-    clock = step_clock()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    seq, steps = MODEL["seq_length"], WARMUP + TIMED
-    batches = steps * max(1, layout.num_microbatches if p == 1 else 1)
-    data = MarkovDataModule(
-        vocab_size=MODEL["vocab_size"],
-        seq_length=seq,
-        batch_size=args.per_rank_batch_size,
-        train_tokens=(batches + 2) * args.per_rank_batch_size * d * (seq + 1),
-        val_tokens=2 * (seq + 1),
-    )
-    trainer = quiet_trainer(
-        strategy=PTDPStrategy(**args.strategy),
-        max_steps=steps,
-        callbacks=[clock],
-        **{k: v for k, v in args.trainer.items() if k != "num_nodes"},
-    )
-    trainer.fit(GPTLightningModule(GPTConfig(**model)), data)
-    stamps, cpu = clock.stamps, clock.cpu
-    assert len(stamps) == WARMUP + TIMED, f"{len(stamps)} optimizer steps stamped, expected {WARMUP + TIMED}"
-    step = statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
-    used = cpu[-1] - cpu[WARMUP - 1]
-    return step, used / (stamps[-1] - stamps[WARMUP - 1]), used / TIMED
 
 
 def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
@@ -199,7 +52,7 @@ def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
     med = {k: statistics.median(m[k] for m in machine) for k in machine[0]}
     share = statistics.median(m[k] for m in machine for k in ("share_b1", "share_b2"))
     nominal = min(1.0, med["cores"] / WORLD)
-    size = _size()
+    size = small_size()
     one = replace(size, num_layers=1)
     memory_rate = OPTIMIZER_BYTES_PER_PARAMETER * med["adam_parameters"] / med["adam_cpu_s"]
     work = {}
@@ -247,21 +100,6 @@ def fit_cluster(machine: list[dict]) -> tuple[object, dict]:
     return cluster, figures
 
 
-def _estimate(cluster, t: int, p: int, v: int, num_layers: int = MODEL["num_layers"]):
-    """The planner's ``Layout`` of the small GPT, ``num_layers`` deep, at this layout on ``cluster``."""
-    from lightning_ptdp.planner import estimate
-
-    return estimate(
-        replace(_size(), num_layers=num_layers),
-        cluster,
-        GLOBAL_BATCH,
-        tensor_parallel_size=t,
-        pipeline_parallel_size=p,
-        virtual_pipeline_size=v,
-        activation_checkpointing=None,
-    )
-
-
 def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dict]:
     """The host costs the micro-benchmarks miss, from timed ``Trainer.fit`` steps of shallow models.
 
@@ -269,7 +107,10 @@ def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dic
     seconds per step. Each probe's residual (measured minus the model) is split, in this order:
     at t = 1 its growth per layer is added to ``layer_overhead_s`` and what is left at the shallow
     depth is ``loop_overhead_s`` per loop iteration; at t = 2 its growth per layer is
-    ``tp_layer_overhead_s``. Nothing here sees the predicted layouts' depth or their pipelines."""
+    ``tp_layer_overhead_s`` and what is left at the shallow depth ``tp_microbatch_overhead_s`` per
+    microbatch; the pipeline probe's residual (outside its bubble, where no rank works) is
+    ``pipeline_chunk_overhead_s`` per chunk and microbatch. Five probes, five terms. Nothing here sees
+    the predicted layouts' depth."""
     from lightning_ptdp.planner.estimate import executed_flops
 
     whole = at_speed(cluster, 1.0 / share)  # rates of a whole core: the estimates are CPU seconds
@@ -278,25 +119,32 @@ def fit_host_overheads(cluster, share: float, probes: dict) -> tuple[object, dic
     m1, m2 = GLOBAL_BATCH // d1, GLOBAL_BATCH // d2
 
     def residual(c, t: int, p: int, d: int, v: int, layers: int) -> float:
-        return probes[(t, p, d, v, layers)] - _estimate(c, t, p, v, layers).step_time_s
+        return probes[(t, p, d, v, layers)] - small_estimate(c, t, p, v, layers).step_time_s
 
     one = lambda c, layers: residual(c, t1, p1, d1, v1, layers)
     two = lambda c, layers: residual(c, t2, p2, d2, v2, layers)
     per_layer = (one(whole, high) - one(whole, low)) / (high - low) / m1
     overhead = whole.layer_overhead_s + per_layer
     if overhead < 0:  # a timed layer costs less than the block's FLOPs at the block-fitted rate: a faster rate
-        flops_s = executed_flops(replace(_size(), num_layers=1), 1, None)[0] / whole.peak_flops
+        flops_s = executed_flops(replace(small_size(), num_layers=1), 1, None)[0] / whole.peak_flops
         whole = replace(whole, peak_flops=whole.peak_flops * flops_s / (flops_s + overhead))
     whole = replace(whole, layer_overhead_s=max(0.0, overhead))
     whole = replace(whole, loop_overhead_s=max(0.0, one(whole, low) / m1))
     tp_per_layer = (two(whole, high) - two(whole, low)) / (high - low) / m2
     whole = replace(whole, tp_layer_overhead_s=max(0.0, tp_per_layer))
+    whole = replace(whole, tp_microbatch_overhead_s=max(0.0, two(whole, low) / m2))
+    t, p, d, v, layers = PIPELINE_PROBE
+    x = small_estimate(whole, t, p, v, layers)
+    pipeline = (probes[PIPELINE_PROBE] - (x.step_time_s - x.bubble_s)) / (x.num_microbatches * v)
+    whole = replace(whole, pipeline_chunk_overhead_s=max(0.0, pipeline))
     figures = {
         "host_probes_cpu_s": {f"t{t} p{p} d{d} v{v} L{n}": round(x, 4) for (t, p, d, v, n), x in probes.items()},
         "layer_overhead_cpu_s_timed": round(whole.layer_overhead_s, 6),
         "flops_per_cpu_second_timed": round(whole.peak_flops),
         "loop_overhead_cpu_s": round(whole.loop_overhead_s, 6),
         "tp_layer_overhead_cpu_s": round(whole.tp_layer_overhead_s, 6),
+        "tp_microbatch_overhead_cpu_s": round(whole.tp_microbatch_overhead_s, 6),
+        "pipeline_chunk_overhead_cpu_s": round(whole.pipeline_chunk_overhead_s, 6),
         "host_fit_left_at_t2_shallow_cpu_s": round(two(whole, low), 4),
     }
     return at_speed(whole, share), figures
@@ -368,17 +216,10 @@ def at_speed(cluster, k: float):
         nvlink_hop_latency=cluster.nvlink_hop_latency / k,
         layer_overhead_s=cluster.layer_overhead_s / k,
         tp_layer_overhead_s=cluster.tp_layer_overhead_s / k,
+        tp_microbatch_overhead_s=cluster.tp_microbatch_overhead_s / k,
+        pipeline_chunk_overhead_s=cluster.pipeline_chunk_overhead_s / k,
         loop_overhead_s=cluster.loop_overhead_s / k,
     )
-
-
-def _timed(pool, fn, *args) -> tuple[list, float, float]:
-    """``fn`` on every rank between two ``probe_speed`` runs: (its per-rank results, the median
-    share, the median CPU seconds per block) around it."""
-    before = pool.run(probe_speed)
-    out = pool.run(fn, *args)
-    around = before + pool.run(probe_speed)
-    return out, statistics.median(x for x, _ in around), statistics.median(x for _, x in around)
 
 
 def calibrate() -> dict:
@@ -390,12 +231,12 @@ def calibrate() -> dict:
         machine = pool.run(measure_machine)
         # the host probes' and the layouts' runs, in alternated rounds; every timed run sits between two
         # speed probes: this VM's speed drifts with other users' jobs
-        host_keys = [(*layout, layers) for layout in HOST_PROBES for layers in HOST_DEPTHS]
+        host_keys = [(*layout, layers) for layout in HOST_PROBES for layers in HOST_DEPTHS] + [PIPELINE_PROBE]
         keys = host_keys + [(*layout, MODEL["num_layers"]) for layout in LAYOUTS]
         timed: dict[tuple, list] = {key: [] for key in keys}
         for index in range(ROUNDS):
             for key in keys if index % 2 == 0 else keys[::-1]:
-                timed[key].append(_timed(pool, measure_layout, *key))
+                timed[key].append(between_probes(pool, measure_layout, *key))
     finally:
         pool.close()
     cluster, figures = fit_cluster(machine)
@@ -412,7 +253,8 @@ def calibrate() -> dict:
     # A TP rank sleeps at each collective until its partner has run: it gets less of a core than a
     # t = 1 rank does. The shallow probes' CPU / wall over their timed steps measures how much less.
     in_run = {
-        n: statistics.median(s for k in host_keys if k[0] == n for o, _, _ in timed[k] for _, s, _ in o) for n in (1, 2)
+        n: statistics.median(s for k in host_keys if k[:2] == (n, 1) for o, _, _ in timed[k] for _, s, _ in o)
+        for n in (1, 2)
     }
     figures["host_probes_share_in_run"] = {f"t{n}": round(x, 3) for n, x in in_run.items()}
     figures["tp_share_factor"] = round(in_run[2] / in_run[1], 3)
@@ -423,7 +265,7 @@ def calibrate() -> dict:
         for ranks, share, block in rounds:  # each timed run predicted at the speed probed around it
             speed = share / figures["cpu_share_measured"] * reference / block  # this VM then over at calibration
             speed *= in_run[2] / in_run[1] if t > 1 else 1.0
-            x = _estimate(at_speed(cluster, speed), t, p, v)
+            x = small_estimate(at_speed(cluster, speed), t, p, v)
             # On an oversubscribed CPU a pipeline's bubble is time when about half the ranks compute (the
             # stages filling or draining), and they get up to twice the share: a whole core here.
             bubble = x.bubble_s * (share / min(1.0, 2 * share) - 1)

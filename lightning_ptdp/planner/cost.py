@@ -57,6 +57,12 @@ class Cluster:
     """Fixed seconds a tensor-parallel layer adds per microbatch (forward + backward) beyond its
     FLOPs and collectives' transfer: launching 4 collectives and waking their threads, the shards'
     dispatch. 0 on GPUs (hidden behind the GEMMs); measured on the CPU from timed steps."""
+    tp_microbatch_overhead_s: float = 0.0
+    """Fixed seconds tensor parallelism adds per microbatch outside the layers: the vocab-parallel
+    embedding's, LM head's and loss's collectives and dispatch. 0 on GPUs; measured on the CPU."""
+    pipeline_chunk_overhead_s: float = 0.0
+    """Fixed seconds per model chunk and microbatch under a pipeline (forward + backward): the
+    schedule's bookkeeping, its P2P launches, a backward call per chunk. 0 on GPUs; measured on the CPU."""
     loop_overhead_s: float = 0.0
     """Fixed seconds per training-loop iteration (Lightning's step: logging, hooks, the embedding
     and loss outside the layers). The loop runs once per microbatch at p = 1 (gradient
@@ -77,7 +83,13 @@ class Cluster:
             "network_hop_latency",
         ):
             check_positive(f"Cluster.{name}", getattr(self, name), integer=False)
-        for name in ("layer_overhead_s", "tp_layer_overhead_s", "loop_overhead_s"):
+        for name in (
+            "layer_overhead_s",
+            "tp_layer_overhead_s",
+            "tp_microbatch_overhead_s",
+            "pipeline_chunk_overhead_s",
+            "loop_overhead_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"Cluster.{name} must be a number >= 0, got {value!r}")

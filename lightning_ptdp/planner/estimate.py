@@ -167,7 +167,7 @@ def cost(
     layer, tp_layer = _layer_seconds(model, t, b, recompute, sp, cluster)
     layers_per_stage = model.num_layers / p
     compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)
-    tp_mb = layers_per_stage * tp_layer
+    tp_mb = layers_per_stage * tp_layer + (cluster.tp_microbatch_overhead_s if t > 1 else 0.0)
     pp_mb = embedding = 0.0
     across = cluster.num_gpus > cluster.gpus_per_node  # the pipeline's slowest hop sets its pace
     if p > 1:
@@ -176,7 +176,7 @@ def cost(
             hop = send_seconds(activation / t, True, cluster) + all_gather_seconds(activation, t, t, cluster)
         else:
             hop = send_seconds(activation, across, cluster)
-        pp_mb = 2 * v * hop  # activations forward, gradients backward, for each of the v chunks
+        pp_mb = v * (2 * hop + cluster.pipeline_chunk_overhead_s)  # activations forward, gradients back, per chunk
         embedding = all_reduce_seconds(BF16 * model.vocab_size * model.hidden_size / t, 2, 1 if across else 2, cluster)
     bubble_fraction = (p - 1) / (v * m)
     bubble = (p - 1) / v * (compute_mb + tp_mb + pp_mb)

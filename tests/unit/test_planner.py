@@ -657,11 +657,11 @@ def test_gpt3_175b_is_a_name_everywhere(capsys):
 # ------------------------------------------------------------------ CPU calibration (no processes)
 def _synthetic_machine(rate: float, overhead: float, memory_rate: float, bw: float, hop: float, share: float) -> dict:
     """What ``measure_machine`` would report on a CPU that follows the model exactly."""
-    from lightning_ptdp.planner.calibrate import WORLD, _size
     from lightning_ptdp.planner.cost import RING_BASE_LATENCY
     from lightning_ptdp.planner.estimate import executed_flops, layer_memory_bytes
+    from lightning_ptdp.planner.measure import WORLD, small_size
 
-    size = _size()
+    size = small_size()
     one = replace(size, num_layers=1)
     params, tp_bytes = 6_000_000, size.seq_length * size.hidden_size * 4
     figures = {
@@ -714,23 +714,28 @@ def test_layer_overhead_adds_per_layer_and_microbatch_and_defaults_to_zero():
         Cluster(num_gpus=8, layer_overhead_s=-1.0)
 
 
-def test_host_overheads_enter_per_tp_layer_and_per_loop_iteration():
+def test_host_overheads_enter_per_tp_layer_tp_microbatch_and_loop_iteration():
     base = Cluster(num_gpus=8)
     assert base.tp_layer_overhead_s == 0.0 and base.loop_overhead_s == 0.0
     size = ModelSize(num_layers=4, hidden_size=512, num_heads=8, seq_length=256, vocab_size=1024)
-    slow = replace(base, tp_layer_overhead_s=1e-3, loop_overhead_s=2e-3)
+    slow = replace(base, tp_layer_overhead_s=1e-3, loop_overhead_s=2e-3, tp_microbatch_overhead_s=5e-3)
 
     def both(**layout):
         kwargs = {"activation_checkpointing": None, **layout}
         return estimate(size, base, 64, **kwargs), estimate(size, slow, 64, **kwargs)
 
     a, b = both(tensor_parallel_size=2, pipeline_parallel_size=1)  # d = 4, m = 16: the loop runs 16 times
-    assert b.tensor_parallel_comm_s - a.tensor_parallel_comm_s == pytest.approx(16 * 4 * 1e-3)
+    assert b.tensor_parallel_comm_s - a.tensor_parallel_comm_s == pytest.approx(16 * (4 * 1e-3 + 5e-3))
     assert b.compute_s - a.compute_s == pytest.approx(16 * 2e-3)
     a, b = both(tensor_parallel_size=1, pipeline_parallel_size=2)  # under a pipeline: once per step, no TP
     assert b.compute_s - a.compute_s == pytest.approx(2e-3)
+    chunked = replace(slow, pipeline_chunk_overhead_s=3e-3)
+    kwargs = {"activation_checkpointing": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    c = estimate(size, chunked, 64, virtual_pipeline_size=2, **kwargs)  # d = 4, m = 16, 2 chunks per rank
+    d = estimate(size, slow, 64, virtual_pipeline_size=2, **kwargs)
+    assert c.pipeline_comm_s - d.pipeline_comm_s == pytest.approx(16 * 2 * 3e-3)
     assert b.tensor_parallel_comm_s == a.tensor_parallel_comm_s == 0.0
-    for name in ("tp_layer_overhead_s", "loop_overhead_s"):
+    for name in ("tp_layer_overhead_s", "tp_microbatch_overhead_s", "pipeline_chunk_overhead_s", "loop_overhead_s"):
         with pytest.raises(ValueError, match=name):
             Cluster(num_gpus=8, **{name: -1.0})
 
@@ -739,25 +744,30 @@ def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
     """Timed-step CPU seconds built from known overheads on top of a fitted cluster: the residual
     split finds each of them again (exact arithmetic, so a tight tolerance)."""
     from lightning_ptdp.planner.calibrate import (
-        GLOBAL_BATCH,
         HOST_DEPTHS,
         HOST_PROBES,
-        _estimate,
+        PIPELINE_PROBE,
         fit_cluster,
         fit_host_overheads,
     )
+    from lightning_ptdp.planner.measure import GLOBAL_BATCH, small_estimate
+
+    def timed_cpu(truth) -> dict:  # CPU seconds per step: no rank works in a pipeline's bubble
+        keys = [(*layout, n) for layout in HOST_PROBES for n in HOST_DEPTHS] + [PIPELINE_PROBE]
+        steps = {(t, p, d, v, n): small_estimate(truth, t, p, v, n) for t, p, d, v, n in keys}
+        return {key: x.step_time_s - x.bubble_s for key, x in steps.items()}
 
     machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
     cluster, _ = fit_cluster([machine] * 4)
     truth = replace(cluster, peak_flops=30e9, hbm_bandwidth=5e9, intra_node_bandwidth=0.5e9, nvlink_hop_latency=50e-6)
     truth = replace(truth, layer_overhead_s=11e-3, loop_overhead_s=20e-3, tp_layer_overhead_s=3e-3)
-    probes = {
-        (t, p, d, v, n): _estimate(truth, t, p, v, n).step_time_s for t, p, d, v in HOST_PROBES for n in HOST_DEPTHS
-    }
-    fitted, figures = fit_host_overheads(cluster, 0.5, probes)
+    truth = replace(truth, tp_microbatch_overhead_s=5e-3, pipeline_chunk_overhead_s=4e-3)
+    fitted, figures = fit_host_overheads(cluster, 0.5, timed_cpu(truth))
     assert figures["layer_overhead_cpu_s_timed"] == pytest.approx(11e-3, rel=1e-6)
     assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
     assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert figures["tp_microbatch_overhead_cpu_s"] == pytest.approx(5e-3, rel=1e-6)
+    assert figures["pipeline_chunk_overhead_cpu_s"] == pytest.approx(4e-3, rel=1e-6)
     assert figures["host_fit_left_at_t2_shallow_cpu_s"] == pytest.approx(0.0, abs=1e-9)
     assert fitted.loop_overhead_s == pytest.approx(40e-3, rel=1e-6)  # at half a core: twice the wall time
     assert GLOBAL_BATCH % HOST_PROBES[1][2] == 0
@@ -765,12 +775,12 @@ def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
     # A timed layer cheaper than the block benchmark's FLOPs at its rate (no overhead left to take
     # from): the rate rises to match instead of the difference being clipped away.
     faster = replace(truth, peak_flops=40e9, layer_overhead_s=0.0)
-    probes = {key: _estimate(faster, *key[:2], key[3], key[4]).step_time_s for key in probes}
-    fitted, figures = fit_host_overheads(cluster, 0.5, probes)
+    fitted, figures = fit_host_overheads(cluster, 0.5, timed_cpu(faster))
     assert figures["flops_per_cpu_second_timed"] == pytest.approx(40e9, rel=1e-6)
     assert figures["layer_overhead_cpu_s_timed"] == 0.0
     assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
     assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert figures["pipeline_chunk_overhead_cpu_s"] == pytest.approx(4e-3, rel=1e-6)
 
 
 def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
@@ -794,7 +804,7 @@ def test_step_clock_stamps_once_per_optimizer_step_under_gradient_accumulation(a
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_ptdp.planner.calibrate import step_clock
+    from lightning_ptdp.planner.measure import step_clock
     from lightning_ptdp.testing import quiet_trainer
 
     clock = step_clock()
