@@ -2,7 +2,7 @@
 
 On 4 gloo processes it measures CPU seconds (a waiting rank's core runs another) of a block at two
 sizes, an AdamW step, gloo all-reduces and the core share; timed ``Trainer.fit`` steps of 1- and
-6-layer models at p = 1 give the host costs. It then predicts and measures the 8-layer model at
+6-layer models at p = 1 and of a 2-layer pipeline give the host costs. It then predicts and measures the 8-layer model at
 (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) v=2, each round at the speed probed around
 it; nothing is fitted to those times (docs/architecture.md, "The planner"). ``measure.py`` times.
 """
@@ -264,15 +264,15 @@ def calibrate() -> dict:
         per_round, guesses = [], []
         for ranks, share, block in rounds:  # each timed run predicted at the speed probed around it
             speed = share / figures["cpu_share_measured"] * reference / block  # this VM then over at calibration
-            speed *= in_run[2] / in_run[1] if t > 1 else 1.0
-            x = small_estimate(at_speed(cluster, speed), t, p, v)
+            tp_share = in_run[2] / in_run[1] if t > 1 else 1.0
+            x = small_estimate(at_speed(cluster, speed * tp_share), t, p, v)
             # On an oversubscribed CPU a pipeline's bubble is time when about half the ranks compute (the
             # stages filling or draining), and they get up to twice the share: a whole core here.
             bubble = x.bubble_s * (share / min(1.0, 2 * share) - 1)
-            guesses.append((x.step_time_s + bubble, x, bubble, share, block, speed))
+            guesses.append((x.step_time_s + bubble, x, bubble, share, block, speed, tp_share))
             per_round.append(statistics.median(step for step, _, _ in ranks))
         seconds = statistics.median(per_round)
-        predicted, x, bubble, share, block, speed = sorted(guesses, key=lambda g: g[0])[len(guesses) // 2]
+        predicted, x, bubble, share, block, speed, tp_share = sorted(guesses, key=lambda g: g[0])[len(guesses) // 2]
         rows.append(
             {
                 "t": t,
@@ -290,7 +290,7 @@ def calibrate() -> dict:
                 "block_cpu_probed_s": round(block, 5),
                 "speed_vs_calibration": round(speed, 3),
                 "cpu_share_during_run": round(statistics.median(busy for _, busy, _ in out), 3),
-                "predicted_cpu_s": round((x.step_time_s - x.bubble_s) * share, 4),
+                "predicted_cpu_s": round((x.step_time_s - x.bubble_s) * share * tp_share, 4),
                 "measured_cpu_s": round(statistics.median(cpu for _, _, cpu in out), 4),
                 "parts_s": {
                     k: round(getattr(x, k + "_s"), 4)
