@@ -2,9 +2,10 @@
 
 On 4 gloo processes it measures CPU seconds (a waiting rank's core runs another) of a block at two
 sizes, an AdamW step, gloo all-reduces and the core share; timed ``Trainer.fit`` steps of 1- and
-6-layer models at p = 1 and of a 2-layer pipeline give the host costs. It then predicts and measures the 8-layer model at
-(t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) v=2, each round at the speed probed around
-it; nothing is fitted to those times (docs/architecture.md, "The planner"). ``measure.py`` times.
+6-layer models at p = 1 and of a 2-layer pipeline give the host costs. It then predicts and
+measures the 8-layer model at (t, p, d) = (1,1,4), (2,1,2), (1,2,2), (2,2,1), (1,4,1) v=2, each
+round at the speed probed around it; nothing is fitted to those times (docs/architecture.md, "The
+planner"). The runs themselves are timed by ``measure.py``.
 """
 
 from __future__ import annotations
