@@ -17,6 +17,8 @@ from dataclasses import replace
 from lightning_ptdp.planner.measure import (
     GLOBAL_BATCH,
     MODEL,
+    SHALLOW_TIMED,
+    TIMED,
     WORLD,
     between_probes,
     measure_layout,
@@ -237,7 +239,8 @@ def calibrate() -> dict:
         timed: dict[tuple, list] = {key: [] for key in keys}
         for index in range(ROUNDS):
             for key in keys if index % 2 == 0 else keys[::-1]:
-                timed[key].append(between_probes(pool, measure_layout, *key))
+                steps = SHALLOW_TIMED if key[4] <= 2 else TIMED
+                timed[key].append(between_probes(pool, measure_layout, *key, steps))
     finally:
         pool.close()
     cluster, figures = fit_cluster(machine)

@@ -15,6 +15,7 @@ MODEL = {"vocab_size": 256, "seq_length": 128, "num_layers": 8, "num_heads": 4, 
 GLOBAL_BATCH = 16
 WORLD = 4
 WARMUP, TIMED = 2, 4
+SHALLOW_TIMED = 12  # steps of 1-2 layer probes last a fraction of a second: time three times as many
 
 
 def small_size():
@@ -128,7 +129,9 @@ def step_clock():
     return StepClock()
 
 
-def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_layers"]) -> tuple[float, float, float]:
+def measure_layout(
+    t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_layers"], timed: int = TIMED
+) -> tuple[float, float, float]:
     """(median seconds per optimizer step of ``Trainer.fit`` of the small GPT at this layout, this
     rank's CPU seconds / wall seconds over the timed steps, its CPU seconds per timed step)."""
     import lightning as L
@@ -147,7 +150,7 @@ def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_
     clock = step_clock()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    seq, steps = MODEL["seq_length"], WARMUP + TIMED
+    seq, steps = MODEL["seq_length"], WARMUP + timed
     batches = steps * max(1, layout.num_microbatches if p == 1 else 1)
     data = MarkovDataModule(
         vocab_size=MODEL["vocab_size"],
@@ -164,10 +167,10 @@ def measure_layout(t: int, p: int, d: int, v: int, num_layers: int = MODEL["num_
     )
     trainer.fit(GPTLightningModule(GPTConfig(**model)), data)
     stamps, cpu = clock.stamps, clock.cpu
-    assert len(stamps) == WARMUP + TIMED, f"{len(stamps)} optimizer steps stamped, expected {WARMUP + TIMED}"
+    assert len(stamps) == steps, f"{len(stamps)} optimizer steps stamped, expected {steps}"
     step = statistics.median(b - a for a, b in zip(stamps[WARMUP - 1 :], stamps[WARMUP:]))
     used = cpu[-1] - cpu[WARMUP - 1]
-    return step, used / (stamps[-1] - stamps[WARMUP - 1]), used / TIMED
+    return step, used / (stamps[-1] - stamps[WARMUP - 1]), used / timed
 
 
 def small_estimate(cluster, t: int, p: int, v: int, num_layers: int = MODEL["num_layers"]):
