@@ -261,14 +261,15 @@ def calibrate() -> dict:
         for n in (1, 2)
     }
     figures["host_probes_share_in_run"] = {f"t{n}": round(x, 3) for n, x in in_run.items()}
-    figures["tp_share_factor"] = round(in_run[2] / in_run[1], 3)
+    tp_factor = in_run[2] / in_run[1]
+    figures["tp_share_factor"] = round(tp_factor, 3)
     rows = []
     for (t, p, d, v), rounds in runs.items():
         out = [rank for ranks, _, _ in rounds for rank in ranks]
         per_round, guesses = [], []
         for ranks, share, block in rounds:  # each timed run predicted at the speed probed around it
             speed = share / figures["cpu_share_measured"] * reference / block  # this VM then over at calibration
-            tp_share = in_run[2] / in_run[1] if t > 1 else 1.0
+            tp_share = tp_factor if t > 1 else 1.0
             x = small_estimate(at_speed(cluster, speed * tp_share), t, p, v)
             # On an oversubscribed CPU a pipeline's bubble is time when about half the ranks compute (the
             # stages filling or draining), and they get up to twice the share: a whole core here.
