@@ -14,6 +14,7 @@ import itertools
 import statistics
 from dataclasses import replace
 
+from lightning_ptdp.planner.cost import HOST_OVERHEADS
 from lightning_ptdp.planner.measure import (
     GLOBAL_BATCH,
     MODEL,
@@ -217,11 +218,7 @@ def at_speed(cluster, k: float):
         hbm_bandwidth=cluster.hbm_bandwidth * k,
         intra_node_bandwidth=cluster.intra_node_bandwidth * k,
         nvlink_hop_latency=cluster.nvlink_hop_latency / k,
-        layer_overhead_s=cluster.layer_overhead_s / k,
-        tp_layer_overhead_s=cluster.tp_layer_overhead_s / k,
-        tp_microbatch_overhead_s=cluster.tp_microbatch_overhead_s / k,
-        pipeline_chunk_overhead_s=cluster.pipeline_chunk_overhead_s / k,
-        loop_overhead_s=cluster.loop_overhead_s / k,
+        **{name: getattr(cluster, name) / k for name in HOST_OVERHEADS},
     )
 
 

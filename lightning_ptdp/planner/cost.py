@@ -23,6 +23,16 @@ TREE_HOP_LATENCY = 28e-6  # NVLink and network alike for Tree/Simple
 TREE_BANDWIDTH_FACTOR = 0.92 * 0.5  # tree busBw * .92, algorithm bandwidth = busBw * .5
 
 
+# Cluster's fixed per-event seconds (0 on GPUs; ``ptdp plan --calibrate`` measures them on a CPU).
+HOST_OVERHEADS = (
+    "layer_overhead_s",
+    "tp_layer_overhead_s",
+    "tp_microbatch_overhead_s",
+    "pipeline_chunk_overhead_s",
+    "loop_overhead_s",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """GPUs and links. The defaults are the paper's Selene: DGX A100 nodes of 8 x 80 GB A100s
@@ -83,13 +93,7 @@ class Cluster:
             "network_hop_latency",
         ):
             check_positive(f"Cluster.{name}", getattr(self, name), integer=False)
-        for name in (
-            "layer_overhead_s",
-            "tp_layer_overhead_s",
-            "tp_microbatch_overhead_s",
-            "pipeline_chunk_overhead_s",
-            "loop_overhead_s",
-        ):
+        for name in HOST_OVERHEADS:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"Cluster.{name} must be a number >= 0, got {value!r}")
