@@ -27,6 +27,9 @@ START_METHODS: tuple[str, ...] = get_args(StartMethod)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
+COMPILE_MODES: tuple = (None, "default", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Collective timeout: long enough for a slow first NCCL connect, short enough that a dead rank
 turns into an error on the others within minutes instead of torch's 30."""
@@ -49,6 +52,58 @@ def _check_choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         options = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name}={value!r} is not one of {options}; choose one of those")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """``torch.compile`` of every transformer block's forward after ptdp's rewrites (regional
+    compilation, as torchtitan does); the fields are torch.compile's own arguments."""
+
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    """True: a block dynamo cannot trace as one graph is an error naming the block, not a graph break."""
+    dynamic: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(
+                f"compile backend={self.backend!r} must be the name of a torch.compile backend, e.g. 'inductor'"
+            )
+        if self.mode in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"compile mode={self.mode!r} records CUDA graphs, which replay fixed input buffers and a fixed "
+                "sequence of collectives, while ptdp hands each block new tensors every microbatch (pipeline, "
+                "gradient buckets); use mode='max-autotune-no-cudagraphs' or mode=None"
+            )
+        _check_choice("compile mode", self.mode, COMPILE_MODES)
+        for name in ("fullgraph",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"compile {name}={getattr(self, name)!r} must be True or False")
+        if self.dynamic not in (None, True, False):
+            raise ValueError(f"compile dynamic={self.dynamic!r} must be None, True or False")
+
+    @classmethod
+    def of(cls, value: object) -> Optional["CompileConfig"]:
+        """``compile=`` as the strategy takes it: False/None (off), True (defaults), a dict or a CompileConfig."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"backend", "mode", "fullgraph", "dynamic"})
+            if unknown:
+                raise ValueError(
+                    f"compile={value!r}: unknown keys {unknown}; ptdp passes backend, mode, fullgraph and dynamic "
+                    "to torch.compile for each block"
+                )
+            return cls(**value)
+        raise ValueError(f"compile={value!r} must be True, False, a dict of torch.compile arguments or a CompileConfig")
+
+    def kwargs(self) -> dict:
+        return {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +135,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Under PP with d > 1 (no ZeRO): start each chunk's dp gradient all-reduce as soon as its last
     backward ran, overlapping the other chunks' compute (Megatron-Core's option of that name)."""
+    compile: Union[bool, dict, CompileConfig, None] = None
+    """torch.compile each transformer block after the rewrites: True, a dict of torch.compile
+    arguments or a ``CompileConfig``; stored as a ``CompileConfig`` or None."""
 
     @property
     def fsdp(self) -> bool:
@@ -102,9 +160,16 @@ class ParallelConfig:
             _check_choice("activation_checkpointing", self.activation_checkpointing, (None, *RECOMPUTE_MODES))
         _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         _check_choice("kernels", self.kernels, KERNEL_MODES)
+        object.__setattr__(self, "compile", CompileConfig.of(self.compile))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        if self.compile is not None and self.kernels == "triton":
+            raise ValueError(
+                "kernels='triton' with compile: ptdp's Triton kernels are routed by a runtime hook that inductor "
+                "cannot compile yet, and inductor writes its own fused attention and GeLU kernels; use "
+                "kernels='auto' (compiled blocks then use inductor's kernels) or compile=False"
+            )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations inside the "

@@ -35,6 +35,7 @@ from lightning_ptdp.checkpoint.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.checkpoint.resume import resume_dataloader
 from lightning_ptdp.faults.nonfinite import apply_policy, check_grad_scaler, nonfinite_ranks
 from lightning_ptdp.faults.records import FailureRecords
+from lightning_ptdp.parallel.compile import adopt_compiled_module
 from lightning_ptdp.parallel.dims import ParallelDims, destroy_process_group_at_exit, process_group_failed
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
@@ -69,6 +70,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         pipeline_schedule: cfg.PipelineSchedule = "interleaved_1f1b",
         kernels: cfg.KernelMode = "auto",
         overlap_grad_reduce: bool = True,
+        compile: Union[bool, dict, cfg.CompileConfig] = False,
         tp_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
         pretrained_prefix: Optional[str] = None,
@@ -103,6 +105,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             pipeline_schedule=pipeline_schedule,
             kernels=kernels,
             overlap_grad_reduce=overlap_grad_reduce,
+            compile=compile,
         )
         self.options = cfg.RunOptions(
             on_nonfinite=on_nonfinite,
@@ -134,6 +137,19 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
     def checkpoint_format(self, value: str) -> None:
         self.options = dataclasses.replace(self.options, checkpoint_format=value)  # validated again
         self.checkpointer = Checkpointer(format=value)
+
+    @property
+    def _lightning_module(self) -> Optional[pl.LightningModule]:
+        return self.__dict__.get("_ptdp_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
+        """Trainer.fit hands ``torch.compile(lightning_module)`` over here, before Lightning would refuse it."""
+        if adopt_compiled_module(module):
+            self.parallel_config = dataclasses.replace(
+                self.parallel_config, compile=self.parallel_config.compile or True
+            )
+        self.__dict__["_ptdp_lightning_module"] = module
 
     # ------------------------------------------------------------------ topology
     @property

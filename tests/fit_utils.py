@@ -86,19 +86,34 @@ def fit_and_record(
     trainer_kwargs: dict | None = None,
     accumulate: int = 1,
     callbacks: list | None = None,
+    compile_blocks: dict | None = None,
+    compile_whole: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
 
     ``strategy_kwargs=None`` is the single-process reference (Lightning's default strategy).
+    ``compile_blocks``: torch.compile arguments for ``block.compile(...)`` on every block before fit,
+    as a user compiles; ``compile_whole``: ``torch.compile(lightning_module)`` as Lightning's guide says.
     ``accumulate``: the same global batches in that many equal parts (``accumulate_grad_batches``),
     the same samples in the same order; losses are still one per optimizer step.
     """
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     from lightning_ptdp import ParallelConfig, PTDPStrategy
 
+    torch._dynamo.reset()  # compiled code and dynamo's own counts are process-wide: this fit's alone
+    counters.clear()
     L.seed_everything(seed, verbose=False)
     model = build_model(family, **(model_overrides or {}))
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if compile_blocks is not None:
+        from lightning_ptdp.parallel.blocks import find_block_lists
+
+        for _, blocks in find_block_lists(model):
+            for block in blocks:
+                block.compile(**compile_blocks)
     replicas = 1
     strategy: Any = "auto"
     if strategy_kwargs is not None:
@@ -124,7 +139,7 @@ def fit_and_record(
         **extra,
         **(trainer_kwargs or {}),
     )
-    trainer.fit(model, datamodule)
+    trainer.fit(torch.compile(model) if compile_whole else model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum(_local(p).numel() for p in model.parameters())
     # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss
@@ -136,6 +151,8 @@ def fit_and_record(
         "state": state,
         "local_numel": local_numel,
         "optimizer_numel": optimizer_numel(trainer),
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": dict(counters["graph_break"]),
     }
 
 

@@ -1,7 +1,7 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
 ``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 2 kernels,
-3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
+3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 4c compile, 5 data parallel; why
 this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
 the pipeline engine, the ``GradientFinisher`` and the ``ShardingView`` checkpoints need.
 """
@@ -22,6 +22,7 @@ from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
+from lightning_ptdp.parallel.compile import apply_compile, setup_stance
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
 from lightning_ptdp.parallel.init import is_on_meta, materialize
@@ -94,6 +95,8 @@ def parallelize(
                         recomputed blocks, so a block of another chunk is never recomputed.
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
+    4c. compile         (compile=...) each block's forward, over every rewrite above; after the
+                        probes, which record real calls (run eagerly even where the user compiled).
     5. data parallel    last: it wraps the final per-rank parameters (ZeRO 2/3 shards them over dp;
                         under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk;
                         ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
@@ -105,57 +108,62 @@ def parallelize(
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module, root=module, zero=config.fsdp)
     check_reusable(module, config, dims)
-    if dims.tp > 1:
-        # a second stage (fit, then validate) finds the model already rewritten: reuse that
-        if "_ptdp_tp" not in module.__dict__:
-            module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, probe, tp_plan)
-        result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
-    report = apply_kernels(module, config.kernels)
-    log.info("kernels: %s", report.summary())
-    if config.activation_checkpointing is not None and "_ptdp_recompute" not in module.__dict__:
-        wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
-        module.__dict__["_ptdp_recompute"] = wrapped
-        log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
-    if dims.pp > 1:
-        # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO 2/3 FSDP's)
-        dp_sync = training and not config.fsdp and dims.dp > 1
-        grad_sync = (
-            DataParallelGradSync(group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce)
-            if dp_sync
-            else None
-        )
-        if "_ptdp_pipeline" not in module.__dict__:
-            if pipeline_probe is None:
-                raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
-            run, rows = pipeline_probe()
-            module.__dict__["_ptdp_pipeline"] = apply_pipeline(
-                module,
-                pp=dims.pp,
-                vpp=config.virtual_pipeline_size,
-                rank=mesh["pp"].get_local_rank(),
-                schedule=config.pipeline_schedule,
-                micro_batch_size=config.micro_batch_size,
-                pp_group=mesh["pp"].get_group(),
-                device=device,
-                probe=run,
-                probe_rows=rows,
-                failures=failures,
-                grad_sync=grad_sync,
+    with setup_stance():  # steps 1-4b record real calls: a block the user compiled runs eagerly
+        if dims.tp > 1:
+            # a second stage (fit, then validate) finds the model already rewritten: reuse that
+            if "_ptdp_tp" not in module.__dict__:
+                module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, probe, tp_plan)
+            result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
+        # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile
+        report = apply_kernels(module, "torch" if config.compile is not None else config.kernels)
+        log.info("kernels: %s", report.summary())
+        if config.activation_checkpointing is not None and "_ptdp_recompute" not in module.__dict__:
+            wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
+            module.__dict__["_ptdp_recompute"] = wrapped
+            log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
+        if dims.pp > 1:
+            # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO 2/3 FSDP's)
+            dp_sync = training and not config.fsdp and dims.dp > 1
+            grad_sync = (
+                DataParallelGradSync(group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce)
+                if dp_sync
+                else None
             )
-        result.pipeline = module.__dict__["_ptdp_pipeline"]
-        # an engine reused from an earlier run (fit, then validate) takes this run's collaborators
-        result.pipeline.failures, result.pipeline.grad_sync = failures, grad_sync
-        result.pipeline.check_reusable(config, dims)
-    aliases = result.pipeline.split.aliases if result.pipeline is not None else None
-    if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
-        # step 4b: this rank's pieces of the pretrained weights, read from the files
-        module.__dict__["_ptdp_pretrained"] = load_pretrained(
-            module, pretrained.path, prefix=pretrained.prefix, aliases=aliases, device=device
-        )
-    elif is_on_meta(module):
-        # built on the meta device (configure_model): allocate and initialise only what TP and the
-        # pipeline split left this rank, before data parallelism wraps or shards it
-        materialize_shards(module, device, result.pipeline)
+            if "_ptdp_pipeline" not in module.__dict__:
+                if pipeline_probe is None:
+                    raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
+                run, rows = pipeline_probe()
+                module.__dict__["_ptdp_pipeline"] = apply_pipeline(
+                    module,
+                    pp=dims.pp,
+                    vpp=config.virtual_pipeline_size,
+                    rank=mesh["pp"].get_local_rank(),
+                    schedule=config.pipeline_schedule,
+                    micro_batch_size=config.micro_batch_size,
+                    pp_group=mesh["pp"].get_group(),
+                    device=device,
+                    probe=run,
+                    probe_rows=rows,
+                    failures=failures,
+                    grad_sync=grad_sync,
+                )
+            result.pipeline = module.__dict__["_ptdp_pipeline"]
+            # an engine reused from an earlier run (fit, then validate) takes this run's collaborators
+            result.pipeline.failures, result.pipeline.grad_sync = failures, grad_sync
+            result.pipeline.check_reusable(config, dims)
+        aliases = result.pipeline.split.aliases if result.pipeline is not None else None
+        if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
+            # step 4b: this rank's pieces of the pretrained weights, read from the files
+            module.__dict__["_ptdp_pretrained"] = load_pretrained(
+                module, pretrained.path, prefix=pretrained.prefix, aliases=aliases, device=device
+            )
+        elif is_on_meta(module):
+            # built on the meta device (configure_model): allocate and initialise only what TP and the
+            # pipeline split left this rank, before data parallelism wraps or shards it
+            materialize_shards(module, device, result.pipeline)
+    if config.compile is not None:
+        # step 4c: compile each block's forward over all the rewrites above; hooks (FSDP's too) stay eager
+        log.info("compiled %d blocks (%s)", len(apply_compile(module, config.compile)), config.compile.backend)
     if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)

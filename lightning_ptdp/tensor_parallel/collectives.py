@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.autograd import Function
 
 SEQ_DIM = 1
@@ -29,10 +30,18 @@ class TPGroup:
     rank: int
 
 
+def compiling() -> bool:
+    """Whether dynamo is tracing this call (one place to ask, so the compiled path can be tested eagerly)."""
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
-    if not x.is_meta:  # meta: a setup probe of a model built on the meta device, shapes only
-        dist.all_reduce(x, op=op, group=tp.group)
+    if x.is_meta:  # a setup probe of a model built on the meta device, shapes only
+        return x
+    if compiling():  # dynamo traces functional collectives, not in-place ones (mark_dirty)
+        return funcol.all_reduce(x, "max" if op == dist.ReduceOp.MAX else "sum", tp.group)
+    dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 

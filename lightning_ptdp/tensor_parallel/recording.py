@@ -97,6 +97,7 @@ class _Recorder(TorchFunctionMode):
         self.params.update({id(b): name for name, b in block.named_buffers()})
         self.depth = 0
         self.sites = SiteCounter()
+        self.ordinals: dict[Any, int] = {}  # func -> calls recorded so far (replay's compiled match)
 
     def node_of(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -141,6 +142,8 @@ class _Recorder(TorchFunctionMode):
         else:
             node = self.graph.call_function(func, n_args, n_kwargs)
         node.meta["site"] = site
+        node.meta["ordinal"] = (func, self.ordinals.get(func, 0))
+        self.ordinals[func] = node.meta["ordinal"][1] + 1
         if in_place and args and isinstance(args[0], torch.Tensor):
             self.note(args[0], node)  # the mutated tensor now comes from this node
         else:

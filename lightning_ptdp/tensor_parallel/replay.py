@@ -84,6 +84,7 @@ class BlockProgram:
     outside: dict[CallSite, set[int]] = field(default_factory=dict)  # calls reading a region input outside it
     source_sites: dict[CallSite, list[int]] = field(default_factory=dict)
     funcs: frozenset = frozenset()
+    by_ordinal: dict[tuple, CallSite] = field(default_factory=dict)  # (func, n-th call) -> its site
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -107,6 +108,9 @@ class BlockProgram:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
         sites = [*program.rewrites, *program.outside, *program.source_sites]
         program.funcs = frozenset(site.func for site in sites)
+        program.by_ordinal = {
+            n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in set(sites)
+        }
         return program
 
 
@@ -153,7 +157,9 @@ class RegionEntry:
         if self.entered is None:
             if self.sequence_parallel:
                 self.entered = C.gather_from_sp_region(x, self.tp)
-                self.shard = SequenceShard(x, self.tp) if torch.is_grad_enabled() else None
+                # compiled: dynamo cannot trace the shared Regather's side effects, so the Linears save X whole
+                saving_shard = torch.is_grad_enabled() and not C.compiling()
+                self.shard = SequenceShard(x, self.tp) if saving_shard else None
             else:
                 self.entered = C.copy_to_tp_region(x, self.tp)
         return self.entered, self.shard
@@ -169,6 +175,8 @@ class BlockRuntime:
         self.program = program
         self.entries = [RegionEntry(tp, sequence_parallel) for _ in program.sources]
         self.sites = SiteCounter()
+        self.calls: dict[Any, int] = {}  # func -> calls so far in this forward
+        self.mismatch: CallSite | None = None  # an eager call whose order differs from the recording
         self.depth = 0
         self.input_sources = [(s.key, k) for k, s in enumerate(program.sources) if s.kind == "input"]
         for k, source in enumerate(program.sources):
@@ -177,9 +185,32 @@ class BlockRuntime:
                     functools.partial(self._produced, k, source.index)
                 )
 
-    def _produced(self, k: int, index: int | None, module: nn.Module, args: tuple, output: Any) -> None:
+    def _produced(self, k: int, index: int | None, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.depth == 0:  # the top-level leaf itself (its depth hook ran first)
-            self.entries[k].activate(output if index is None else output[index])
+            entered = self.source_made(k, output if index is None else output[index])
+            if entered is not None:  # compiled SP: the leaf's output becomes the gathered input
+                return entered if index is None else _replace(output, index, entered)
+        return None
+
+    def source_made(self, k: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Region ``k``'s input was made. Eager: watch for its reads. Compiled with SP: enter it now and
+        hand the gathered tensor on (dynamo reads sizes without the mode, so reads cannot be swapped)."""
+        entry = self.entries[k]
+        entry.activate(tensor)
+        if not (entry.sequence_parallel and C.compiling()):
+            return None
+        if any(k in regions for regions in self.program.outside.values()):
+            site = next(site for site, regions in self.program.outside.items() if k in regions)
+            raise TPDiscoveryError(
+                f"tensor parallelism under torch.compile: with sequence_parallel=True the region input read at "
+                f"{site.where()} is also used outside its region, which only the uncompiled replay can serve; "
+                "compile without sequence_parallel, or leave this block uncompiled"
+            )
+        self.depth += 1  # the entry's own ops run under the replay mode here: leave them alone
+        try:
+            return entry.enter(tensor)[0]
+        finally:
+            self.depth -= 1
 
     def watch_leaves(self, block: nn.Module) -> None:
         """Count leaf-module depth, so calls inside Linears, norms, etc. are not matched."""
@@ -195,15 +226,43 @@ class BlockRuntime:
     def _leave_leaf(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.depth -= 1
 
-    def start(self, args: tuple, kwargs: dict) -> None:
+    def site(self, func: Any) -> CallSite | None:
+        """The recorded call this one is. Eager: by call site (code, instruction, occurrence), and
+        checked against the order of calls. Compiled: by order (the n-th call of ``func``), since
+        dynamo cannot read frames; the eager check is what makes the two agree."""
+        n = self.calls.get(func, 0)
+        self.calls[func] = n + 1
+        expected = self.program.by_ordinal.get((func, n))
+        if C.compiling():
+            if self.mismatch is not None:
+                raise TPDiscoveryError(
+                    f"tensor parallelism under torch.compile: the call at {self.mismatch.where()} runs in a "
+                    "different order than when the block was recorded, so calls cannot be matched without "
+                    "their frames; run this block uncompiled"
+                )
+            return expected
+        site = self.sites.site(func)
+        if site != expected and (site in self.program.by_ordinal.values() or expected is not None):
+            self.mismatch = site or expected
+        return site
+
+    def start(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Reset for one forward; returns the block's arguments (a region input among them entered
+        already when compiled with SP, see ``source_made``)."""
         self.sites = SiteCounter()
+        self.calls = {}
         self.depth = 0
         for entry in self.entries:
             entry.finish()
-        if self.input_sources:
-            tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-            for index, k in self.input_sources:
-                self.entries[k].activate(tensors[index])
+        if not self.input_sources:
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        for index, k in self.input_sources:
+            entered = self.source_made(k, leaves[positions[index]])
+            if entered is not None:
+                leaves[positions[index]] = entered
+        return tree_unflatten(leaves, spec)
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -217,7 +276,7 @@ class _ReplayMode(TorchFunctionMode):
         if rt.depth:
             return func(*args, **kwargs)
         program = rt.program
-        site = rt.sites.site(func) if func in program.funcs else None
+        site = rt.site(func) if func in program.funcs else None
         active = [e for e in rt.entries if e.source is not None]
         if active and any(_reads(a, e.source) for e in active for a in args):
             skip = program.outside.get(site, ()) if site is not None else ()
@@ -231,12 +290,18 @@ class _ReplayMode(TorchFunctionMode):
         if site is not None and site in program.source_sites:
             for k in program.source_sites[site]:
                 index = program.sources[k].index
-                rt.entries[k].activate(result if index is None else result[index])
+                entered = rt.source_made(k, result if index is None else result[index])
+                if entered is not None:
+                    result = entered if index is None else _replace(result, index, entered)
         return result
 
 
 def _reads(value: Any, tensor: torch.Tensor) -> bool:
     return value is tensor or (isinstance(value, (list, tuple)) and any(v is tensor for v in value))
+
+
+def _replace(items: Any, index: int, value: Any) -> Any:
+    return type(items)(value if i == index else v for i, v in enumerate(items))
 
 
 def _swap(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
@@ -254,7 +319,7 @@ def install_replay(block: nn.Module, runtime: BlockRuntime) -> None:
 
     @functools.wraps(forward)
     def replayed(*args: Any, **kwargs: Any) -> Any:
-        runtime.start(args, kwargs)
+        args, kwargs = runtime.start(args, kwargs)
         with _ReplayMode(runtime):
             return forward(*args, **kwargs)
 

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "parallel.grads": 2,
     "parallel.init": 2,
     "parallel.recompute": 2,
+    "parallel.compile": 2,
     # 3: the fixed order
     "parallel.parallelize": 3,
     # 4: Lightning's side
@@ -46,7 +47,7 @@ LAYERS: dict[str, int] = {
     "": 5,
 }
 AXES = {"tensor_parallel", "pipeline", "data_parallel"}
-MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 400, 8
+MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 420, 8
 OUTSIDE_MARKERS = ("DESIGN" + ".md", ".." + "/shared")  # split so this file does not match itself
 
 

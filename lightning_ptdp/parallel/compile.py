@@ -1,0 +1,90 @@
+"""Regional torch.compile: each transformer block's forward compiled after ptdp's rewrites.
+
+As torchtitan does, one compiled region per block (repeated blocks share one graph), so compile
+time does not grow with depth. The forward is compiled, not the module call: hooks (FSDP2's
+unshard, the pipeline gates, the sequence-parallel scatter) stay eager around it. The tensor-parallel
+replay traces as ordinary code (replay.py); ``setup_stance`` keeps the setup probes eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from lightning_ptdp.config import CompileConfig
+from lightning_ptdp.parallel.blocks import find_block_lists
+
+log = logging.getLogger(__name__)
+
+
+def check_backend(config: CompileConfig) -> None:
+    """Refuse a backend torch.compile does not know, at setup, with the ones it does."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if config.backend not in known:
+        raise ValueError(
+            f"compile backend={config.backend!r} is not a torch.compile backend on this machine; choose one of "
+            f"{', '.join(repr(b) for b in known)} ('inductor' generates fused kernels, 'aot_eager' only traces)"
+        )
+
+
+def apply_compile(module: nn.Module, config: CompileConfig) -> list[str]:
+    """Compile every found block's forward once (a second stage reuses it); returns the block paths."""
+    check_backend(config)
+    compiled = []
+    for prefix, blocks in find_block_lists(module):
+        for index, block in enumerate(blocks):
+            name = f"{prefix}.{index}" if prefix else str(index)
+            if "_ptdp_eager_forward" not in block.__dict__:
+                block.__dict__["_ptdp_eager_forward"] = block.forward
+                block.forward = _compiled_forward(block.forward, name, config)
+            compiled.append(name)
+    return compiled
+
+
+def _compiled_forward(forward: Any, name: str, config: CompileConfig) -> Any:
+    compiled = torch.compile(forward, **config.kwargs())
+    if not config.fullgraph:
+        return compiled
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as err:
+            reason = str(err).strip().splitlines()[0]
+            raise RuntimeError(
+                f"compile(fullgraph=True): block '{name}' cannot be traced as one graph: {reason}. Set "
+                "fullgraph=False to let dynamo break the graph there, or change that code"
+            ) from err
+
+    return run
+
+
+def adopt_compiled_module(module: Any) -> bool:
+    """A LightningModule compiled whole (``torch.compile(model)``, as Lightning's guide says) is put
+    back to its own methods: ptdp compiles its blocks instead (one graph across the pipeline engine,
+    the step's collectives and the optimizer is not what dynamo can trace). True if it was compiled."""
+    if getattr(module, "_compiler_ctx", None) is None:
+        return False
+    from lightning.pytorch.utilities.compile import to_uncompiled
+
+    to_uncompiled(module)
+    log.warning(
+        "torch.compile(lightning_module) under strategy='ptdp': ptdp compiles each transformer block instead "
+        "(regional compilation, after its rewrites); pass PTDPStrategy(compile=...) to choose backend and mode"
+    )
+    return True
+
+
+@contextlib.contextmanager
+def setup_stance() -> Iterator[None]:
+    """Setup probes record real calls (frames, hooks): a block the user compiled runs eagerly meanwhile."""
+    with torch.compiler.set_stance("force_eager"):
+        yield

@@ -1,0 +1,90 @@
+"""torch.compile under every layout, against one compiled process (CPU inductor).
+
+``PTDPStrategy(compile=True)`` compiles each block's forward after ptdp's rewrites; a user's own
+``block.compile()`` before fit, and ``torch.compile(lightning_module)``, are covered too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fit_utils import assert_ranks_match_reference, fit_and_record
+
+STEPS, GLOBAL_BATCH = 3, 8
+# fp32. Inductor fuses differently for a rank's local shapes than for the whole model, so values
+# differ by round-off in the order of the sums (measured: losses ~1e-7 relative, gradients ~5e-7
+# of their norm), the same budget as the eager equivalence tests; weights 1e-3 of the update (Adam
+# turns round-off on near-zero gradients into visible updates, see test_real_models.py).
+LOSS_RTOL, GRAD_REL, UPDATE_REL = 1e-5, 1e-5, 1e-3
+INDUCTOR = {"backend": "inductor"}
+MICRO = {"micro_batch_size": 2}
+# (strategy arguments, devices, the largest share of the model's parameters one rank may hold)
+LAYOUTS = {
+    "d2": ({}, 2, 1.0),
+    "t2": ({"tensor_parallel_size": 2}, 2, 0.6),
+    "t2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2, 0.6),
+    "p2": ({"pipeline_parallel_size": 2, **MICRO, "pipeline_schedule": "1f1b"}, 2, 0.8),
+    "p2-v2": ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, **MICRO}, 2, 0.8),
+    "zero1": ({"zero_stage": 1}, 2, 1.0),
+    "zero2": ({"zero_stage": 2}, 2, 0.6),
+    "zero3": ({"zero_stage": 3}, 2, 0.6),
+    "t2-p2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICRO, "pipeline_schedule": "1f1b"}, 4, 0.45),
+}
+OVERRIDES = {"num_layers": 4}  # p=2 v=2 needs a block per chunk
+_REFERENCES: dict[str, dict] = {}
+
+
+def compiled_reference(family: str) -> dict:
+    """One process, every block compiled with inductor before fit (computed once per family)."""
+    if family not in _REFERENCES:
+        _REFERENCES[family] = fit_and_record(
+            family, steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=OVERRIDES, compile_blocks=INDUCTOR
+        )
+    return _REFERENCES[family]
+
+
+def _check(results: list[dict], ref: dict, largest_share: float) -> None:
+    assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    full = sum(g.numel() for g in ref["first_grads"].values())
+    for result in results:
+        assert result["local_numel"] <= largest_share * full, f"a rank holds {result['local_numel']} of {full}"
+        assert result["compiled_graphs"] >= 1, "no graph was compiled: the run trained eagerly"
+        assert result["graph_breaks"] == {}, result["graph_breaks"]  # dynamo's own count
+
+
+def _fit(dist_pool, family: str, layout: str, **extra) -> None:
+    """Train ``family`` at ``layout`` and check every rank against one compiled process."""
+    strategy_kwargs, devices, largest_share = LAYOUTS[layout]
+    extra["strategy_kwargs"] = {**strategy_kwargs, **extra.get("strategy_kwargs", {})}
+    results = dist_pool(devices).run(
+        fit_and_record,
+        family,
+        devices=devices,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        model_overrides=OVERRIDES,
+        **extra,
+    )
+    _check(results, compiled_reference(family), largest_share)
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.world_size(spec[1])) for name, spec in LAYOUTS.items()]
+)
+def test_compiled_layout_matches_one_compiled_process(dist_pool, layout):
+    _fit(dist_pool, "gpt", layout, strategy_kwargs={"compile": INDUCTOR})
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", ["t2-sp", "zero3"])
+def test_blocks_the_user_compiled_before_fit(dist_pool, layout):
+    """``block.compile()`` before ``Trainer.fit``: the setup probes run eagerly, then the blocks
+    recompile over ptdp's rewrites."""
+    _fit(dist_pool, "nanogpt", layout, compile_blocks=INDUCTOR)
+
+
+@pytest.mark.world_size(2)
+def test_lightning_module_compiled_whole_trains_with_compiled_blocks(dist_pool):
+    """Lightning's guide, ``trainer.fit(torch.compile(model))``: Lightning refuses a compiled module
+    under other strategies; ptdp puts the module back and compiles each block instead."""
+    _fit(dist_pool, "llama", "t2", compile_whole=True)
