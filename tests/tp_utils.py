@@ -43,7 +43,10 @@ def tp_step(
     count: bool = False,
     kernels: str = "torch",
     inputs: torch.Tensor | None = None,
+    compile_backend: str | None = None,
 ) -> dict[str, Any]:
+    """``compile_backend``: compile every block's forward after the rewrites with fullgraph=True
+    (any graph break is an error), and report dynamo's own graph-break count."""
     import torch.distributed as dist
 
     from lightning_ptdp.parallel.grads import sum_partial_gradients
@@ -59,6 +62,16 @@ def tp_step(
 
     kernel_report = apply_kernels(net, kernels)
     kernel_calls = _count_kernel_calls() if kernels != "torch" else {}
+    if compile_backend is not None:
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        from lightning_ptdp.config import CompileConfig
+        from lightning_ptdp.parallel.compile import apply_compile
+
+        torch._dynamo.reset()
+        counters.clear()
+        apply_compile(net, CompileConfig(backend=compile_backend, fullgraph=True))
     state = full_state_dict(net)
     counter = CollectiveCounter() if count else None
     if counter:
@@ -83,7 +96,21 @@ def tp_step(
         "attention_heads": heads.seen,
         "forward_counts": forward_counts,
         "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
+        "graph_breaks": _graph_breaks() if compile_backend is not None else None,
+        "compiled_graphs": _compiled_graphs() if compile_backend is not None else None,
     }
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _count_kernel_calls() -> dict[str, int]:

@@ -196,6 +196,10 @@ class BlockRuntime:
         """Region ``k``'s input was made. Eager: watch for its reads. Compiled with SP: enter it now and
         hand the gathered tensor on (dynamo reads sizes without the mode, so reads cannot be swapped)."""
         entry = self.entries[k]
+        shared = [e for e in self.entries if e is not entry and e.entered is not None and e.entered is tensor]
+        if shared and C.compiling():  # one leaf feeds two regions (GPT-J): both read the one gathered input
+            entry.source, entry.entered, entry.shard = shared[0].source, shared[0].entered, None
+            return None
         entry.activate(tensor)
         if not (entry.sequence_parallel and C.compiling()):
             return None

@@ -51,6 +51,23 @@ def test_one_step_matches_single_process(dist_pool, family, sequence_parallel):
         assert held < 0.6 * sum(g.numel() for g in ref["grads"].values())
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("family", (*TP_FAMILIES, *MORE_HF, "gpt", "nanogpt", "llama"))
+def test_compiled_tp_blocks_have_no_graph_break(dist_pool, family):
+    """t=2 with sequence parallelism, every block's forward compiled with fullgraph=True after the
+    rewrites (any break would raise): ptdp adds no graph break inside a block, by dynamo's own count.
+    aot_eager traces forward and backward as inductor does, without generating C++; inductor's values
+    are checked layout by layout in test_compile.py. Same tolerances as the eager step above."""
+    ref = reference_step(family)
+    for result in dist_pool(2).run(tp_step, family, True, compile_backend="aot_eager"):
+        assert result["graph_breaks"] == 0 and result["compiled_graphs"] >= 1
+        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        for name, expected in ref["grads"].items():
+            if not _zero_in_exact_arithmetic(expected):
+                err = relative_error(result["grads"][name], expected, expected)
+                assert err <= GRAD_REL, f"{name}: gradient relative error {err:.1e}"
+
+
 # The conformance matrix: each family x layout trained with the Trainer for a few steps.
 # (strategy arguments, devices, largest fraction of the model's parameters one rank may hold)
 LAYOUTS = {

@@ -37,6 +37,16 @@ STRATEGY = [
         r"pipeline_schedule='interleaved' is not one of 'interleaved_1f1b', '1f1b', 'gpipe', 'zero_bubble'",
     ),
     ({"kernels": "cuda"}, r"kernels='cuda' is not one of 'auto', 'triton', 'torch'"),
+    ({"compile": "yes"}, r"compile='yes' must be True, False, a dict of torch.compile arguments or a CompileConfig"),
+    ({"compile": {"backend": "inductor", "options": {}}}, r"unknown keys \['options'\]; ptdp passes backend, mode"),
+    (
+        {"compile": {"mode": "reduce-overhead"}},
+        r"mode='reduce-overhead' records CUDA graphs.*use mode='max-autotune-no",
+    ),
+    ({"compile": {"mode": "fast"}}, r"compile mode='fast' is not one of None, 'default', 'max-autotune-no-cudagraphs'"),
+    ({"compile": {"fullgraph": 1}}, r"compile fullgraph=1 must be True or False"),
+    ({"compile": {"backend": ""}}, r"compile backend='' must be the name of a torch.compile backend"),
+    ({"compile": True, "kernels": "triton"}, r"kernels='triton' with compile: .* use kernels='auto'"),
     (
         {"pretrained": "/no/such/checkpoint"},
         r"pretrained='/no/such/checkpoint' does not exist; give a \.safetensors file",
