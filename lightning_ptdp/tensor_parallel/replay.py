@@ -1,11 +1,11 @@
 """Run a tensor-parallel block's own forward on its shards: the recorded rewrites, applied live.
 
 The forward runs as written under ``_ReplayMode`` (a TorchFunctionMode active only while a TP block
-runs). Calls are matched to recorded ones by call site (code, instruction, function, occurrence):
-a shape argument naming a global size along a sharded dim gets its local value (a value already
-local is kept), and every call inside a region reading the region's input gets the entered input
-(f, or the all-gathered one under SP, so size reads see the whole sequence). The column Linears take
-the same entered input; the row Linear reduces and ends the region. Leaf modules are not matched.
+runs). Calls are matched to recorded ones by call site (under torch.compile by order, checked against
+the sites eagerly): a shape argument naming a global size along a sharded dim gets its local value,
+and every call inside a region reading the region's input gets the entered input (f, or the
+all-gathered one under SP, so size reads see the whole sequence). The column Linears take the same
+entered input; the row Linear reduces and ends the region. Leaf modules are not matched.
 """
 
 from __future__ import annotations
