@@ -90,6 +90,19 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
         },
         4,
     ),
+    "compile": (
+        "benchmarks.bench_compile",
+        {"rounds": 3, "steps": 20, "warmup": 5},
+        {
+            "rounds": 2,
+            "steps": 3,
+            "warmup": 2,
+            "batch": 4,
+            "model": {"vocab_size": 64, "seq_length": 32, "num_layers": 2, "num_heads": 2, "hidden_size": 32},
+            "layouts": ("one process", "t2"),
+        },
+        4,
+    ),
 }
 
 

@@ -1,7 +1,7 @@
 """Fused flash attention (forward + backward) with the F.scaled_dot_product_attention layout.
 
 The kernels live in attention_fwd.py and attention_bwd.py and are imported on first use, so
-this module (the autograd wrapper and public entry point) imports without triton.
+this module (the custom ops, their autograd and the public entry point) imports without triton.
 """
 
 from __future__ import annotations
@@ -9,35 +9,62 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .support import attention_supported
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """O = softmax(scale * Q K^T [+ causal mask]) V; saves Q, K, V, O and the row log-sum-exp."""
+# Custom ops (torch.library): eager runs them as launched; torch.compile sees one opaque op per
+# direction, traced by its fake (shape-only) implementation, so a compiled graph keeps the kernel.
+@torch.library.custom_op("triton_kernels::flash_attention_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O = softmax(scale * Q K^T [+ causal mask]) V, and the row log-sum-exp (base 2, fp32)."""
+    from .attention_fwd import attention_forward
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        from .attention_fwd import attention_forward
-
-        out, lse = attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal = causal
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        from .attention_bwd import attention_backward
-
-        dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+    return attention_forward(q, k, v, causal, scale)
 
 
-@torch.compiler.disable  # opaque to torch.compile: a graph break, the kernel runs as launched
+@_forward_op.register_fake
+def _(q, k, v, causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("triton_kernels::flash_attention_backward", mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention_bwd import attention_backward
+
+    return attention_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+@_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output) -> None:
+    q, k, v, ctx.causal, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _backward_op(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_save)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,4 +86,4 @@ def flash_attention(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), float(scale))
+    return _forward_op(q, k, v, bool(causal), float(scale))[0]

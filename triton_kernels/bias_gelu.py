@@ -6,35 +6,53 @@ so this module imports without triton.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._config import SUPPORTED_DTYPES
 
 _APPROXIMATIONS = ("none", "tanh")
 
 
-class BiasGeluFunction(torch.autograd.Function):
-    """y = gelu(x + bias); saves only x and bias (h = x + bias is recomputed in backward)."""
+# Custom ops, as attention.py's: opaque to torch.compile, traced by their fake implementations.
+@torch.library.custom_op("triton_kernels::bias_gelu_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    from .bias_gelu_kernels import bias_gelu_forward
 
-    @staticmethod
-    def forward(ctx, x, bias, tanh: bool):
-        ctx.save_for_backward(x, bias)
-        ctx.tanh = tanh
-        from .bias_gelu_kernels import bias_gelu_forward
-
-        return bias_gelu_forward(x, bias, tanh)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y):
-        x, bias = ctx.saved_tensors
-        from .bias_gelu_kernels import bias_gelu_backward
-
-        dx, dbias = bias_gelu_backward(grad_y, x, bias, ctx.tanh)
-        return dx, dbias, None
+    return bias_gelu_forward(x, bias, tanh)
 
 
-@torch.compiler.disable  # opaque to torch.compile: a graph break, the kernel runs as launched
+@_forward_op.register_fake
+def _(x, bias, tanh):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("triton_kernels::bias_gelu_backward", mutates_args=())
+def _backward_op(
+    grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .bias_gelu_kernels import bias_gelu_backward
+
+    return bias_gelu_backward(grad_y, x, bias, tanh)
+
+
+@_backward_op.register_fake
+def _(grad_y, x, bias, tanh):
+    return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+
+def _save(ctx, inputs, output) -> None:
+    x, bias, ctx.tanh = inputs
+    ctx.save_for_backward(x, bias)  # h = x + bias is recomputed in backward
+
+
+def _backward(ctx, grad_y):
+    x, bias = ctx.saved_tensors
+    dx, dbias = _backward_op(grad_y, x, bias, ctx.tanh)
+    return dx, dbias, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_save)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) fused, ``approximate`` "none" (erf) or "tanh" as in F.gelu.
 
@@ -54,4 +72,4 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
         raise ValueError(f"bias_gelu: x on {x.device} but bias on {bias.device}")
     if bias.stride(0) != 1:
         bias = bias.contiguous()
-    return BiasGeluFunction.apply(x, bias, approximate == "tanh")
+    return _forward_op(x, bias, approximate == "tanh")
