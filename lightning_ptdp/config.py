@@ -77,6 +77,14 @@ class CompileConfig:
                 "gradient buckets); use mode='max-autotune-no-cudagraphs' or mode=None"
             )
         _check_choice("compile mode", self.mode, COMPILE_MODES)
+        import torch._dynamo  # only when compiling: the backends this torch knows
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if self.backend not in known:
+            raise ValueError(
+                f"compile backend={self.backend!r} is not a torch.compile backend on this machine; choose one of "
+                f"{', '.join(repr(b) for b in known)} ('inductor' generates fused kernels, 'aot_eager' only traces)"
+            )
         for name in ("fullgraph",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compile {name}={getattr(self, name)!r} must be True or False")

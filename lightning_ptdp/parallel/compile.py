@@ -22,21 +22,8 @@ from lightning_ptdp.parallel.blocks import find_block_lists
 log = logging.getLogger(__name__)
 
 
-def check_backend(config: CompileConfig) -> None:
-    """Refuse a backend torch.compile does not know, at setup, with the ones it does."""
-    import torch._dynamo
-
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if config.backend not in known:
-        raise ValueError(
-            f"compile backend={config.backend!r} is not a torch.compile backend on this machine; choose one of "
-            f"{', '.join(repr(b) for b in known)} ('inductor' generates fused kernels, 'aot_eager' only traces)"
-        )
-
-
 def apply_compile(module: nn.Module, config: CompileConfig) -> list[str]:
     """Compile every found block's forward once (a second stage reuses it); returns the block paths."""
-    check_backend(config)
     compiled = []
     for prefix, blocks in find_block_lists(module):
         for index, block in enumerate(blocks):

@@ -46,6 +46,7 @@ STRATEGY = [
     ({"compile": {"mode": "fast"}}, r"compile mode='fast' is not one of None, 'default', 'max-autotune-no-cudagraphs'"),
     ({"compile": {"fullgraph": 1}}, r"compile fullgraph=1 must be True or False"),
     ({"compile": {"backend": ""}}, r"compile backend='' must be the name of a torch.compile backend"),
+    ({"compile": {"backend": "tvm2"}}, r"compile backend='tvm2' is not a torch.compile backend on this machine"),
     ({"compile": True, "kernels": "triton"}, r"kernels='triton' with compile: .* use kernels='auto'"),
     (
         {"pretrained": "/no/such/checkpoint"},
