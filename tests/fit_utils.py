@@ -88,13 +88,15 @@ def fit_and_record(
     callbacks: list | None = None,
     compile_blocks: dict | None = None,
     compile_whole: bool = False,
+    compile_inner: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
 
     ``strategy_kwargs=None`` is the single-process reference (Lightning's default strategy).
     ``compile_blocks``: torch.compile arguments for ``block.compile(...)`` on every block before fit,
-    as a user compiles; ``compile_whole``: ``torch.compile(lightning_module)`` as Lightning's guide says.
+    as a user compiles; ``compile_whole``: ``torch.compile(lightning_module)`` as Lightning's guide says;
+    ``compile_inner``: the LightningModule's network replaced by ``torch.compile(network)``.
     ``accumulate``: the same global batches in that many equal parts (``accumulate_grad_batches``),
     the same samples in the same order; losses are still one per optimizer step.
     """
@@ -107,6 +109,9 @@ def fit_and_record(
     counters.clear()
     L.seed_everything(seed, verbose=False)
     model = build_model(family, **(model_overrides or {}))
+    if compile_inner:
+        name = "gpt" if family == "gpt" else "net"
+        setattr(model, name, torch.compile(getattr(model, name), backend="inductor"))
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if compile_blocks is not None:
         from lightning_ptdp.parallel.blocks import find_block_lists

@@ -31,19 +31,32 @@ LAYOUTS = {
     "t2-p2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICRO, "pipeline_schedule": "1f1b"}, 4, 0.45),
 }
 OVERRIDES = {"num_layers": 4}  # p=2 v=2 needs a block per chunk
-_REFERENCES: dict[str, dict] = {}
+_REFERENCES: dict[tuple[str, bool], dict] = {}
 
 
-def compiled_reference(family: str) -> dict:
-    """One process, every block compiled with inductor before fit (computed once per family)."""
-    if family not in _REFERENCES:
-        _REFERENCES[family] = fit_and_record(
-            family, steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=OVERRIDES, compile_blocks=INDUCTOR
+def compiled_reference(family: str, inner: bool = False) -> dict:
+    """One process, every block compiled with inductor before fit, or (``inner``) the network compiled
+    whole; computed once per case."""
+    if (family, inner) not in _REFERENCES:
+        how = {"compile_inner": True} if inner else {"compile_blocks": INDUCTOR}
+        _REFERENCES[family, inner] = fit_and_record(
+            family, steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=OVERRIDES, **how
         )
-    return _REFERENCES[family]
+    return _REFERENCES[family, inner]
+
+
+def _without_orig_mod(result: dict) -> dict:
+    """Names with the ``_orig_mod.`` of a module compiled whole dropped: torch's state-dict helpers
+    (ZeRO 2/3's full state dict) drop it, the module's own state_dict keeps it."""
+    renamed = {}
+    for key in ("initial", "state", "first_grads"):
+        values = result[key]
+        renamed[key] = values if not values else {k.replace("._orig_mod", ""): v for k, v in values.items()}
+    return {**result, **renamed}
 
 
 def _check(results: list[dict], ref: dict, largest_share: float) -> None:
+    results, ref = [_without_orig_mod(r) for r in results], _without_orig_mod(ref)
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     full = sum(g.numel() for g in ref["first_grads"].values())
     for result in results:
@@ -65,7 +78,7 @@ def _fit(dist_pool, family: str, layout: str, **extra) -> None:
         model_overrides=OVERRIDES,
         **extra,
     )
-    _check(results, compiled_reference(family), largest_share)
+    _check(results, compiled_reference(family, inner=extra.get("compile_inner", False)), largest_share)
 
 
 @pytest.mark.parametrize(
@@ -88,3 +101,34 @@ def test_lightning_module_compiled_whole_trains_with_compiled_blocks(dist_pool):
     """Lightning's guide, ``trainer.fit(torch.compile(model))``: Lightning refuses a compiled module
     under other strategies; ptdp puts the module back and compiles each block instead."""
     _fit(dist_pool, "llama", "t2", compile_whole=True)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", ["d2", "t2-sp", "zero3"])
+def test_network_the_user_compiled_whole(dist_pool, layout):
+    """``self.net = torch.compile(net)`` in the user's LightningModule: one graph over the network,
+    ptdp's embedding, head and blocks inside it."""
+    _fit(dist_pool, "llama", layout, compile_inner=True)
+
+
+@pytest.mark.world_size(2)
+def test_network_compiled_whole_under_pipeline_breaks_only_where_a_chunk_ends(dist_pool):
+    """Under PP the network's forward stops where this rank's chunk ends (an exception dynamo does
+    not trace): the same values, with graph breaks there and nowhere else. Compiling per block
+    (``compile=``) has none."""
+    strategy_kwargs, devices, largest_share = LAYOUTS["p2"]
+    results = dist_pool(devices).run(
+        fit_and_record,
+        "llama",
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        model_overrides=OVERRIDES,
+        compile_inner=True,
+    )
+    results, ref = [_without_orig_mod(r) for r in results], _without_orig_mod(compiled_reference("llama", inner=True))
+    assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    for result in results:
+        assert result["compiled_graphs"] >= 1
+        assert all("_ChunkDone" in reason or "super().__init__" in reason for reason in result["graph_breaks"])

@@ -32,10 +32,11 @@ UPDATE_REL = 1e-3
 # Fits of 2-3 steps (fast_dev_run, each of several Trainers, every one with a fresh AdamW): AdamW's
 # first steps are sign-like (m / sqrt(v) = +-1 per element), so elements whose gradient is round-off
 # sized take full steps of random sign, a larger share of a short update. Measured: up to 1.1e-3 of a
-# 3-step update (t2 after d2), 1.0e-3 of fast_dev_run's 2 (t2), and on another machine of the same
-# kind 5.6e-3 (d2, the second Trainer, a LayerNorm bias: the CPU's reduction order differs); a lagging
-# or missing step is off by 1/3 to 1/2 of such an update, 30x this bound.
-FEW_STEPS_UPDATE_REL = 1e-2
+# 3-step update (t2 after d2), 1.0e-3 of fast_dev_run's 2 (t2); on another machine of the same kind,
+# d2's second Trainer (a fresh AdamW on trained weights) 5.6e-3 alone and 1.2e-2 after the rest of the
+# suite had run in the same process (the reference's reduction order follows the process's state).
+# A lagging or missing step is off by 1/3 to 1/2 of such an update: 7-10x this bound.
+FEW_STEPS_UPDATE_REL = 5e-2
 # The key projection's bias has an exactly-zero gradient in exact arithmetic (softmax is shift
 # invariant per query row): its updates are pure round-off noise, no two summation orders share them.
 NOISE_DRIVEN = ("attn.key.bias",)
