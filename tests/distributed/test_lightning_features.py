@@ -37,6 +37,10 @@ UPDATE_REL = 1e-3
 # suite had run in the same process (the reference's reduction order follows the process's state).
 # A lagging or missing step is off by 1/3 to 1/2 of such an update: 7-10x this bound.
 FEW_STEPS_UPDATE_REL = 5e-2
+# The later Trainers start a fresh AdamW from weights that already carry that noise, so their losses
+# drift further: measured up to 1.2e-5 relative (d2 then t2, third Trainer's last step). A stale
+# optimizer or weights not carried over move a loss in the 2nd-3rd digit.
+LATER_LOSS_RTOL = 1e-4
 # The key projection's bias has an exactly-zero gradient in exact arithmetic (softmax is shift
 # invariant per query row): its updates are pure round-off noise, no two summation orders share them.
 NOISE_DRIVEN = ("attn.key.bias",)
@@ -270,10 +274,10 @@ def reference(fn: Any, *args: Any) -> dict:
     return _references[key]
 
 
-def assert_losses(actual: list[float], expected: list[float], what: str) -> None:
+def assert_losses(actual: list[float], expected: list[float], what: str, rtol: float = LOSS_RTOL) -> None:
     assert len(actual) == len(expected) > 0, f"{what}: {len(actual)} losses where one process has {len(expected)}"
     torch.testing.assert_close(
-        torch.tensor(actual), torch.tensor(expected), rtol=LOSS_RTOL, atol=0.0, msg=lambda m: f"{what}: losses {m}"
+        torch.tensor(actual), torch.tensor(expected), rtol=rtol, atol=0.0, msg=lambda m: f"{what}: losses {m}"
     )
 
 
@@ -375,5 +379,5 @@ def test_later_trainers_on_the_same_module(dist_pool, devices, layout):
         assert len(result["runs"]) == (2 if refusal is not None else 3)
         for run, got in enumerate(result["runs"]):
             what = f"{layout} rank {rank}, Trainer {run + 1}"
-            assert_losses(got["losses"], ref["runs"][run]["losses"], what)
+            assert_losses(got["losses"], ref["runs"][run]["losses"], what, LOSS_RTOL if run == 0 else LATER_LOSS_RTOL)
             assert_weights(got["state"], ref["runs"][run]["state"], ref["initial"], what, FEW_STEPS_UPDATE_REL)
