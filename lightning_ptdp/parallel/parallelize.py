@@ -1,7 +1,7 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
 ``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 2 kernels,
-3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 4c compile, 5 data parallel; why
+2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
 this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
 the pipeline engine, the ``GradientFinisher`` and the ``ShardingView`` checkpoints need.
 """
@@ -90,13 +90,16 @@ def parallelize(
                         pipeline split drops the other stages' parameters.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                         sees its own heads and bias shard.
+    2b. compile         (compile=...) wrap each block's forward in torch.compile, over TP and kernels;
+                        lazy (it compiles at the first step, after the probes, which record real
+                        calls and run eagerly even where the user compiled). Before recompute, so
+                        a checkpoint wraps the compiled forward (the replay's state changes inside
+                        a checkpoint are what dynamo cannot put in one graph).
     3. recompute        wrap whole blocks after TP, so a recomputed forward replays TP collectives.
     4. pipeline split   keep this rank's p*v chunks of the (sharded) model; its gates wrap the
                         recomputed blocks, so a block of another chunk is never recomputed.
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
-    4c. compile         (compile=...) each block's forward, over every rewrite above; after the
-                        probes, which record real calls (run eagerly even where the user compiled).
     5. data parallel    last: it wraps the final per-rank parameters (ZeRO 2/3 shards them over dp;
                         under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk;
                         ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
@@ -117,6 +120,8 @@ def parallelize(
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile
         report = apply_kernels(module, "torch" if config.compile is not None else config.kernels)
         log.info("kernels: %s", report.summary())
+        if config.compile is not None:  # hooks around the forward (FSDP's, the pipeline gates) stay eager
+            log.info("compiling %d blocks (%s)", len(apply_compile(module, config.compile)), config.compile.backend)
         if config.activation_checkpointing is not None and "_ptdp_recompute" not in module.__dict__:
             wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
             module.__dict__["_ptdp_recompute"] = wrapped
@@ -161,9 +166,6 @@ def parallelize(
             # built on the meta device (configure_model): allocate and initialise only what TP and the
             # pipeline split left this rank, before data parallelism wraps or shards it
             materialize_shards(module, device, result.pipeline)
-    if config.compile is not None:
-        # step 4c: compile each block's forward over all the rewrites above; hooks (FSDP's too) stay eager
-        log.info("compiled %d blocks (%s)", len(apply_compile(module, config.compile)), config.compile.backend)
     if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
         result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)

@@ -29,6 +29,12 @@ LAYOUTS = {
     "zero2": ({"zero_stage": 2}, 2, 0.6),
     "zero3": ({"zero_stage": 3}, 2, 0.6),
     "t2-p2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICRO, "pipeline_schedule": "1f1b"}, 4, 0.45),
+    "t2-sp-full-recompute": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
+        2,
+        0.6,
+    ),
+    "t2-selective-recompute": ({"tensor_parallel_size": 2, "activation_checkpointing": "selective"}, 2, 0.6),
 }
 OVERRIDES = {"num_layers": 4}  # p=2 v=2 needs a block per chunk
 _REFERENCES: dict[tuple[str, bool], dict] = {}
