@@ -98,7 +98,9 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
             "steps": 3,
             "warmup": 2,
             "batch": 4,
-            "model": {"vocab_size": 64, "seq_length": 32, "num_layers": 2, "num_heads": 2, "hidden_size": 32},
+            "models": {
+                "tiny": {"vocab_size": 64, "seq_length": 32, "num_layers": 2, "num_heads": 2, "hidden_size": 32}
+            },
             "layouts": ("one process", "t2"),
         },
         4,
