@@ -54,6 +54,24 @@ def _compiled_forward(forward: Any, name: str, config: CompileConfig) -> Any:
     return run
 
 
+def compiled_by_user(module: nn.Module) -> bool:
+    """A block compiled with ``block.compile()``, or a submodule wrapped by ``torch.compile``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) for m in module.modules())
+
+
+def warn_checkpoint_break(module: nn.Module, recompute: str | None, tp: int) -> None:
+    """The user's own compile around ptdp's full recompute under TP breaks the graph once per block."""
+    if recompute == "full" and tp > 1 and compiled_by_user(module):
+        log.warning(
+            "activation_checkpointing='full' with tensor_parallel_size=%d inside your own torch.compile: dynamo "
+            "breaks the graph at each block's checkpoint (the replay's per-forward state changes inside it); "
+            "PTDPStrategy(compile=...) compiles inside the checkpoint instead, with no break",
+            tp,
+        )
+
+
 def adopt_compiled_module(module: Any) -> bool:
     """A LightningModule compiled whole (``torch.compile(model)``, as Lightning's guide says) is put
     back to its own methods: ptdp compiles its blocks instead (one graph across the pipeline engine,

@@ -22,7 +22,7 @@ from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.parallel.compile import apply_compile, setup_stance
+from lightning_ptdp.parallel.compile import apply_compile, setup_stance, warn_checkpoint_break
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
 from lightning_ptdp.parallel.init import is_on_meta, materialize
@@ -122,6 +122,7 @@ def parallelize(
         log.info("kernels: %s", report.summary())
         if config.compile is not None:  # hooks around the forward (FSDP's, the pipeline gates) stay eager
             log.info("compiling %d blocks (%s)", len(apply_compile(module, config.compile)), config.compile.backend)
+        warn_checkpoint_break(module, config.activation_checkpointing, dims.tp)
         if config.activation_checkpointing is not None and "_ptdp_recompute" not in module.__dict__:
             wrapped = apply_activation_checkpointing(module, config.activation_checkpointing)
             module.__dict__["_ptdp_recompute"] = wrapped

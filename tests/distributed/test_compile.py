@@ -61,14 +61,19 @@ def _without_orig_mod(result: dict) -> dict:
     return {**result, **renamed}
 
 
-def _check(results: list[dict], ref: dict, largest_share: float) -> None:
+CHECKPOINT_BREAK = "Mutating a variable from outside the scope of this HOP"
+
+
+def _check(results: list[dict], ref: dict, largest_share: float, allowed_break: str | None = None) -> None:
+    """``allowed_break``: the one graph-break reason this case may have (every other one fails)."""
     results, ref = [_without_orig_mod(r) for r in results], _without_orig_mod(ref)
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     full = sum(g.numel() for g in ref["first_grads"].values())
     for result in results:
         assert result["local_numel"] <= largest_share * full, f"a rank holds {result['local_numel']} of {full}"
         assert result["compiled_graphs"] >= 1, "no graph was compiled: the run trained eagerly"
-        assert result["graph_breaks"] == {}, result["graph_breaks"]  # dynamo's own count
+        unexpected = [r for r in result["graph_breaks"] if allowed_break is None or allowed_break not in r]
+        assert unexpected == [], result["graph_breaks"]  # dynamo's own count
 
 
 def _fit(dist_pool, family: str, layout: str, **extra) -> None:
@@ -84,7 +89,11 @@ def _fit(dist_pool, family: str, layout: str, **extra) -> None:
         model_overrides=OVERRIDES,
         **extra,
     )
-    _check(results, compiled_reference(family, inner=extra.get("compile_inner", False)), largest_share)
+    # the user's own compile around ptdp's full recompute under TP: one break at each block's checkpoint
+    # (parallel/compile.py warns and names compile= as the way without it)
+    users_own = "compile" not in extra["strategy_kwargs"]
+    allowed = CHECKPOINT_BREAK if users_own and strategy_kwargs.get("activation_checkpointing") == "full" else None
+    _check(results, compiled_reference(family, inner=extra.get("compile_inner", False)), largest_share, allowed)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +103,12 @@ def test_compiled_layout_matches_one_compiled_process(dist_pool, layout):
     _fit(dist_pool, "gpt", layout, strategy_kwargs={"compile": INDUCTOR})
 
 
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("layout", ["t2-sp", "zero3"])
+PIPELINED = ("p2", "p2-v2", "t2-p2")
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.world_size(spec[1])) for name, spec in LAYOUTS.items()]
+)
 def test_blocks_the_user_compiled_before_fit(dist_pool, layout):
     """``block.compile()`` before ``Trainer.fit``: the setup probes run eagerly, then the blocks
     recompile over ptdp's rewrites."""
@@ -109,20 +122,28 @@ def test_lightning_module_compiled_whole_trains_with_compiled_blocks(dist_pool):
     _fit(dist_pool, "llama", "t2", compile_whole=True)
 
 
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("layout", ["d2", "t2-sp", "zero3"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(name, marks=pytest.mark.world_size(spec[1]))
+        for name, spec in LAYOUTS.items()
+        if name not in PIPELINED
+    ],
+)
 def test_network_the_user_compiled_whole(dist_pool, layout):
     """``self.net = torch.compile(net)`` in the user's LightningModule: one graph over the network,
     ptdp's embedding, head and blocks inside it."""
     _fit(dist_pool, "llama", layout, compile_inner=True)
 
 
-@pytest.mark.world_size(2)
-def test_network_compiled_whole_under_pipeline_breaks_only_where_a_chunk_ends(dist_pool):
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.world_size(LAYOUTS[name][1])) for name in PIPELINED]
+)
+def test_network_compiled_whole_under_pipeline_breaks_only_where_a_chunk_ends(dist_pool, layout):
     """Under PP the network's forward stops where this rank's chunk ends (an exception dynamo does
     not trace): the same values, with graph breaks there and nowhere else. Compiling per block
     (``compile=``) has none."""
-    strategy_kwargs, devices, largest_share = LAYOUTS["p2"]
+    strategy_kwargs, devices, largest_share = LAYOUTS[layout]
     results = dist_pool(devices).run(
         fit_and_record,
         "llama",
