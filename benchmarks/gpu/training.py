@@ -54,10 +54,12 @@ def _timer(warmup: int, cuda: bool):
         def __init__(self) -> None:
             self.start = self.end = None
             self.timed = 0
-            self.loss = None
+            self.loss = self.first_loss = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             step = trainer.global_step
+            if step == 1 and isinstance(outputs, dict):
+                self.first_loss = float(outputs["loss"])
             if step == warmup or step == trainer.max_steps:
                 if cuda:
                     torch.cuda.synchronize()
@@ -85,7 +87,11 @@ def build(cfg, device: torch.device):
 
     with torch.device("meta"):
         module = GPTLightningModule(cfg)
-    module.to_empty(device=device)
+    module.to_empty(device=device)  # gives every Parameter its own storage: the tie is broken here
+    if cfg.tie_embeddings:
+        module.gpt.lm_head.weight = module.gpt.token_embedding.weight
+    tied = module.gpt.lm_head.weight is module.gpt.token_embedding.weight
+    assert tied == cfg.tie_embeddings, "the head's tie to the embedding must survive to_empty"
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in module.gpt.named_parameters():
@@ -110,6 +116,7 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
     tokens = torch.randint(0, cfg.vocab_size, (steps * batch, cfg.seq_length + 1), generator=gen)
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
     module = build(cfg, ctx.device)
+    built = sum(p.numel() for p in module.parameters())  # a tied weight once
     backend = "inductor" if ctx.cuda else "eager"  # smoke: dynamo's whole path without a C++ build
     if variant.compiled and variant.kernels is None:  # plain Lightning: the user compiles the blocks
         for block in module.gpt.blocks:
@@ -152,6 +159,8 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
         "mfu": tflops * 1e12 / ctx.peak_flops if ctx.peak_flops else None,
         "step_s": seconds / clock.timed,
         "timed_steps": clock.timed,
+        "parameters_built": built,
+        "first_loss": clock.first_loss,
         "final_loss": clock.loss,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if ctx.cuda else None,
     }
@@ -194,6 +203,9 @@ def run(ctx: Context, rows: list[dict]) -> dict:
             break
         rows.append(row)
     by_name = {r["variant"]: r for r in rows if "tokens_per_s" in r}
+    # the same weights and batch everywhere: the first losses agree to bf16 round-off (kernels differ)
+    firsts = [r["first_loss"] for r in by_name.values() if r.get("first_loss") is not None]
+    info["first_losses_agree"] = bool(firsts) and (max(firsts) - min(firsts)) <= 1e-2 * abs(min(firsts))
     for name in ("ptdp-triton", "ptdp-torch", "ptdp+compile"):
         base = by_name.get("lightning+compile" if name.endswith("+compile") else "lightning")
         if name in by_name and base is not None:

@@ -52,6 +52,11 @@ def test_smoke_runs_every_part_and_the_kernels_are_correct(tmp_path):
     trained = {row["variant"]: row for row in parts["training"]["rows"]}
     assert [v.name for v in VARIANTS] == list(trained)  # every variant ran, compiled ones included
     assert all(row.get("tokens_per_s", 0) > 0 for row in trained.values()), trained  # none failed or skipped
+    training = parts["training"]
+    # the paper's Eq. 2 plus the final LayerNorm (2h) it leaves out: an untied head would add V*h
+    final_norm = 2 * training["model"]["hidden_size"]
+    assert {row["parameters_built"] for row in trained.values()} == {training["parameters"] + final_norm}
+    assert training["first_losses_agree"], [row["first_loss"] for row in trained.values()]
     assert "## " in Path(record["files"]["markdown"]).read_text()
     assert results.read_text() == before  # a smoke run never writes the repository's RESULTS.md
 
