@@ -128,6 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     split.add_argument("--weights-only", action="store_true", help="convert the model's weights alone")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as save_pretrained does
         if args.full:
             torch.save(consolidate(args.checkpoint), args.output)
         else:

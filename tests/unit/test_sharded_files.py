@@ -109,3 +109,15 @@ def test_consolidate_keeps_one_submodule_under_its_own_keys_as_safetensors(tmp_p
     assert loaded.keys() == {"layer.weight", "norm.bias"}
     assert torch.equal(loaded["layer.weight"], state["net.model.layer.weight"])
     assert torch.equal(loaded["norm.bias"], state["net.model.norm.bias"])
+
+
+@pytest.mark.parametrize("suffix", ["model.safetensors", "model.pt"])
+def test_consolidate_creates_the_output_folder(tmp_path, suffix):
+    """`ptdp checkpoint consolidate CKPT new/dir/model.safetensors`: the folder is made, as
+    `save_pretrained` makes its own, instead of safetensors' bare "No such file or directory"."""
+    from lightning_ptdp.checkpoint.command import main
+
+    shard(_weights(3.0), str(tmp_path / "run.ckpt"))
+    out = tmp_path / "new" / "dir" / suffix
+    assert main(["consolidate", str(tmp_path / "run.ckpt"), str(out)]) == 0
+    assert out.is_file()
