@@ -57,22 +57,3 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     rest = [i for i in items if i not in set(distributed)]
     ordered = sorted(distributed, key=_world_size)
     items[:] = rest[:first] + ordered + rest[first:]
-
-
-# The README's "Works with" table is written from the conformance matrix's own outcomes
-# (tests/distributed/test_real_models.py), whenever a run covers the whole matrix.
-_MATRIX_TEST = "test_real_models.py::test_conformance["
-_matrix_outcomes: dict[tuple[str, str], str] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if _MATRIX_TEST in report.nodeid and (report.when == "call" or report.outcome != "passed"):
-        family, layout = report.nodeid.split("[", 1)[1].rstrip("]").split("-", 1)
-        if _matrix_outcomes.get((family, layout)) != "failed":
-            _matrix_outcomes[(family, layout)] = report.outcome
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from tests.works_with import write_table
-
-    write_table(_matrix_outcomes)

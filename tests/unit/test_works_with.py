@@ -1,0 +1,15 @@
+"""The README's "Works with" table is the conformance matrix's, as `python -m tests.works_with` renders it."""
+
+from tests.works_with import README, readme_block, render
+
+
+def test_readme_holds_the_rendered_table():
+    assert readme_block(README.read_text()) == render(), "run `python -m tests.works_with` and commit README.md"
+
+
+def test_every_matrix_cell_is_a_row_entry():
+    from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
+
+    rows = [line for line in render().splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert len(rows) == len(MATRIX_FAMILIES)
+    assert all(row.count(" ok ") == len(LAYOUTS) for row in rows)
