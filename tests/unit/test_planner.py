@@ -247,8 +247,11 @@ def test_gpt3_175b_on_1024_gpus_against_the_papers_140_tflops_and_34_days():
     assert round(days) == 34 and days == pytest.approx(8 * 300e9 * 175e9 / (1024 * 140e12) / 86400)
     assert round(GPT3_175B.parameters / 1e9, 1) == 174.6  # Eq. 2, the paper's "174.6B" (Table 2)
     best = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, **PAPER_TOOLSET)[0]
-    assert best.tflops_per_gpu == pytest.approx(140, rel=0.15)
+    assert best.tflops_per_gpu == pytest.approx(140, rel=0.15)  # no recompute: fewer FLOPs than the paper counts
     assert best.tensor_parallel_size == 8 and best.pipeline_parallel_size > 1
+    # like with like (the paper's 140 counts recomputation): optimistic, within 25% (README: +21.6%)
+    full = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, recompute_modes=("full",))[0]
+    assert full.activation_checkpointing == "full" and 1.0 < full.tflops_per_gpu / 140 < 1.25
 
 
 # --------------------------------------------------------------------------- estimate
