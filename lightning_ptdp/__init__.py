@@ -7,11 +7,11 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.config import CompileConfig, ParallelConfig
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.strategy import PTDPStrategy
 
 if PTDPStrategy.strategy_name not in StrategyRegistry:
     PTDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["PTDPStrategy", "ParallelConfig", "ParallelDims", "__version__"]
+__all__ = ["CompileConfig", "PTDPStrategy", "ParallelConfig", "ParallelDims", "__version__"]

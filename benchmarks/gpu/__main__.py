@@ -1,4 +1,4 @@
-"""Every GPU figure in one process, on one H100 or H200, in under 8 minutes:
+"""Every GPU figure in one process, on one H100 or H200, within part budgets summing to under 8 minutes:
 
     PYTHONPATH=. python -m benchmarks.gpu                 # on the GPU: JSON + Markdown, RESULTS.md section
     PYTHONPATH=. python -m benchmarks.gpu --smoke --out /tmp/x   # CPU, tiny sizes, Triton interpreter

@@ -1,0 +1,36 @@
+"""The public modules (docs/architecture.md, "Public API") import with every name they export, and a
+moved module still imports from its old path for one release, with a warning naming the new one."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+PUBLIC = (
+    "lightning_ptdp",
+    "lightning_ptdp.callbacks",
+    "lightning_ptdp.tools.flops",
+    "lightning_ptdp.planner",
+    "lightning_ptdp.testing",
+    "triton_kernels",
+)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_module_exports_what_it_lists(name):
+    module = importlib.import_module(name)
+    assert f"`{name}`" in DOCS.read_text(), f"{name} is public: list it in docs/architecture.md"
+    for export in getattr(module, "__all__", ()):
+        assert hasattr(module, export), f"{name}.__all__ names {export}, which it lacks"
+
+
+def test_the_old_flops_path_warns_and_gives_the_same_functions():
+    from lightning_ptdp.tools import flops
+
+    sys.modules.pop("lightning_ptdp.flops", None)
+    with pytest.warns(DeprecationWarning, match=r"lightning_ptdp.flops moved to lightning_ptdp.tools.flops"):
+        old = importlib.import_module("lightning_ptdp.flops")
+    assert old.gpt_parameter_count is flops.gpt_parameter_count
+    assert set(old.__all__) == set(flops.__all__)
