@@ -54,6 +54,13 @@ def autotuned(kernel: triton.JITFunction, stage: str) -> triton.runtime.Autotune
     return tuner
 
 
+def clear() -> None:
+    """Forget every tuned choice: the next launch of each key tunes again (a part that ran with
+    TRITON_KERNELS_AUTOTUNE=0 leaves its one untimed config cached under the same keys)."""
+    for tuner in _TUNED.values():
+        tuner.cache.clear()
+
+
 def chosen() -> list[dict]:
     """One row per tuned key: kernel stage, key, the chosen tiles."""
     rows = []

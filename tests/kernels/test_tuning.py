@@ -67,3 +67,20 @@ def test_every_candidate_tile_is_correct(monkeypatch, blocks):
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
         for name, g, w in zip("qkv", got, want):
             torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_clear_forgets_what_an_untuned_part_cached(monkeypatch, device):
+    """The GPU suite's correctness part runs with TRITON_KERNELS_AUTOTUNE=0; the attention benchmark
+    after it must tune its keys itself, not reuse that part's one config (benchmarks/gpu/correctness.py)."""
+    from triton_kernels import flash_attention, tuning
+
+    monkeypatch.setenv("TRITON_KERNELS_AUTOTUNE", "0")
+    q = torch.randn(1, 2, 64, 16, device=device)
+    flash_attention(q, q, q)
+    # on a GPU that launch cached its one untimed config under its key; the interpreter has one
+    # candidate and caches nothing, so put one there as the GPU would
+    for tuner in tuning._TUNED.values():
+        tuner.cache.setdefault((1024, 16, False), tuner.configs[0])
+    assert tuning.chosen()
+    tuning.clear()
+    assert tuning.chosen() == []
