@@ -16,7 +16,7 @@ import json
 
 import lightning as L
 
-from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
+from benchmarks.bench_dp import WARMUP_STEPS, StepTimer, timing_data
 from benchmarks.results import paired_ratio, pool_of, spread, stats
 from lightning_ptdp.testing import quiet_trainer
 
@@ -43,7 +43,6 @@ def timed_fit(layout: str, compiled: bool, steps: int, batch: int, warmup: int, 
     import torch._dynamo
 
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
     devices, strategy_kwargs = LAYOUTS[layout]
@@ -57,13 +56,7 @@ def timed_fit(layout: str, compiled: bool, steps: int, batch: int, warmup: int, 
         for block in module.gpt.blocks:
             block.compile(backend=BACKEND)
     seq = model["seq_length"]
-    data = MarkovDataModule(
-        vocab_size=model["vocab_size"],
-        seq_length=seq,
-        batch_size=batch,
-        train_tokens=(steps + 2) * batch * (seq + 1),
-        val_tokens=2 * (seq + 1),
-    )
+    data = timing_data(model["vocab_size"], seq, batch, steps)
     timer = StepTimer(warmup)
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer])
     trainer.fit(module, data)

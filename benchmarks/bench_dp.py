@@ -47,23 +47,29 @@ class StepTimer(L.Callback):
             self.timed_steps = trainer.global_step - self.warmup_steps
 
 
+def timing_data(vocab_size: int, seq_length: int, batch: int, steps: int, replicas: int = 1) -> Any:
+    """The embedded corpus with enough samples for ``steps`` steps (+2) of ``batch`` per replica."""
+    from recipes.data import MarkovDataModule
+
+    return MarkovDataModule(
+        vocab_size=vocab_size,
+        seq_length=seq_length,
+        batch_size=batch,
+        train_tokens=(steps + 2) * batch * replicas * (seq_length + 1),
+        val_tokens=2 * (seq_length + 1),
+    )
+
+
 def timed_fit(strategy_name: str, devices: int, steps: int, batch_per_rank: int, seq_length: int, warmup: int) -> float:
     """Train the recipes' small GPT for ``steps`` steps; return tokens/s over all ranks."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
     L.seed_everything(0, verbose=False)
     model = GPTLightningModule(GPTConfig(seq_length=seq_length, **MODEL))
-    data = MarkovDataModule(
-        vocab_size=MODEL["vocab_size"],
-        seq_length=seq_length,
-        batch_size=batch_per_rank,
-        train_tokens=(steps + 2) * batch_per_rank * devices * (seq_length + 1),
-        val_tokens=2 * (seq_length + 1),
-    )
+    data = timing_data(MODEL["vocab_size"], seq_length, batch_per_rank, steps, replicas=devices)
     strategy = PTDPStrategy() if strategy_name == "ptdp" else DDPStrategy()
     timer = StepTimer(warmup)
     trainer = quiet_trainer(

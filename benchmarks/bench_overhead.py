@@ -23,7 +23,7 @@ import sys
 import lightning as L
 import torch
 
-from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
+from benchmarks.bench_dp import WARMUP_STEPS, StepTimer, timing_data
 from benchmarks.results import cpu_description, today, write_section
 from lightning_ptdp.testing import quiet_trainer
 
@@ -35,19 +35,12 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
     """Train the recipes GPT for ``steps`` steps on one CPU device; tokens per wall second and per
     CPU second of this process (all its threads) after the warm-up, and each timed step's CPU seconds."""
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
     L.seed_everything(0, verbose=False)
     seq = MODEL["seq_length"]
     model = GPTLightningModule(GPTConfig(**MODEL))
-    data = MarkovDataModule(
-        vocab_size=MODEL["vocab_size"],
-        seq_length=seq,
-        batch_size=batch,
-        train_tokens=(steps + 2) * batch * (seq + 1),
-        val_tokens=2 * (seq + 1),
-    )
+    data = timing_data(MODEL["vocab_size"], seq, batch, steps)
     timer = StepTimer(warmup)
     trainer = quiet_trainer(
         devices=1,

@@ -21,7 +21,7 @@ import json
 import lightning as L
 import torch
 
-from benchmarks.bench_dp import WARMUP_STEPS, StepTimer
+from benchmarks.bench_dp import WARMUP_STEPS, StepTimer, timing_data
 from benchmarks.results import paired_ratio, pool_of, spread, stats
 from lightning_ptdp.testing import quiet_trainer
 
@@ -73,7 +73,6 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_ptdp import PTDPStrategy
-    from recipes.data import MarkovDataModule
     from recipes.gpt import GPTConfig, GPTLightningModule
 
     L.seed_everything(0, verbose=False)
@@ -82,13 +81,7 @@ def timed_fit(name: str, steps: int, batch: int, warmup: int = WARMUP_STEPS) -> 
     else:
         model, strategy = _dtensor_module(), ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=TP)
     seq = MODEL["seq_length"]
-    data = MarkovDataModule(
-        vocab_size=256,
-        seq_length=seq,
-        batch_size=batch,
-        train_tokens=(steps + 2) * batch * (seq + 1),
-        val_tokens=2 * (seq + 1),
-    )
+    data = timing_data(256, seq, batch, steps)
     timer = StepTimer(warmup)
     trainer = quiet_trainer(
         devices=TP,

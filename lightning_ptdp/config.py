@@ -6,7 +6,7 @@ any worker starts or any collective can hang. Messages state the value, the rule
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import Literal, Optional, Union, get_args
 
@@ -27,7 +27,7 @@ START_METHODS: tuple[str, ...] = get_args(StartMethod)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
-COMPILE_MODES: tuple = (None, "default", "max-autotune-no-cudagraphs")
+COMPILE_MODES: tuple[Optional[str], ...] = (None, "default", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -85,9 +85,8 @@ class CompileConfig:
                 f"compile backend={self.backend!r} is not a torch.compile backend on this machine; choose one of "
                 f"{', '.join(repr(b) for b in known)} ('inductor' generates fused kernels, 'aot_eager' only traces)"
             )
-        for name in ("fullgraph",):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"compile {name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.fullgraph, bool):
+            raise ValueError(f"compile fullgraph={self.fullgraph!r} must be True or False")
         if self.dynamic not in (None, True, False):
             raise ValueError(f"compile dynamic={self.dynamic!r} must be None, True or False")
 
@@ -101,7 +100,7 @@ class CompileConfig:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"backend", "mode", "fullgraph", "dynamic"})
+            unknown = sorted(set(value) - {f.name for f in fields(cls)})
             if unknown:
                 raise ValueError(
                     f"compile={value!r}: unknown keys {unknown}; ptdp passes backend, mode, fullgraph and dynamic "
@@ -111,7 +110,7 @@ class CompileConfig:
         raise ValueError(f"compile={value!r} must be True, False, a dict of torch.compile arguments or a CompileConfig")
 
     def kwargs(self) -> dict:
-        return {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

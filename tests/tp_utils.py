@@ -96,21 +96,18 @@ def tp_step(
         "attention_heads": heads.seen,
         "forward_counts": forward_counts,
         "backward_counts": {k: v - forward_counts.get(k, 0) for k, v in backward_counts.items()},
-        "graph_breaks": _graph_breaks() if compile_backend is not None else None,
-        "compiled_graphs": _compiled_graphs() if compile_backend is not None else None,
+        **(_dynamo_counts() if compile_backend is not None else {}),
     }
 
 
-def _graph_breaks() -> int:
+def _dynamo_counts() -> dict[str, int]:
+    """Dynamo's own counts since ``counters.clear()``: graph breaks and graphs compiled."""
     from torch._dynamo.utils import counters
 
-    return sum(counters["graph_break"].values())
-
-
-def _compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+    }
 
 
 def _count_kernel_calls() -> dict[str, int]:

@@ -3,15 +3,14 @@
 As torchtitan does, one compiled region per block (repeated blocks share one graph), so compile
 time does not grow with depth. The forward is compiled, not the module call: hooks (FSDP2's
 unshard, the pipeline gates, the sequence-parallel scatter) stay eager around it. The tensor-parallel
-replay traces as ordinary code (replay.py); ``setup_stance`` keeps the setup probes eager.
+replay traces as ordinary code (replay.py); parallelize keeps the setup probes eager.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -86,10 +85,3 @@ def adopt_compiled_module(module: Any) -> bool:
         "(regional compilation, after its rewrites); pass PTDPStrategy(compile=...) to choose backend and mode"
     )
     return True
-
-
-@contextlib.contextmanager
-def setup_stance() -> Iterator[None]:
-    """Setup probes record real calls (frames, hooks): a block the user compiled runs eagerly meanwhile."""
-    with torch.compiler.set_stance("force_eager"):
-        yield

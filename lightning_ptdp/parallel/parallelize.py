@@ -22,7 +22,7 @@ from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.parallel.compile import apply_compile, setup_stance, warn_checkpoint_break
+from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
 from lightning_ptdp.parallel.init import is_on_meta, materialize
@@ -111,7 +111,9 @@ def parallelize(
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module, root=module, zero=config.fsdp)
     check_reusable(module, config, dims)
-    with setup_stance():  # steps 1-4b record real calls: a block the user compiled runs eagerly
+    with torch.compiler.set_stance(
+        "force_eager"
+    ):  # steps 1-4b record real calls: a block the user compiled runs eagerly
         if dims.tp > 1:
             # a second stage (fit, then validate) finds the model already rewritten: reuse that
             if "_ptdp_tp" not in module.__dict__:

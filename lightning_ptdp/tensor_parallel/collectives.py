@@ -30,16 +30,11 @@ class TPGroup:
     rank: int
 
 
-def compiling() -> bool:
-    """Whether dynamo is tracing this call (one place to ask, so the compiled path can be tested eagerly)."""
-    return torch.compiler.is_compiling()
-
-
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
     if x.is_meta:  # a setup probe of a model built on the meta device, shapes only
         return x
-    if compiling():  # dynamo traces functional collectives, not in-place ones (mark_dirty)
+    if torch.compiler.is_compiling():  # dynamo traces functional collectives, not in-place ones (mark_dirty)
         return funcol.all_reduce(x, "max" if op == dist.ReduceOp.MAX else "sum", tp.group)
     dist.all_reduce(x, op=op, group=tp.group)
     return x

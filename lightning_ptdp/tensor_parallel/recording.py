@@ -142,8 +142,9 @@ class _Recorder(TorchFunctionMode):
         else:
             node = self.graph.call_function(func, n_args, n_kwargs)
         node.meta["site"] = site
-        node.meta["ordinal"] = (func, self.ordinals.get(func, 0))
-        self.ordinals[func] = node.meta["ordinal"][1] + 1
+        count = self.ordinals.get(func, 0)
+        node.meta["ordinal"] = (func, count)
+        self.ordinals[func] = count + 1
         if in_place and args and isinstance(args[0], torch.Tensor):
             self.note(args[0], node)  # the mutated tensor now comes from this node
         else:

@@ -85,6 +85,7 @@ class BlockProgram:
     source_sites: dict[CallSite, list[int]] = field(default_factory=dict)
     funcs: frozenset = frozenset()
     by_ordinal: dict[tuple, CallSite] = field(default_factory=dict)  # (func, n-th call) -> its site
+    sites: frozenset = frozenset()  # every call site the replay acts on
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -106,11 +107,10 @@ class BlockProgram:
             for user in source.users:
                 if user not in inside and "site" in user.meta:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
-        sites = [*program.rewrites, *program.outside, *program.source_sites]
+        sites = {*program.rewrites, *program.outside, *program.source_sites}
         program.funcs = frozenset(site.func for site in sites)
-        program.by_ordinal = {
-            n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in set(sites)
-        }
+        program.by_ordinal = {n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in sites}
+        program.sites = frozenset(sites)
         return program
 
 
@@ -158,7 +158,7 @@ class RegionEntry:
             if self.sequence_parallel:
                 self.entered = C.gather_from_sp_region(x, self.tp)
                 # compiled: dynamo cannot trace the shared Regather's side effects, so the Linears save X whole
-                saving_shard = torch.is_grad_enabled() and not C.compiling()
+                saving_shard = torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 self.shard = SequenceShard(x, self.tp) if saving_shard else None
             else:
                 self.entered = C.copy_to_tp_region(x, self.tp)
@@ -196,15 +196,16 @@ class BlockRuntime:
         """Region ``k``'s input was made. Eager: watch for its reads. Compiled with SP: enter it now and
         hand the gathered tensor on (dynamo reads sizes without the mode, so reads cannot be swapped)."""
         entry = self.entries[k]
-        shared = [e for e in self.entries if e is not entry and e.entered is not None and e.entered is tensor]
-        if shared and C.compiling():  # one leaf feeds two regions (GPT-J): both read the one gathered input
-            entry.source, entry.entered, entry.shard = shared[0].source, shared[0].entered, None
+        if not (entry.sequence_parallel and torch.compiler.is_compiling()):
+            entry.activate(tensor)
+            return None
+        shared = next((e for e in self.entries if e is not entry and e.entered is tensor), None)
+        if shared is not None:  # one leaf feeds two regions (GPT-J): both read the one gathered input
+            entry.source, entry.entered, entry.shard = shared.source, shared.entered, None
             return None
         entry.activate(tensor)
-        if not (entry.sequence_parallel and C.compiling()):
-            return None
-        if any(k in regions for regions in self.program.outside.values()):
-            site = next(site for site, regions in self.program.outside.items() if k in regions)
+        site = next((site for site, regions in self.program.outside.items() if k in regions), None)
+        if site is not None:
             raise TPDiscoveryError(
                 f"tensor parallelism under torch.compile: with sequence_parallel=True the region input read at "
                 f"{site.where()} is also used outside its region, which only the uncompiled replay can serve; "
@@ -237,7 +238,7 @@ class BlockRuntime:
         n = self.calls.get(func, 0)
         self.calls[func] = n + 1
         expected = self.program.by_ordinal.get((func, n))
-        if C.compiling():
+        if torch.compiler.is_compiling():
             if self.mismatch is not None:
                 raise TPDiscoveryError(
                     f"tensor parallelism under torch.compile: the call at {self.mismatch.where()} runs in a "
@@ -246,7 +247,7 @@ class BlockRuntime:
                 )
             return expected
         site = self.sites.site(func)
-        if site != expected and (site in self.program.by_ordinal.values() or expected is not None):
+        if site != expected and (site in self.program.sites or expected is not None):
             self.mismatch = site or expected
         return site
 
