@@ -43,7 +43,8 @@ class KernelReport:
     backend: str
     """"triton" when calls are being routed to the kernels, "torch" when nothing was installed."""
     attention: tuple[str, ...] = ()
-    """Modules whose forward calls F.scaled_dot_product_attention, now routed to flash_attention."""
+    """Modules whose forward calls F.scaled_dot_product_attention, now routed to flash_attention
+    (empty when "auto" leaves attention to torch: see ``attention_note``)."""
     bias_gelu: tuple[str, ...] = ()
     """Fused pairs, as "linear -> gelu" module paths ("F.gelu" for functional calls)."""
     skipped: tuple[tuple[str, str], ...] = ()
@@ -51,22 +52,23 @@ class KernelReport:
     their attention calls are still routed at run time."""
     reason: str | None = None
     """Why nothing was installed, when backend is "torch"."""
+    attention_note: str | None = None
+    """Why "auto" left attention to torch's SDPA, if it did."""
 
     def summary(self) -> str:
         """One line for the log."""
         if self.backend == "torch":
             return f"kernels={self.mode!r}: torch ({self.reason})"
         skipped = f", {len(self.skipped)} module(s) untraceable" if self.skipped else ""
-        return (
-            f"kernels={self.mode!r}: flash attention in {len(self.attention)} module(s), "
-            f"bias-GeLU fused in {len(self.bias_gelu)} pair(s){skipped}"
-        )
+        attention = self.attention_note or f"flash attention in {len(self.attention)} module(s)"
+        return f"kernels={self.mode!r}: {attention}, bias-GeLU fused in {len(self.bias_gelu)} pair(s){skipped}"
 
 
 def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device | None = None) -> KernelReport:
     """Route ``module``'s attention and Linear->GeLU calls to the Triton kernels.
 
-    mode "auto": kernels where they can run (CUDA with triton installed, supported inputs),
+    mode "auto": kernels where they can run (CUDA with triton installed, supported inputs) and
+    measured faster (attention stays on torch's SDPA on sm80+: ``torch_attention_preferred``),
     torch elsewhere; on a CPU-only machine nothing is installed. "triton": always the kernels,
     raising where they cannot run (no CUDA device and TRITON_INTERPRET unset now; unsupported
     attention inputs at call time). "torch": nothing is installed.
@@ -95,13 +97,30 @@ def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device
             )
         return KernelReport(mode, "torch", reason=reason)
     plan = _Plan.discover(module)
-    router = _KernelRouter(mode, plan.fused_linears, plan.names)
+    note = torch_attention_preferred(target) if mode == "auto" else None
+    router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention=note is None)
     for hooked in plan.hooked:
         router.hook(hooked)
     module.__dict__[_ROUTER_ATTR] = router  # the routing belongs to the model, not to a global
-    report = KernelReport(mode, "triton", tuple(plan.attention), tuple(plan.pairs), tuple(plan.skipped))
+    attention = tuple(plan.attention) if note is None else ()
+    report = KernelReport(mode, "triton", attention, tuple(plan.pairs), tuple(plan.skipped), attention_note=note)
     log.info(report.summary())
     return report
+
+
+def torch_attention_preferred(device: torch.device) -> str | None:
+    """Why "auto" keeps torch's SDPA for attention on ``device`` (None: route it to Triton).
+
+    On sm80+ torch's SDPA has fused flash/cuDNN kernels; on an H100, GPT 1.3B training measured
+    faster with them than with our Triton attention (benchmarks/RESULTS.md, GPU suite: ptdp-auto vs
+    ptdp-triton), so "auto" routes only the bias-GeLU there. kernels="triton" still forces both.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return None
+    return f"attention kept on torch's fused SDPA (sm{major}{minor} has flash/cuDNN kernels, faster end to end)"
 
 
 def remove_kernels(module: nn.Module) -> None:
@@ -229,9 +248,12 @@ def _storage_key(t: torch.Tensor) -> tuple:
 class _KernelRouter(TorchFunctionMode):
     """Routes SDPA and fused Linear->GeLU calls while a hooked module's forward runs."""
 
-    def __init__(self, mode: str, fused_linears: list[nn.Linear], names: dict[nn.Module, str]) -> None:
+    def __init__(
+        self, mode: str, fused_linears: list[nn.Linear], names: dict[nn.Module, str], *, route_attention: bool = True
+    ) -> None:
         super().__init__()
         self.mode = mode
+        self.route_attention = route_attention
         self._fused = weakref.WeakSet(fused_linears)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(names)
         self._handles: list[Any] = []
@@ -239,10 +261,16 @@ class _KernelRouter(TorchFunctionMode):
 
     # -- pickling / deepcopy: rebuild the weak containers and the thread-local state ----------
     def __getstate__(self) -> dict:
-        return {"mode": self.mode, "fused": list(self._fused), "names": dict(self._names), "handles": self._handles}
+        return {
+            "mode": self.mode,
+            "fused": list(self._fused),
+            "names": dict(self._names),
+            "handles": self._handles,
+            "route_attention": self.route_attention,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["mode"], state["fused"], state["names"])
+        self.__init__(state["mode"], state["fused"], state["names"], route_attention=state["route_attention"])
         self._handles = state["handles"]
 
     # -- hooks ------------------------------------------------------------------------------
@@ -289,7 +317,7 @@ class _KernelRouter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self._attention(func, args, kwargs)
+            return self._attention(func, args, kwargs) if self.route_attention else func(*args, **kwargs)
         if func is F.linear or func is sequence_parallel_linear:
             return self._linear(func, args, kwargs)
         if func is F.gelu:

@@ -8,10 +8,14 @@ import torch
 
 from ._config import MAX_GRID_Y, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
 
+# Looked up once, at import: dynamo refuses to trace importlib's find_spec (seen with torch 2.11),
+# and flash_attention asks this while torch.compile traces it.
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
 
 def triton_importable() -> bool:
     """True when the ``triton`` package can be found (it is not imported here)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def triton_available() -> bool:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu.context import Context, short_error
 
-BUDGET_S = 110.0
+BUDGET_S = 90.0
 
 
 def _sdpa(backend_name: str):

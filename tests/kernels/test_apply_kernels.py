@@ -197,6 +197,31 @@ def test_auto_leaves_cpu_calls_to_torch_even_with_interpreter(spies):
     assert spies == {"flash_attention": 0, "bias_gelu": 0}
 
 
+@pytest.mark.parametrize(("capability", "routed"), [((9, 0), False), ((8, 0), False), ((7, 5), True)])
+def test_auto_keeps_torch_attention_where_it_has_fused_kernels(monkeypatch, capability, routed):
+    """On sm80+ "auto" routes only the bias-GeLU (torch's SDPA measured faster end to end on an
+    H100: the GPU suite's ptdp-auto vs ptdp-triton rows); older GPUs get the Triton attention."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    model = _model()
+    report = apply_kernels(model, "auto", device=torch.device("cuda"))
+    assert report.bias_gelu, "the bias-GeLU is fused whatever the capability"
+    assert bool(report.attention) is routed
+    assert model.__dict__["_ptdp_kernel_router"].route_attention is routed
+    assert (report.attention_note is None) is routed
+    if not routed:
+        assert f"sm{capability[0]}{capability[1]}" in report.summary()
+
+
+def test_triton_mode_routes_attention_whatever_the_capability(monkeypatch, spies):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    model = _model()
+    report = apply_kernels(model, "triton", device=torch.device("cpu"))
+    assert report.attention and report.attention_note is None
+    model(torch.zeros(1, 5, dtype=torch.long))
+    assert spies["flash_attention"] > 0
+
+
 def test_torch_mode_and_remove_kernels_are_no_ops(device):
     model = _model()
     assert apply_kernels(model, "torch").backend == "torch"
