@@ -5,7 +5,7 @@ workers and the default process group once, then runs one function after another
 returns the per-rank results. Each worker looks to Lightning like a torchrun child (RANK,
 LOCAL_RANK, WORLD_SIZE... set), so a function may build a ``Trainer(devices=N)`` and call ``fit``.
 A failure or a timeout tears the pool down: no worker is left mid-collective for the next call.
-``quiet_trainer`` is the Trainer the tests, benchmarks and calibration time: training only.
+``quiet_trainer`` is the Trainer the tests and benchmarks time: training only.
 """
 
 from __future__ import annotations

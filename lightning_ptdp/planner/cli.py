@@ -1,14 +1,16 @@
-"""``ptdp plan``: rank the layouts of a model on a cluster, estimate one (``--layout``), or check the
-cost model against this machine (``--calibrate``)."""
+"""``ptdp plan``: rank the layouts of a model on a cluster, or estimate one (``--layout``). The model
+is a known name, ``layers,hidden,heads[,vocab,seq]`` or a transformers ``config.json``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from lightning_ptdp.planner.cost import GB, Cluster
 from lightning_ptdp.planner.estimate import estimate
-from lightning_ptdp.planner.models import MODELS, ModelSize
+from lightning_ptdp.planner.models import MODELS, ModelSize, model_size
 from lightning_ptdp.planner.render import format_layout, format_plan
 from lightning_ptdp.planner.search import plan
 
@@ -48,19 +50,33 @@ def parse_layout(text: str) -> dict:
     return out
 
 
+def _model(text: str, seq_length: int | None) -> ModelSize | str:
+    if text.endswith(".json") or Path(text).is_file():
+        if not Path(text).is_file():
+            raise ValueError(f"no such config.json: {text!r}; pass the path of a transformers model's config.json")
+        return ModelSize.from_hf_config(text, seq_length=seq_length)
+    if "," in text:
+        names = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+        sizes = dict(zip(names, map(int, text.split(","))))
+        if seq_length:
+            sizes["seq_length"] = seq_length
+        return ModelSize(**sizes)
+    if seq_length:
+        return replace(model_size(text), seq_length=seq_length)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``ptdp plan MODEL --gpus N --global-batch-size B [--layout t=8,p=64,v=1,b=1]``, or
-    ``ptdp plan --calibrate``. MODEL is a known name or ``layers,hidden,heads[,vocab,seq]``."""
+    """``ptdp plan MODEL --gpus N --global-batch-size B [--layout t=8,p=64,v=1,b=1]``. MODEL is a
+    known name, ``layers,hidden,heads[,vocab,seq]`` or the path of a transformers config.json."""
     parser = argparse.ArgumentParser(prog="ptdp plan", description="Rank PTD-P layouts by estimated step time.")
-    parser.add_argument("model", nargs="?", help=f"{', '.join(MODELS)}, or layers,hidden,heads[,vocab,seq]")
+    parser.add_argument(
+        "model", nargs="?", help=f"{', '.join(MODELS)}; layers,hidden,heads[,vocab,seq]; or a transformers config.json"
+    )
     parser.add_argument("--gpus", type=int)
     parser.add_argument("--global-batch-size", type=int, help="sequences per step")
     parser.add_argument("--layout", help="estimate this one layout, e.g. t=8,p=64,v=1,b=1 (recompute=full default)")
-    parser.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure this machine and compare predicted with measured CPU step times (4 gloo ranks)",
-    )
+    parser.add_argument("--seq-length", type=int, help="tokens per sequence (config.json: its context, at most 4096)")
     for flag, default in (
         ("gpus-per-node", 8),
         ("gpu-memory-gb", 80.0),
@@ -73,15 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--top", type=int, default=5, help="layouts to list")
     args = parser.parse_args(argv)
-    if args.calibrate:
-        from lightning_ptdp.planner.calibrate import main as calibrate_main
-
-        return calibrate_main([])
     if args.model is None or args.gpus is None or args.global_batch_size is None:
-        parser.exit(2, "ptdp plan: MODEL, --gpus and --global-batch-size are required (or use --calibrate)\n")
-    names = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+        parser.exit(2, "ptdp plan: MODEL, --gpus and --global-batch-size are required\n")
     try:
-        model = ModelSize(**dict(zip(names, map(int, args.model.split(","))))) if "," in args.model else args.model
+        model = _model(args.model, args.seq_length)
         cluster = Cluster(
             num_gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
@@ -106,5 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")
+    sys.stdout.write(f"model: {model_size(model).describe()}\n")
     sys.stdout.write(format_plan(layouts, cluster, limit=args.top) + "\n")
     return 0

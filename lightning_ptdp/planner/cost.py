@@ -23,16 +23,6 @@ TREE_HOP_LATENCY = 28e-6  # NVLink and network alike for Tree/Simple
 TREE_BANDWIDTH_FACTOR = 0.92 * 0.5  # tree busBw * .92, algorithm bandwidth = busBw * .5
 
 
-# Cluster's fixed per-event seconds (0 on GPUs; ``ptdp plan --calibrate`` measures them on a CPU).
-HOST_OVERHEADS = (
-    "layer_overhead_s",
-    "tp_layer_overhead_s",
-    "tp_microbatch_overhead_s",
-    "pipeline_chunk_overhead_s",
-    "loop_overhead_s",
-)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """GPUs and links. The defaults are the paper's Selene: DGX A100 nodes of 8 x 80 GB A100s
@@ -59,26 +49,8 @@ class Cluster:
     inter_node_bandwidth: float = 25 * GB
     nvlink_hop_latency: float = 3.4e-6
     network_hop_latency: float = 14e-6
-    layer_overhead_s: float = 0.0
-    """Fixed seconds per transformer layer's forward + backward, per microbatch, whatever its size:
-    per-op dispatch (Python, autograd, kernel launch). 0 on GPUs, where the launch queue hides it
-    behind the GEMMs; ``ptdp plan --calibrate`` measures it on the CPU from two block sizes."""
-    tp_layer_overhead_s: float = 0.0
-    """Fixed seconds a tensor-parallel layer adds per microbatch (forward + backward) beyond its
-    FLOPs and collectives' transfer: launching 4 collectives and waking their threads, the shards'
-    dispatch. 0 on GPUs (hidden behind the GEMMs); measured on the CPU from timed steps."""
-    tp_microbatch_overhead_s: float = 0.0
-    """Fixed seconds tensor parallelism adds per microbatch outside the layers: the vocab-parallel
-    embedding's, LM head's and loss's collectives and dispatch. 0 on GPUs; measured on the CPU."""
-    pipeline_chunk_overhead_s: float = 0.0
-    """Fixed seconds per model chunk and microbatch under a pipeline (forward + backward): the
-    schedule's bookkeeping, its P2P launches, a backward call per chunk. 0 on GPUs; measured on the CPU."""
-    loop_overhead_s: float = 0.0
-    """Fixed seconds per training-loop iteration (Lightning's step: logging, hooks, the embedding
-    and loss outside the layers). The loop runs once per microbatch at p = 1 (gradient
-    accumulation) and once per step under a pipeline. 0 on GPUs; measured on the CPU."""
     tree_all_reduce: bool = True
-    """Whether the collective library has a tree all-reduce (NCCL does; gloo's CPU all-reduce is a ring)."""
+    """Whether the collective library uses a tree all-reduce across nodes (NCCL does, unless NCCL_ALGO=Ring)."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node", "num_sms"):
@@ -93,10 +65,6 @@ class Cluster:
             "network_hop_latency",
         ):
             check_positive(f"Cluster.{name}", getattr(self, name), integer=False)
-        for name in HOST_OVERHEADS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"Cluster.{name} must be a number >= 0, got {value!r}")
         if (
             isinstance(self.gemm_efficiency, bool)
             or not isinstance(self.gemm_efficiency, (int, float))

@@ -1,6 +1,6 @@
 """Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
 
-    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + loop + DP + optimizer
+    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
 
 Ranks are ordered as in Megatron (t innermost, then d, then p); nothing overlaps (Megatron 2021).
 Each term (GEMMs at their shapes, memory-bound kernels by bytes, 4 or 6 TP all-reduces per layer,
@@ -66,13 +66,20 @@ class Layout:
 
 
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
-    """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included."""
-    dims = (batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size)
-    total = gpt_flops_per_iteration(*dims, activation_recompute=recompute == "full")
+    """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included: the
+    paper's formula for its GPT, and its terms for any layer (2 FLOPs per weight and token in each
+    matmul, 4bs^2h for QK^T and scores x V, three passes, four under full recompute)."""
+    b, s, l, h, vocab = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+    logits = 6 * b * s * h * vocab
+    if model.is_paper_gpt:
+        total = gpt_flops_per_iteration(b, s, l, h, vocab, activation_recompute=recompute == "full")
+        layers = total - logits
+    else:
+        forward = 2 * b * s * model.layer_matrix_parameters + 4 * b * s * s * h
+        layers = l * forward * (4 if recompute == "full" else 3)
     if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
-        total += 4 * batch * model.seq_length**2 * model.hidden_size * model.num_layers
-    logits = 6 * batch * model.seq_length * model.hidden_size * model.vocab_size
-    return total - logits, logits
+        layers += 4 * b * s**2 * h * l
+    return layers, logits
 
 
 def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
@@ -80,9 +87,10 @@ def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     sbh = s * b * h
     norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
-    gelu = 16 * sbh / t  # bias + GeLU read and write the 4h/t-wide activation
+    # bias + GeLU read and write the f/t-wide activation; SwiGLU reads two of them and writes one
+    activation = (6 if model.gated_mlp else 4) * s * b * model.ffn_size / t
     softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
-    return norms_residual + gelu + softmax
+    return norms_residual + activation + softmax
 
 
 @lru_cache(maxsize=4096)
@@ -92,14 +100,15 @@ def _layer_seconds(
     """(compute, TP communication) of one transformer layer for one microbatch, forward + backward."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     tokens, head = b * s, h // a
-    linear = [(tokens, 3 * h / t, h), (tokens, h, h / t), (tokens, 4 * h / t, h), (tokens, h, 4 * h / t)]
+    f, up = model.ffn_size, model.ffn_size * (2 if model.gated_mlp else 1)
+    linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t), (tokens, up / t, h), (tokens, h, f / t)]
     attention = [(s, s, head), (s, head, s)]  # QK^T and scores x V, b*a/t of each
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
     core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
     sbh = s * b * h
     streamed = layer_memory_bytes(model, t, b, sp)
     softmax = 9 * a * s * s * b / t
-    forward = linear_f + core_f + memory_seconds(streamed, cluster) + cluster.layer_overhead_s
+    forward = linear_f + core_f + memory_seconds(streamed, cluster)
     backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
     again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
     if t == 1:
@@ -107,7 +116,7 @@ def _layer_seconds(
     collectives = (6 if recompute == "full" else 4) + (1 if sp else 0)
     within = cluster.gpus_per_node % t == 0
     per_node = t if within else gcd(t, cluster.gpus_per_node)
-    communication = collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster) + cluster.tp_layer_overhead_s
+    communication = collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster)
     return forward + backward + again, communication
 
 
@@ -134,14 +143,15 @@ def memory_bytes(
 ) -> float:
     """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits."""
     shape_args = (model.seq_length, b, model.hidden_size, model.num_heads, t, sp and t > 1)
+    split = {"split_sbh": model.split_activation_sbh}
     state = model_state_bytes_per_rank(model.parameters, t, p, d, zero_stage)
     if schedule == "gpipe":
         in_flight = m  # every microbatch's forward before any backward
     else:  # 1F1B keeps min(p, m); interleaving adds (p-1)/(p*v) of it (Narayanan et al., Section 2.2)
         in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    activations = activation_bytes_per_layer(*shape_args, recompute) * model.num_layers / p * in_flight
+    activations = activation_bytes_per_layer(*shape_args, recompute, **split) * model.num_layers / p * in_flight
     if recompute == "full":  # the layer being recomputed holds all its activations at once
-        activations += activation_bytes_per_layer(*shape_args, None)
+        activations += activation_bytes_per_layer(*shape_args, None, **split)
     logits = b * model.seq_length * model.vocab_size / t * 4
     return state + activations + logits
 
@@ -167,7 +177,7 @@ def cost(
     layer, tp_layer = _layer_seconds(model, t, b, recompute, sp, cluster)
     layers_per_stage = model.num_layers / p
     compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)
-    tp_mb = layers_per_stage * tp_layer + (cluster.tp_microbatch_overhead_s if t > 1 else 0.0)
+    tp_mb = layers_per_stage * tp_layer
     pp_mb = embedding = 0.0
     across = cluster.num_gpus > cluster.gpus_per_node  # the pipeline's slowest hop sets its pace
     if p > 1:
@@ -176,7 +186,7 @@ def cost(
             hop = send_seconds(activation / t, True, cluster) + all_gather_seconds(activation, t, t, cluster)
         else:
             hop = send_seconds(activation, across, cluster)
-        pp_mb = v * (2 * hop + cluster.pipeline_chunk_overhead_s)  # activations forward, gradients back, per chunk
+        pp_mb = v * 2 * hop  # activations forward, gradients back, per chunk
         embedding = all_reduce_seconds(BF16 * model.vocab_size * model.hidden_size / t, 2, 1 if across else 2, cluster)
     bubble_fraction = (p - 1) / (v * m)
     bubble = (p - 1) / v * (compute_mb + tp_mb + pp_mb)
@@ -187,8 +197,7 @@ def cost(
         per_node = min(d, max(1, cluster.gpus_per_node // t)) if spans else d
         dp = (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, d, per_node, cluster)
     optimizer = memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (d if zero_stage else 1), cluster)
-    loop = (m if p == 1 else 1) * cluster.loop_overhead_s  # at p = 1 gradient accumulation runs the loop m times
-    step = m * (compute_mb + tp_mb + pp_mb) + loop + embedding + bubble + dp + optimizer
+    step = m * (compute_mb + tp_mb + pp_mb) + embedding + bubble + dp + optimizer
     layer_flops, logit_flops = executed_flops(model, batch, recompute)
     return Layout(
         tensor_parallel_size=t,
@@ -204,7 +213,7 @@ def cost(
         pipeline_schedule=schedule,
         scatter_gather=scatter_gather,
         step_time_s=step,
-        compute_s=m * compute_mb + loop,
+        compute_s=m * compute_mb,
         tensor_parallel_comm_s=m * tp_mb,
         pipeline_comm_s=m * pp_mb + embedding,
         bubble_s=bubble,
@@ -258,11 +267,9 @@ def estimate(
             f"{cluster.num_gpus} GPUs (d = GPUs / (t*p) must be whole); choose t and p whose product "
             f"divides {cluster.num_gpus}"
         )
-    if size.num_heads % t or size.hidden_size % t:
-        raise ValueError(
-            f"tensor_parallel_size={t} must divide num_heads={size.num_heads} and hidden_size="
-            f"{size.hidden_size} (each rank takes whole heads); use a common divisor such as 1, 2 or 8"
-        )
+    reason = size.tensor_parallel_reason(t)
+    if reason:
+        raise ValueError(reason)
     if size.num_layers % (p * v):
         raise ValueError(
             f"pipeline_parallel_size * virtual_pipeline_size = {p} * {v} = {p * v} must divide "

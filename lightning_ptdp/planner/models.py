@@ -15,26 +15,131 @@ def check_positive(name: str, value: object, *, integer: bool = True) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSize:
-    """A GPT's shape; defaults are the paper's vocabulary (51,200, padded) and context (2,048)."""
+    """A decoder-only transformer's shape. The defaults are the paper's GPT: vocabulary 51,200
+    (padded), context 2,048, multi-head attention, a 4h GeLU MLP with biases, learned positions and
+    an LM head tied to the embedding. Llama-style models set ``num_kv_heads`` (grouped-query
+    attention), ``ffn_hidden_size`` with ``gated_mlp`` (SwiGLU: three matrices), no biases, rotary
+    positions (``learned_positions=False``) and often an untied head (``from_hf_config``)."""
 
     num_layers: int
     hidden_size: int
     num_heads: int
     vocab_size: int = 51_200
     seq_length: int = 2_048
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: ``num_heads``."""
+    ffn_hidden_size: int | None = None
+    """The MLP's inner width; None: ``4 * hidden_size``."""
+    gated_mlp: bool = False
+    biases: bool = True
+    learned_positions: bool = True
+    tied_embeddings: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
             check_positive(f"ModelSize.{name}", getattr(self, name))
+        for name in ("num_kv_heads", "ffn_hidden_size"):
+            if getattr(self, name) is not None:
+                check_positive(f"ModelSize.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"ModelSize.hidden_size={self.hidden_size} is not divisible by "
                 f"num_heads={self.num_heads}; use a multiple of the head count"
             )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelSize.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.kv_heads}; "
+                "grouped-query attention shares each key/value head among a whole number of query heads"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    @property
+    def is_paper_gpt(self) -> bool:
+        """The paper's layer (Eq. 2 and its FLOPs formula hold exactly)."""
+        return (
+            self.kv_heads == self.num_heads
+            and self.ffn_size == 4 * self.hidden_size
+            and not self.gated_mlp
+            and self.biases
+            and self.learned_positions
+            and self.tied_embeddings
+        )
+
+    def describe(self) -> str:
+        """One line: the shape and the parameter count."""
+        heads = f"{self.num_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.num_heads else "")
+        mlp = f"ffn {self.ffn_size}{' gated' if self.gated_mlp else ''}"
+        head = "tied" if self.tied_embeddings else "untied"
+        return (
+            f"{self.num_layers} layers, hidden {self.hidden_size}, {heads}, {mlp}, vocab {self.vocab_size}, "
+            f"seq {self.seq_length}, {head} head: {self.parameters / 1e9:.2f}B parameters"
+        )
+
+    def tensor_parallel_reason(self, t: int) -> str | None:
+        """Why t-way tensor parallelism cannot split this model (None when it can)."""
+        sizes = {"num_heads": self.num_heads, "num_kv_heads": self.kv_heads, "hidden_size": self.hidden_size}
+        sizes["ffn_hidden_size"] = self.ffn_size
+        bad = {name: n for name, n in sizes.items() if n % t}
+        if not bad:
+            return None
+        common = [k for k in range(1, self.num_heads + 1) if all(n % k == 0 for n in sizes.values())]
+        found = ", ".join(f"{name}={n}" for name, n in bad.items())
+        return (
+            f"tensor_parallel_size={t} does not divide {found} (each rank takes whole heads and equal "
+            f"slices); choose one of {', '.join(map(str, common))}"
+        )
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the query, key and value projections together."""
+        return self.hidden_size + 2 * self.kv_heads * (self.hidden_size // self.num_heads)
+
+    @property
+    def layer_matrix_parameters(self) -> int:
+        """Weights of one layer's matmuls: QKV, attention output, the MLP's two (or three) matrices."""
+        h = self.hidden_size
+        return h * self.qkv_width + h * h + (3 if self.gated_mlp else 2) * h * self.ffn_size
 
     @property
     def parameters(self) -> int:
-        return gpt_parameter_count(self.num_layers, self.hidden_size, self.vocab_size, self.seq_length)
+        """Eq. 2 for the paper's GPT; otherwise counted term by term the same way (final norm left out)."""
+        if self.is_paper_gpt:
+            return gpt_parameter_count(self.num_layers, self.hidden_size, self.vocab_size, self.seq_length)
+        h, f = self.hidden_size, self.ffn_size
+        norms = 4 * h if self.biases else 2 * h  # two LayerNorms (weight + bias) or RMSNorms (weight)
+        biases = (self.qkv_width + h + f * (2 if self.gated_mlp else 1) + h) if self.biases else 0
+        layer = self.layer_matrix_parameters + biases + norms
+        embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        positions = self.seq_length * h if self.learned_positions else 0
+        return self.num_layers * layer + embeddings + positions
+
+    @property
+    def split_activation_sbh(self) -> float:
+        """Activation bytes per layer that tensor parallelism splits, in units of s*b*h (24 for the
+        paper's GPT: Q, K, V 6, attention-output input 2, GeLU input 8, second-MLP input 8); a
+        SwiGLU keeps its gate and up outputs (4f) and the second matmul's input (2f)."""
+        h = self.hidden_size
+        mlp = (6 if self.gated_mlp else 4) * self.ffn_size
+        return (2 * self.qkv_width + 2 * h + mlp) / h
+
+    @classmethod
+    def from_hf_config(cls, config: dict | str, *, seq_length: int | None = None) -> ModelSize:
+        """The shape of a Hugging Face transformers ``config.json`` (a dict or a path to the file):
+        Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX style keys. ``seq_length`` defaults to the
+        config's ``max_position_embeddings`` (``n_positions``) capped at 4,096."""
+        if not isinstance(config, dict):
+            import json
+            from pathlib import Path
+
+            config = json.loads(Path(config).read_text())
+        return _from_hf_config(cls, config, seq_length)
 
 
 @dataclass(frozen=True)
@@ -84,3 +189,39 @@ def model_size(model: str | ModelSize) -> ModelSize:
     if key not in MODELS:
         raise ValueError(f"unknown model {model!r}: pass a ModelSize(...) or one of the names {', '.join(MODELS)}")
     return MODELS[key]
+
+
+_GATED_ACTIVATIONS = ("silu", "swish", "swiglu", "geglu")
+
+
+def _from_hf_config(cls: type[ModelSize], config: dict, seq_length: int | None) -> ModelSize:
+    def first(*keys: str, default: object = None) -> object:
+        return next((config[k] for k in keys if config.get(k) is not None), default)
+
+    required = {
+        "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": ("hidden_size", "n_embd", "d_model"),
+        "num_heads": ("num_attention_heads", "n_head"),
+        "vocab_size": ("vocab_size",),
+    }
+    values = {name: first(*keys) for name, keys in required.items()}
+    missing = [f"{name} ({' or '.join(required[name])})" for name, v in values.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"config.json has no {', '.join(missing)}; ptdp plan reads decoder-only transformers configs "
+            "(Llama, Mistral, Qwen2, GPT-2, GPT-NeoX): pass layers,hidden,heads[,vocab,seq] instead"
+        )
+    activation = str(first("hidden_act", "activation_function", default="gelu")).lower()
+    model_type = str(config.get("model_type", "")).lower()
+    gated = activation in _GATED_ACTIVATIONS or model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma")
+    context = first("max_position_embeddings", "n_positions", "n_ctx", default=2048)
+    return cls(
+        **values,
+        seq_length=seq_length or min(int(context), 4096),
+        num_kv_heads=first("num_key_value_heads"),
+        ffn_hidden_size=first("intermediate_size", "n_inner", "ffn_dim"),
+        gated_mlp=gated,
+        biases=bool(first("attention_bias", "mlp_bias", "use_bias", default=not gated)),
+        learned_positions=model_type in ("gpt2", "gpt_bigcode", "opt") or "n_positions" in config,
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )

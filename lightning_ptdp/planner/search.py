@@ -21,7 +21,7 @@ def _divisors(n: int) -> list[int]:
 def _shapes(model: ModelSize, num_gpus: int, batch: int, max_b: int) -> Iterator[tuple[int, ...]]:
     """Every (t, p, v, b) obeying the divisibility rules (and m % p == 0 to interleave)."""
     for t in _divisors(num_gpus):
-        if model.num_heads % t or model.hidden_size % t:
+        if model.tensor_parallel_reason(t):
             continue
         for p in _divisors(num_gpus // t):
             d = num_gpus // (t * p)
@@ -77,8 +77,8 @@ def plan(
     if not shapes:
         raise ValueError(
             f"no layout of {cluster.num_gpus} GPUs fits the model and batch: every (t, p, d) with "
-            f"t*p*d = {cluster.num_gpus} breaks a rule among t | num_heads ({size.num_heads}), t | "
-            f"hidden_size ({size.hidden_size}), p | num_layers ({size.num_layers}) and d | "
+            f"t*p*d = {cluster.num_gpus} breaks a rule among t | num_heads ({size.num_heads}), num_kv_heads "
+            f"({size.kv_heads}), hidden_size ({size.hidden_size}) and ffn_hidden_size ({size.ffn_size}), p | num_layers ({size.num_layers}) and d | "
             f"global_batch_size ({global_batch_size}); change the GPU count or the batch size"
         )
     candidates = [

@@ -224,6 +224,8 @@ def activation_bytes_per_layer(
     tensor_parallel_size: int = 1,
     sequence_parallel: bool = False,
     recompute: str | None = None,
+    *,
+    split_sbh: float = 24.0,
 ) -> float:
     """Activation bytes one transformer layer keeps for one microbatch (Korthikanti et al.).
 
@@ -249,6 +251,7 @@ def activation_bytes_per_layer(
 
     With ``t = 1`` the first row is the unparallelised ``sbh (34 + 5as/h)``.  Selective
     recompute drops exactly the attention-matrix term, which is cheap to recompute.
+    ``split_sbh`` replaces the ``24`` for other layer shapes (grouped-query K/V, a SwiGLU MLP).
     """
     s = _positive_int("seq_length", seq_length, "pass the sequence length in tokens")
     b = _positive_int("micro_batch_size", micro_batch_size, "pass the micro-batch size")
@@ -266,8 +269,8 @@ def activation_bytes_per_layer(
         return 2.0 * sbh / t if sequence_parallel else 2.0 * sbh
     attention_matrix = 0.0 if recompute == "selective" else 5.0 * a * s / (h * t)
     if sequence_parallel:
-        return sbh * (34.0 / t + attention_matrix)
-    return sbh * (10.0 + 24.0 / t + attention_matrix)
+        return sbh * ((10.0 + split_sbh) / t + attention_matrix)
+    return sbh * (10.0 + split_sbh / t + attention_matrix)
 
 
 def _known_device(device_name: str) -> str | None:

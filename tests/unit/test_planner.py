@@ -8,6 +8,7 @@ activations, 16 bytes per parameter for mixed-precision Adam), not by calling th
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from dataclasses import replace
@@ -32,7 +33,7 @@ from lightning_ptdp.planner import (
     plan,
 )
 from lightning_ptdp.planner.cost import all_reduce_seconds, gemm_seconds, wave_efficiency
-from lightning_ptdp.tools.flops import training_time_seconds
+from lightning_ptdp.tools.flops import gpt_parameter_count, training_time_seconds
 
 GB = 1e9
 # Float sums of the same terms in a different order: relative difference of a few ulps.
@@ -298,7 +299,8 @@ def test_scatter_gather_and_interleaving_change_the_pipeline_terms():
         ),
         (
             {"tensor_parallel_size": 64, "pipeline_parallel_size": 1},
-            r"tensor_parallel_size=64 must divide num_heads=32 and hidden_size=3072 \(each rank takes whole heads\)",
+            r"tensor_parallel_size=64 does not divide num_heads=32, num_kv_heads=32 \(each rank takes whole "
+            r"heads.*\); choose one of 1, 2, 4, 8, 16, 32",
         ),
         (
             {"tensor_parallel_size": 2, "pipeline_parallel_size": 4},
@@ -569,7 +571,8 @@ def test_ptdp_plan_prints_the_ranking_and_the_best_arguments(capsys):
     assert main(["gpt_76.1b", "--gpus", "1024", "--global-batch-size", "1792", "--top", "2"]) == 0
     out = capsys.readouterr().out
     expected = plan("gpt_76.1b", Cluster(num_gpus=1024), 1792)[0]
-    assert out.splitlines()[1].split()[:3] == [
+    assert out.splitlines()[0].startswith("model: 60 layers, hidden 10240, 80 heads, ffn 40960")
+    assert out.splitlines()[2].split()[:3] == [
         "1",
         str(expected.tensor_parallel_size),
         str(expected.pipeline_parallel_size),
@@ -656,162 +659,78 @@ def test_gpt3_175b_is_a_name_everywhere(capsys):
     assert "Trainer(strategy=PTDPStrategy(" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------ CPU calibration (no processes)
-def _synthetic_machine(rate: float, overhead: float, memory_rate: float, bw: float, hop: float, share: float) -> dict:
-    """What ``measure_machine`` would report on a CPU that follows the model exactly."""
-    from lightning_ptdp.planner.cost import RING_BASE_LATENCY
-    from lightning_ptdp.planner.estimate import executed_flops, layer_memory_bytes
-    from lightning_ptdp.planner.measure import WORLD, small_size
-
-    size = small_size()
-    one = replace(size, num_layers=1)
-    params, tp_bytes = 6_000_000, size.seq_length * size.hidden_size * 4
-    figures = {
-        "cores": 2,
-        "share_b1": share,
-        "share_b2": share,
-        "adam_parameters": params,
-        "adam_cpu_s": 32 * params / memory_rate,
-        "tp_bytes": tp_bytes,
-        "dp_bytes": params * 4,
-        "tp_all_reduce_cpu_s": RING_BASE_LATENCY + 2 * hop + tp_bytes / bw,
-        "dp_all_reduce_cpu_s": RING_BASE_LATENCY + 2 * (WORLD - 1) * hop + 2 * (WORLD - 1) / WORLD * params * 4 / bw,
-        "wall_busbw": 2e7,
-        "wall_4kb_s": 9e-3,
-    }
-    for b in (1, 2):
-        work = executed_flops(one, b, None)[0] / rate + 3 * layer_memory_bytes(size, 1, b, False) / memory_rate
-        figures[f"block_b{b}_cpu_s"] = overhead + work
-    return figures
+# ------------------------------------------------------------------ the model a user has (config.json)
+LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B config.json, the keys the planner reads
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
 
 
-def test_calibration_fit_recovers_the_rates_and_scales_them_by_the_cpu_share():
-    from lightning_ptdp.planner.calibrate import fit_cluster
-
-    machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
-    cluster, figures = fit_cluster([machine] * 4)
-    assert figures["flops_per_cpu_second"] == pytest.approx(30e9, rel=1e-6)
-    assert figures["layer_overhead_cpu_s"] == pytest.approx(8e-3, rel=1e-6)
-    assert figures["memory_bytes_per_cpu_second"] == pytest.approx(5e9, rel=1e-6)
-    assert figures["all_reduce_fp32_bytes_per_cpu_second"] == pytest.approx(1e9, rel=1e-6)
-    assert figures["all_reduce_hop_cpu_s"] == pytest.approx(50e-6, rel=1e-4)
-    # half a core each: every rate halves, every fixed cost doubles; fp32 bytes in 2-byte units
-    assert cluster.peak_flops == pytest.approx(15e9, rel=1e-6)
-    assert cluster.layer_overhead_s == pytest.approx(16e-3, rel=1e-6)
-    assert cluster.hbm_bandwidth == pytest.approx(2.5e9, rel=1e-6)
-    assert cluster.intra_node_bandwidth == pytest.approx(0.25e9, rel=1e-6)
-    assert cluster.nvlink_hop_latency == pytest.approx(100e-6, rel=1e-4)
-    assert not cluster.tree_all_reduce
+def test_llama3_8b_config_gives_its_published_parameter_count():
+    model = ModelSize.from_hf_config(LLAMA3_8B)
+    assert (model.kv_heads, model.ffn_size, model.gated_mlp) == (8, 14336, True)
+    assert not (model.biases or model.learned_positions or model.tied_embeddings or model.is_paper_gpt)
+    assert model.seq_length == 4096  # max_position_embeddings 8192, capped
+    # 8,030,261,248 published, less the final RMSNorm (4,096) that Eq. 2 leaves out too
+    assert model.parameters == 8_030_261_248 - 4096
 
 
-def test_layer_overhead_adds_per_layer_and_microbatch_and_defaults_to_zero():
-    base = Cluster(num_gpus=8)
-    assert base.layer_overhead_s == 0.0 and base.tree_all_reduce
-    slow = replace(base, layer_overhead_s=1e-3)
-    kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "activation_checkpointing": None}
-    size = ModelSize(num_layers=4, hidden_size=512, num_heads=8, seq_length=256, vocab_size=1024)
-    a, b = estimate(size, base, 16, **kwargs), estimate(size, slow, 16, **kwargs)
-    assert b.compute_s - a.compute_s == pytest.approx(4 * 2 * 1e-3)  # 4 layers, m = 16 / 8 = 2
-    with pytest.raises(ValueError, match="layer_overhead_s"):
-        Cluster(num_gpus=8, layer_overhead_s=-1.0)
+def test_gpt2_config_is_the_papers_gpt():
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    model = ModelSize.from_hf_config(gpt2)
+    assert model.is_paper_gpt and model.seq_length == 1024
+    assert model.parameters == gpt_parameter_count(12, 768, 50257, 1024)
 
 
-def test_host_overheads_enter_per_tp_layer_tp_microbatch_and_loop_iteration():
-    base = Cluster(num_gpus=8)
-    assert base.tp_layer_overhead_s == 0.0 and base.loop_overhead_s == 0.0
-    size = ModelSize(num_layers=4, hidden_size=512, num_heads=8, seq_length=256, vocab_size=1024)
-    slow = replace(base, tp_layer_overhead_s=1e-3, loop_overhead_s=2e-3, tp_microbatch_overhead_s=5e-3)
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_general_flops_reduce_to_the_papers_formula_on_its_gpt(recompute):
+    # An untied head changes no FLOPs but takes the general, term-by-term path.
+    from lightning_ptdp.planner.estimate import executed_flops
 
-    def both(**layout):
-        kwargs = {"activation_checkpointing": None, **layout}
-        return estimate(size, base, 64, **kwargs), estimate(size, slow, 64, **kwargs)
-
-    a, b = both(tensor_parallel_size=2, pipeline_parallel_size=1)  # d = 4, m = 16: the loop runs 16 times
-    assert b.tensor_parallel_comm_s - a.tensor_parallel_comm_s == pytest.approx(16 * (4 * 1e-3 + 5e-3))
-    assert b.compute_s - a.compute_s == pytest.approx(16 * 2e-3)
-    a, b = both(tensor_parallel_size=1, pipeline_parallel_size=2)  # under a pipeline: once per step, no TP
-    assert b.compute_s - a.compute_s == pytest.approx(2e-3)
-    chunked = replace(slow, pipeline_chunk_overhead_s=3e-3)
-    kwargs = {"activation_checkpointing": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
-    c = estimate(size, chunked, 64, virtual_pipeline_size=2, **kwargs)  # d = 4, m = 16, 2 chunks per rank
-    d = estimate(size, slow, 64, virtual_pipeline_size=2, **kwargs)
-    assert c.pipeline_comm_s - d.pipeline_comm_s == pytest.approx(16 * 2 * 3e-3)
-    assert b.tensor_parallel_comm_s == a.tensor_parallel_comm_s == 0.0
-    for name in ("tp_layer_overhead_s", "tp_microbatch_overhead_s", "pipeline_chunk_overhead_s", "loop_overhead_s"):
-        with pytest.raises(ValueError, match=name):
-            Cluster(num_gpus=8, **{name: -1.0})
+    gpt = TABLE_1["gpt_7.5b"].model
+    untied = replace(gpt, tied_embeddings=False)
+    assert not untied.is_paper_gpt
+    assert executed_flops(untied, 512, recompute) == pytest.approx(executed_flops(gpt, 512, recompute), rel=1e-12)
 
 
-def test_host_overhead_fit_recovers_the_costs_the_timed_steps_were_made_of():
-    """Timed-step CPU seconds built from known overheads on top of a fitted cluster: the residual
-    split finds each of them again (exact arithmetic, so a tight tolerance)."""
-    from lightning_ptdp.planner.calibrate import (
-        HOST_DEPTHS,
-        HOST_PROBES,
-        PIPELINE_PROBE,
-        fit_cluster,
-        fit_host_overheads,
-    )
-    from lightning_ptdp.planner.measure import GLOBAL_BATCH, small_estimate
+def test_grouped_query_attention_and_swiglu_change_the_layer_cost():
+    from lightning_ptdp.planner.estimate import executed_flops
 
-    def timed_cpu(truth) -> dict:  # CPU seconds per step: no rank works in a pipeline's bubble
-        keys = [(*layout, n) for layout in HOST_PROBES for n in HOST_DEPTHS] + [PIPELINE_PROBE]
-        steps = {(t, p, d, v, n): small_estimate(truth, t, p, v, n) for t, p, d, v, n in keys}
-        return {key: x.step_time_s - x.bubble_s for key, x in steps.items()}
-
-    machine = _synthetic_machine(rate=30e9, overhead=8e-3, memory_rate=5e9, bw=1e9, hop=50e-6, share=0.5)
-    cluster, _ = fit_cluster([machine] * 4)
-    truth = replace(cluster, peak_flops=30e9, hbm_bandwidth=5e9, intra_node_bandwidth=0.5e9, nvlink_hop_latency=50e-6)
-    truth = replace(truth, layer_overhead_s=11e-3, loop_overhead_s=20e-3, tp_layer_overhead_s=3e-3)
-    truth = replace(truth, tp_microbatch_overhead_s=5e-3, pipeline_chunk_overhead_s=4e-3)
-    fitted, figures = fit_host_overheads(cluster, 0.5, timed_cpu(truth))
-    assert figures["layer_overhead_cpu_s_timed"] == pytest.approx(11e-3, rel=1e-6)
-    assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
-    assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
-    assert figures["tp_microbatch_overhead_cpu_s"] == pytest.approx(5e-3, rel=1e-6)
-    assert figures["pipeline_chunk_overhead_cpu_s"] == pytest.approx(4e-3, rel=1e-6)
-    assert figures["host_fit_left_at_t2_shallow_cpu_s"] == pytest.approx(0.0, abs=1e-9)
-    assert fitted.loop_overhead_s == pytest.approx(40e-3, rel=1e-6)  # at half a core: twice the wall time
-    assert GLOBAL_BATCH % HOST_PROBES[1][2] == 0
-
-    # A timed layer cheaper than the block benchmark's FLOPs at its rate (no overhead left to take
-    # from): the rate rises to match instead of the difference being clipped away.
-    faster = replace(truth, peak_flops=40e9, layer_overhead_s=0.0)
-    fitted, figures = fit_host_overheads(cluster, 0.5, timed_cpu(faster))
-    assert figures["flops_per_cpu_second_timed"] == pytest.approx(40e9, rel=1e-6)
-    assert figures["layer_overhead_cpu_s_timed"] == 0.0
-    assert figures["loop_overhead_cpu_s"] == pytest.approx(20e-3, rel=1e-6)
-    assert figures["tp_layer_overhead_cpu_s"] == pytest.approx(3e-3, rel=1e-6)
-    assert figures["pipeline_chunk_overhead_cpu_s"] == pytest.approx(4e-3, rel=1e-6)
+    llama = ModelSize.from_hf_config(LLAMA3_8B)
+    mha = replace(llama, num_kv_heads=None)
+    assert llama.layer_matrix_parameters < mha.layer_matrix_parameters
+    assert executed_flops(llama, 8, None)[0] < executed_flops(mha, 8, None)[0]
+    b, s, h, f, l = 8, llama.seq_length, 4096, 14336, 32
+    per_layer = 2 * b * s * (h * (h + 2 * 8 * 128) + h * h + 3 * h * f) + 4 * b * s * s * h
+    assert executed_flops(llama, b, None)[0] == 3 * l * per_layer
 
 
-def test_ranking_ignores_layouts_measured_within_the_tie_and_no_others():
-    from lightning_ptdp.planner.calibrate import same_ranking
+def test_plan_takes_a_config_json_and_refuses_t_that_splits_a_kv_head(tmp_path, capsys):
+    from lightning_ptdp.planner import main
 
-    rows = [{"measured_s": 1.0, "predicted_s": 1.3}, {"measured_s": 1.03, "predicted_s": 1.2}]
-    assert same_ranking(rows)  # 3% apart: their order is the machine's noise
-    rows.append({"measured_s": 2.0, "predicted_s": 1.25})
-    assert not same_ranking(rows)  # twice as slow measured, predicted faster than the first
-    # 10% apart, but one layout's own rounds spread 15%: the measurement does not order them
-    noisy = [{"measured_s": 1.0, "predicted_s": 1.2, "round_spread": 0.15}, {"measured_s": 1.1, "predicted_s": 1.1}]
-    assert same_ranking(noisy)
-    noisy[0]["round_spread"] = 0.02
-    assert not same_ranking(noisy)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    assert main([str(path), "--gpus", "64", "--global-batch-size", "512", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "32 heads (8 kv), ffn 14336 gated" in out and "8.03B parameters" in out
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=16 does not divide num_kv_heads=8.*choose one of 1, 2, 4, 8"
+    ):
+        llama = ModelSize.from_hf_config(LLAMA3_8B)
+        estimate(llama, Cluster(num_gpus=64), 512, tensor_parallel_size=16, pipeline_parallel_size=1)
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_step_clock_stamps_once_per_optimizer_step_under_gradient_accumulation(accumulate):
-    # At p = 1 a Lightning batch is one microbatch; a stamp per batch, or one extra before the first
-    # step ends, would time the wrong window (it once counted 5 steps' CPU as 4).
-    import lightning as L
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    from lightning_ptdp.planner.measure import step_clock
-    from lightning_ptdp.testing import quiet_trainer
-
-    clock = step_clock()
-    trainer = quiet_trainer(max_steps=4, accumulate_grad_batches=accumulate, callbacks=[clock], limit_val_batches=0)
-    L.seed_everything(0, verbose=False)
-    trainer.fit(BoringModel())
-    assert len(clock.stamps) == len(clock.cpu) == 4
-    assert clock.stamps == sorted(clock.stamps)
+def test_a_config_without_the_shape_keys_is_refused_with_what_is_missing():
+    with pytest.raises(
+        ValueError, match=r"config.json has no num_layers \(num_hidden_layers or n_layer or num_layers\)"
+    ):
+        ModelSize.from_hf_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})
