@@ -147,6 +147,7 @@ def fit_and_record(
     trainer.fit(torch.compile(model) if compile_whole else model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum(_local(p).numel() for p in model.parameters())
+    held = {name: (_local(p).numel(), p.dim()) for name, p in model.named_parameters()}
     # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss
     losses = [sum(recorder.losses[i : i + accumulate]) for i in range(0, len(recorder.losses), accumulate)]
     return {
@@ -155,6 +156,7 @@ def fit_and_record(
         "initial": initial,
         "state": state,
         "local_numel": local_numel,
+        "held": held,
         "optimizer_numel": optimizer_numel(trainer),
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": dict(counters["graph_break"]),
