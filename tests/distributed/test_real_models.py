@@ -179,3 +179,19 @@ def check_share(result: dict, expected: dict, ref: dict) -> None:
         assert state <= share, f"ZeRO-1 rank holds {state} optimizer elements, more than {share:.0f}"
     else:
         assert state <= 2 * result["local_numel"], (state, result["local_numel"])
+
+
+def test_the_share_check_fails_a_pipeline_split_of_three_blocks_and_one():
+    # 3 of 4 blocks on one rank holds 340 of 440 parameters: 0.77, inside the 0.8 cap this replaced
+    full = {f"layers.{i}.w": (100, 2) for i in range(4)} | {"embed.weight": (40, 2)}
+    expected = expected_shares(full, {"pipeline_parallel_size": 2}, 2)
+    ref = {"optimizer_numel": 2 * 440}
+
+    def rank(*blocks: int) -> dict:
+        held = {f"layers.{i}.w": (100, 2) for i in blocks} | {"embed.weight": (40, 2)}
+        numel = sum(n for n, _ in held.values())
+        return {"held": held, "local_numel": numel, "optimizer_numel": 2 * numel}
+
+    check_share(rank(0, 1), expected, ref)
+    with pytest.raises(AssertionError, match="a balanced split holds"):
+        check_share(rank(0, 1, 2), expected, ref)
