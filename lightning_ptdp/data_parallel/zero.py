@@ -1,8 +1,8 @@
 """ZeRO stages 2 and 3 on the dp axis with FSDP2 (``fully_shard``): one unit per transformer block
 and per module holding parameters outside them, never a container (it has no forward to hook).
-Stage 2 keeps parameters whole between forward and backward and reduce-scatters gradients (as
-Megatron's distributed optimizer does); stage 3 reshards parameters after forward. Stage 1 is
-not FSDP (it has no whole-gradient mode): zero1.py. docs/architecture.md has the why.
+Units sharing a tied weight (nanoGPT's wte and lm_head) are one FSDP group. Stage 2 keeps
+parameters whole between forward and backward and reduce-scatters gradients (as Megatron's
+distributed optimizer does); stage 3 reshards them after forward. Stage 1 is not FSDP: zero1.py.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
     reshard = zero_stage == 3
     blocks = [block for _, found in find_block_lists(module) for block in found]
     units: dict[str, nn.Module] = {}
+    tied: list[list[nn.Module]] = []
     if not pipeline:
         units = _units_outside_blocks(module, blocks, zero_stage)
-        _check_ties_within_units(module, [*blocks, *units.values()], zero_stage)
+        tied = _tie_groups(module, [*blocks, *units.values()])
+    grouped = {id(unit) for group in tied for unit in group}
     for block in blocks:
-        if any(True for _ in block.parameters()):  # under PP, other stages' blocks hold none
+        if any(True for _ in block.parameters()) and id(block) not in grouped:  # under PP others' blocks hold none
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     if pipeline:
         inside = {id(m) for block in blocks for m in block.modules()}
@@ -53,8 +55,38 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
     # until backward, which starts right after their forward anyway; this also keeps backward
     # independent of whether FSDP can hook the root's output (tensor-parallel logits are a subclass).
     for unit in units.values():
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
+        if id(unit) not in grouped:
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
+    block_ids = {id(b) for b in blocks}
+    for group in tied:  # one FSDP group: the tied weight is sharded once and set on every module using it
+        only_blocks = all(id(unit) in block_ids for unit in group)
+        fully_shard(group, mesh=dp_mesh, reshard_after_forward=reshard and only_blocks)
+    if tied:
+        _initialize_root(module, [*blocks, *units.values()], dp_mesh)
     return module
+
+
+class _UnitsRoot(nn.Module):
+    """Every FSDP unit under one module, for FSDP2's root; fully_shard refuses a bare container."""
+
+    def __init__(self, units: list[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("the FSDP root of ptdp's units is never called; the units run in the model's forward")
+
+
+def _initialize_root(module: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh) -> None:
+    """FSDP2 makes the first unit to run forward a root, and a group of modules cannot be one; no
+    module encloses the units but the LightningModule, which Lightning never calls. So a holder of
+    every unit becomes the root here, initialized now (FSDP2 has no public call for it: its lazy
+    init runs in the root's pre-forward), and every unit's state joins its one context."""
+    from torch.distributed.fsdp import fully_shard
+
+    holder = fully_shard(_UnitsRoot(units), mesh=dp_mesh, reshard_after_forward=False)
+    holder._get_fsdp_state()._lazy_init()
+    module.__dict__["_ptdp_fsdp_root"] = holder  # kept alive, not a submodule (no state_dict keys)
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -87,25 +119,30 @@ def _units_outside_blocks(module: nn.Module, blocks: list[nn.Module], zero_stage
     return units
 
 
-def _check_ties_within_units(module: nn.Module, units: list[nn.Module], zero_stage: int) -> None:
-    """FSDP shards each unit's parameters on its own: a weight shared by two units (an embedding
-    tied to an LM head beside it) would be sharded by one and left stale in the other."""
-    unit_ids = {id(u) for u in units}
-    owner: dict[int, tuple[nn.Module, str]] = {}
+def _tie_groups(module: nn.Module, units: list[nn.Module]) -> list[list[nn.Module]]:
+    """Units that share a parameter, joined transitively (in the units' order); only groups of 2+."""
+    index = {id(u): i for i, u in enumerate(units)}
+    parent = list(range(len(units)))
 
-    def visit(path: str, mod: nn.Module, unit: nn.Module | None) -> None:
-        unit = mod if id(mod) in unit_ids else unit
-        for name, param in mod.named_parameters(recurse=False):
-            where = f"{path}{name}"
-            first = owner.setdefault(id(param), (unit, where))
-            if first[0] is not unit:
-                raise ValueError(
-                    f"zero_stage={zero_stage}: '{first[1]}' and '{where}' are one tied parameter in two modules "
-                    "that FSDP shards separately (no module with a forward encloses both but the LightningModule, "
-                    "whose __call__ Lightning does not run); put the network in one nn.Module "
-                    "(self.model = MyNet(...)), untie the weights, or use zero_stage=0"
-                )
-        for name, child in mod.named_children():
-            visit(f"{path}{name}.", child, unit)
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
 
-    visit("", module, None)
+    first_unit: dict[int, int] = {}
+
+    def visit(mod: nn.Module, unit: int | None) -> None:
+        unit = index.get(id(mod), unit)
+        if unit is not None:
+            for param in mod.parameters(recurse=False):
+                other = first_unit.setdefault(id(param), unit)
+                parent[find(other)] = find(unit)
+        for child in mod.children():
+            visit(child, unit)
+
+    visit(module, None)
+    groups: dict[int, list[nn.Module]] = {}
+    for i, unit in enumerate(units):
+        groups.setdefault(find(i), []).append(unit)
+    return [group for group in groups.values() if len(group) > 1]
