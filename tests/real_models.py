@@ -166,12 +166,7 @@ def titan_llama3() -> nn.Module:
     model = config.build()
     model.init_states()  # torchtitan allocates first, then initialises
     for layer in model.layers.values():
-        layer.attention.inner_attention = CausalSDPA()
-        # its state_dict hooks rename wqkv to stock wq/wk/wv keys, reshaping the whole tensor:
-        # ptdp's checkpoints (like torch.distributed.checkpoint) key by parameter name instead
-        qkv = layer.attention.qkv_linear
-        qkv._state_dict_hooks.clear()
-        qkv._load_state_dict_pre_hooks.clear()
+        layer.attention.inner_attention = CausalSDPA()  # its state_dict hooks (wqkv <-> wq/wk/wv) kept
     return model
 
 

@@ -52,6 +52,7 @@ def tp_step(
     from lightning_ptdp.parallel.grads import sum_partial_gradients
     from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict
+    from lightning_ptdp.tensor_parallel.state_dict_hooks import run_save_hooks
 
     net = _net(family, overrides or {})
     batch_inputs, targets = token_batch((overrides or {}).get("vocab_size", VOCAB))
@@ -72,7 +73,7 @@ def tp_step(
         torch._dynamo.reset()
         counters.clear()
         apply_compile(net, CompileConfig(backend=compile_backend, fullgraph=True))
-    state = full_state_dict(net)
+    state = run_save_hooks(net, full_state_dict(net))  # as a full checkpoint: the model's own keys
     counter = CollectiveCounter() if count else None
     if counter:
         counter.start()

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from lightning_ptdp.parallel.comm import detached_cpu, tensor_shape
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
+from lightning_ptdp.tensor_parallel.state_dict_hooks import run_load_pre_hooks, run_save_hooks
 
 
 def _options(**kwargs: Any):
@@ -37,7 +38,8 @@ def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
 def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
     state = _stage_model_state(module, tensor_parallel=tensor_parallel, zero=zero, every_rank=pp_group is not None)
-    return _gather_stages(state, pp_group) if pp_group is not None else state
+    state = _gather_stages(state, pp_group) if pp_group is not None else state
+    return run_save_hooks(module, state)  # hooks taken off sharded modules, now on whole tensors
 
 
 def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, every_rank: bool) -> dict[str, Any]:
@@ -100,6 +102,7 @@ def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tens
 def load_model_state(
     module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, zero: bool, strict: bool, pipeline: bool = False
 ) -> None:
+    state = run_load_pre_hooks(module, state, strict)  # e.g. wq/wk/wv merged back into a fused wqkv
     if strict:
         check_fits(module, state, pipeline=pipeline, tensor_parallel=tensor_parallel)
     if pipeline:  # this stage's entries only

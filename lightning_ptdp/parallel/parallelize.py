@@ -29,6 +29,7 @@ from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel
+from lightning_ptdp.tensor_parallel.state_dict_hooks import hooked_modules, take_state_dict_hooks
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ def parallelize(
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
     result = Parallelized(module, root=module, zero=config.fsdp)
     check_reusable(module, config, dims)
+    if training and config.fsdp:  # FSDP2 shards every module: their state_dict hooks run on whole tensors only
+        take_state_dict_hooks(module, hooked_modules(module))
     with torch.compiler.set_stance(
         "force_eager"
     ):  # steps 1-4b record real calls: a block the user compiled runs eagerly

@@ -49,6 +49,7 @@ from lightning_ptdp.tensor_parallel.replay import (
     install_replay,
     snapshot_args,
 )
+from lightning_ptdp.tensor_parallel.state_dict_hooks import take_state_dict_hooks
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
     ]
     heads = [(p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)]
-    refuse_state_dict_hooks(model, [emb_path, *(p for p, _ in heads)])
+    take_state_dict_hooks(model, [emb_path, *(p for p, _ in heads)])
     if not acts_as(embedding, nn.Embedding):
         # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly
         report.entries.append(
@@ -240,35 +241,9 @@ def plan_block_lists(
         before = snapshot_args(recorded.graph)
         plan = plan_block(recorded, name, tp_size)
         linears = [m for r in plan.regions for m in (*r.columns, r.row)]
-        refuse_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in range(len(blocks)) for m in linears])
+        take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in range(len(blocks)) for m in linears])
         planned.append((path, blocks, plan, args, BlockProgram.build(recorded.graph, plan, before)))
     return planned
-
-
-def refuse_state_dict_hooks(model: nn.Module, sharded: list[str]) -> None:
-    """A module whose state_dict hooks would see a rank's TP shard as the whole tensor (torchtitan's
-    fused wqkv splits itself into wq/wk/wv on save) would write wrong checkpoints: refused."""
-    for path in sharded:
-        parts = path.split(".")
-        for depth in range(len(parts) + 1):
-            where = ".".join(parts[:depth])
-            module = model.get_submodule(where)
-            if type(module).__name__ == "CheckpointWrapper":  # torch's recompute wrapper only renames keys
-                continue
-            hooks = [
-                getattr(hook, "hook", hook)  # load pre-hooks come wrapped
-                for table in ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
-                for hook in getattr(module, table, {}).values()
-            ]
-            if hooks:
-                names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
-                raise ValueError(
-                    f"'{where or type(model).__name__}' ({type(module).__name__}) has state_dict hooks ({names}) that "
-                    f"would treat this rank's tensor-parallel shard of '{path}' as the whole tensor, so checkpoints "
-                    "would hold wrong weights. ptdp's checkpoints key by parameter name and need no such hooks: remove "
-                    "them before fit (module._state_dict_hooks.clear(), module._load_state_dict_pre_hooks.clear()), "
-                    "or use tensor_parallel_size=1"
-                )
 
 
 def apply_tensor_parallel(
@@ -342,7 +317,7 @@ def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> 
     check_styles(plan)
     resolved = resolve_plan(model, plan)
     check_ties(model, resolved)
-    refuse_state_dict_hooks(model, list(resolved))
+    take_state_dict_hooks(model, list(resolved))
     report = TPReport(tp.size, False)
     report.entries.extend(rewrite(model, resolved, tp))
     return report

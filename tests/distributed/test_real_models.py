@@ -195,3 +195,47 @@ def test_the_share_check_fails_a_pipeline_split_of_three_blocks_and_one():
     check_share(rank(0, 1), expected, ref)
     with pytest.raises(AssertionError, match="a balanced split holds"):
         check_share(rank(0, 1, 2), expected, ref)
+
+
+def _titan_full_checkpoint(path: str) -> dict:
+    """torchtitan's llama3 at t=2, its wqkv state_dict hooks kept: save a full checkpoint, then load
+    it into a freshly drawn t=2 model and read the weights back."""
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from tests.fit_utils import quiet_trainer, zoo_data
+    from tests.models import build_model
+
+    def trainer(steps: int) -> L.Trainer:
+        strategy = PTDPStrategy(tensor_parallel_size=2, checkpoint_format="full")
+        return quiet_trainer(devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0)
+
+    L.seed_everything(0, verbose=False)
+    first = trainer(1)
+    first.fit(build_model("titan_llama3"), zoo_data(4, 4000, 100))
+    first.save_checkpoint(path)
+    saved = first.strategy.lightning_module_state_dict()
+    L.seed_everything(1, verbose=False)  # other initial weights: the load must replace all of them
+    second = trainer(1)
+    second.fit(build_model("titan_llama3"), zoo_data(4, 4000, 100), ckpt_path=path)  # at step 1: loads only
+    loaded = second.strategy.lightning_module_state_dict()
+    return {
+        "keys": list(saved),
+        "equal": saved.keys() == loaded.keys() and all(saved[k].equal(loaded[k]) for k in saved),
+    }
+
+
+@pytest.mark.world_size(2)
+def test_torchtitan_fused_wqkv_full_checkpoint_has_its_stock_keys_at_t2(dist_pool, tmp_path):
+    """Its hooks write wq/wk/wv and read them back into wqkv: ptdp runs them on whole tensors only,
+    so the t=2 file is what one process writes and loads there and at t=2 again."""
+    from tests.models import build_model
+
+    path = str(tmp_path / "titan.ckpt")
+    results = dist_pool(2).run(_titan_full_checkpoint, path)
+    assert all(r["equal"] for r in results)
+    keys = results[0]["keys"]
+    assert "net.layers.0.attention.qkv_linear.wq.weight" in keys and not any("wqkv" in k for k in keys)
+    single = build_model("titan_llama3")  # one process, hooks on: the file loads strictly, keys and shapes
+    single.load_state_dict(torch.load(path, weights_only=False)["state_dict"], strict=True)
+    assert list(single.state_dict()) == keys  # and writes the same keys in the same order

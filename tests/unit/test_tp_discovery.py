@@ -204,20 +204,35 @@ def test_vocab_padding():
     assert (shard.padded_size, shard.start, shard.local, shard.valid) == (64, 32, 32, 31)
 
 
-def test_state_dict_hooks_that_would_see_a_shard_are_refused():
+def test_state_dict_hooks_of_sharded_modules_run_only_on_whole_tensors():
     """torchtitan's fused wqkv splits itself into wq/wk/wv in a state_dict hook: on a TP shard that
-    would write wrong weights, so it is refused before anything is cut."""
+    would cut the shard as a whole tensor, so the hooks come off the module (sharded checkpoints key
+    by parameter name) and run on whole tensors where a full checkpoint is written or read."""
+    from lightning_ptdp.tensor_parallel.state_dict_hooks import run_load_pre_hooks, run_save_hooks
+
     net = _net("llama")
     attention = net.layers[0].attention
+    seen = []
 
     def split_qkv_on_save(module, state_dict, prefix, local_metadata):
-        return state_dict
+        seen.append((module, prefix))
+        state_dict[f"{prefix}wq.renamed"] = state_dict.pop(f"{prefix}wq.weight")
+
+    def merge_qkv_on_load(module, state_dict, prefix, *args):
+        state_dict[f"{prefix}wq.weight"] = state_dict.pop(f"{prefix}wq.renamed")
 
     attention.register_state_dict_post_hook(split_qkv_on_save)
+    attention.register_load_state_dict_pre_hook(merge_qkv_on_load)
     tokens = torch.zeros(2, 8, dtype=torch.long)
-    with pytest.raises(
-        ValueError,
-        match=r"'layers\.0\.attention' \(LlamaAttention\) has state_dict hooks \(.*split_qkv_on_save\) that would "
-        r"treat this rank's tensor-parallel shard of 'layers\.0\.attention\.wq' as the whole tensor.*remove them",
-    ):
-        tensor_parallel_plan(net, 2, probe=lambda: net(tokens))
+    tensor_parallel_plan(net, 2, probe=lambda: net(tokens))
+    assert not attention._state_dict_hooks and not attention._load_state_dict_pre_hooks
+    plain = net.state_dict()
+    assert "layers.0.attention.wq.weight" in plain and not seen  # keyed by parameter name
+    saved = run_save_hooks(net, dict(plain))
+    assert seen == [(attention, "layers.0.attention.")] and "layers.0.attention.wq.renamed" in saved
+    loaded = run_load_pre_hooks(net, saved, strict=True)
+    assert (
+        loaded.keys() == plain.keys()
+        and loaded["layers.0.attention.wq.weight"] is plain["layers.0.attention.wq.weight"]
+    )
+    assert run_save_hooks(net, {}) == {}  # a rank without the whole module's tensors runs nothing
