@@ -1,6 +1,6 @@
 """Every CPU benchmark in one command; rewrites their sections of benchmarks/RESULTS.md.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu            # the figures RESULTS.md and the README quote
+    OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu            # the CPU figures of RESULTS.md
     OMP_NUM_THREADS=1 python -m benchmarks.run_all --cpu --quick --results R.md   # tiny sizes, a smoke run
 
 Each benchmark runs repeated rounds with its contenders alternated (A B, B A, ...) in the same
