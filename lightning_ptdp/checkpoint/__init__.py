@@ -35,7 +35,7 @@ class ShardingView:
     module: nn.Module
     """The LightningModule (unwrapped): its state_dict names are the checkpoint's."""
     tensor_parallel: bool = False
-    zero: bool = False
+    fsdp: bool = False
     pp_group: Any = None
     """The pipeline group when p > 1: each stage holds its own chunks' entries."""
     aliases: Optional[dict[str, list[str]]] = None
@@ -55,7 +55,7 @@ class Checkpointer:
         if self.format == "sharded":
             return dcp_save.model_pieces(view.module, view.aliases)
         return full.model_state(
-            view.module, tensor_parallel=view.tensor_parallel, zero=view.zero, pp_group=view.pp_group
+            view.module, tensor_parallel=view.tensor_parallel, fsdp=view.fsdp, pp_group=view.pp_group
         )
 
     def load_model_state(self, view: ShardingView, state: dict[str, Any], strict: bool) -> None:
@@ -67,7 +67,7 @@ class Checkpointer:
             state["state_dict"],
             strict=strict,
             tensor_parallel=view.tensor_parallel,
-            zero=view.zero,
+            fsdp=view.fsdp,
             pipeline=view.pp_group is not None,
         )
 
@@ -80,7 +80,7 @@ class Checkpointer:
             view.module,
             local,
             tensor_parallel=view.tensor_parallel,
-            zero=view.zero,
+            fsdp=view.fsdp,
             pp_group=view.pp_group,
             dp_group=dp_group_of(optimizer),
         )
@@ -96,7 +96,7 @@ class Checkpointer:
                     local_optimizer(optimizer),
                     optimizer_state,
                     tensor_parallel=view.tensor_parallel,
-                    zero=view.zero,
+                    fsdp=view.fsdp,
                     aliases=view.aliases,
                     owned_only=owned_only,
                 )

@@ -35,19 +35,19 @@ def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
     return merged
 
 
-def model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, pp_group: Any = None) -> dict[str, Any]:
+def model_state(module: nn.Module, *, tensor_parallel: bool, fsdp: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
-    state = _stage_model_state(module, tensor_parallel=tensor_parallel, zero=zero, every_rank=pp_group is not None)
+    state = _stage_model_state(module, tensor_parallel=tensor_parallel, fsdp=fsdp, every_rank=pp_group is not None)
     state = _gather_stages(state, pp_group) if pp_group is not None else state
     return run_save_hooks(module, state)  # hooks taken off sharded modules, now on whole tensors
 
 
-def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, zero: bool, every_rank: bool) -> dict[str, Any]:
-    if zero and (tensor_parallel or every_rank):  # gather over dp on every rank, then over tp
+def _stage_model_state(module: nn.Module, *, tensor_parallel: bool, fsdp: bool, every_rank: bool) -> dict[str, Any]:
+    if fsdp and (tensor_parallel or every_rank):  # gather over dp on every rank, then over tp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return full_state_dict(module, get_model_state_dict(module, options=_options()))
-    if zero:
+    if fsdp:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(module, options=_options(cpu_offload=True))
@@ -100,7 +100,7 @@ def check_fits(module: nn.Module, state: dict[str, Any], *, pipeline: bool, tens
 
 
 def load_model_state(
-    module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, zero: bool, strict: bool, pipeline: bool = False
+    module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, fsdp: bool, strict: bool, pipeline: bool = False
 ) -> None:
     state = run_load_pre_hooks(module, state, strict)  # e.g. wq/wk/wv merged back into a fused wqkv
     if strict:
@@ -108,7 +108,7 @@ def load_model_state(
     if pipeline:  # this stage's entries only
         local = module.state_dict().keys()
         state = {k: v for k, v in state.items() if k in local}
-    if zero:
+    if fsdp:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         local = shard_state_dict(module, state) if tensor_parallel else state
@@ -124,7 +124,7 @@ def optimizer_state(
     optimizer: Any,
     *,
     tensor_parallel: bool,
-    zero: bool,
+    fsdp: bool,
     pp_group: Any = None,
     dp_group: Any = None,
 ) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def optimizer_state(
     the parameters they own (gathered first, so TP and PP see whole states as at stage 0)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    rank0_only = zero and not tensor_parallel and pp_group is None
+    rank0_only = fsdp and not tensor_parallel and pp_group is None
     state = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
     if tensor_parallel:  # on the device, before any CPU copy (TP peers own the same parameters)
         state = map_optimizer_state_by_name(module, state, to_full=True)
@@ -206,7 +206,7 @@ def load_optimizer_state(
     state: dict[str, Any],
     *,
     tensor_parallel: bool,
-    zero: bool,
+    fsdp: bool,
     aliases: Optional[dict[str, list[str]]] = None,
     owned_only: bool = False,
 ) -> None:

@@ -32,12 +32,12 @@ def _dp_shard_shape(shape: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple
 
 
 def sum_tied_gradients(
-    split: PipelineSplit, pp_group: Any, device: torch.device, zero_dp: Optional[tuple[int, int]] = None
+    split: PipelineSplit, pp_group: Any, device: torch.device, fsdp_dp: Optional[tuple[int, int]] = None
 ) -> None:
     """Parameters used on several pipeline ranks (embedding tied to the LM head) get the sum of
     their gradients on every holder, as Megatron does, so the copies stay equal. Every rank of
     the pipeline group joins; ranks not holding a parameter add zeros (of the dp shard's shape
-    under ZeRO, ``zero_dp`` = (dp rank, dp size): the holders share this rank's dp coordinate)."""
+    under ZeRO, ``fsdp_dp`` = (dp rank, dp size): the holders share this rank's dp coordinate)."""
     if not split.tied:
         return
     grads = []
@@ -48,7 +48,7 @@ def sum_tied_gradients(
         if param is not None:
             grads.append(local_tensor(param.grad))
         else:
-            local = _dp_shard_shape(shape, *zero_dp) if zero_dp is not None else shape
+            local = _dp_shard_shape(shape, *fsdp_dp) if fsdp_dp is not None else shape
             grads.append(torch.zeros(local, dtype=dtype, device=device))
     flat_all_reduce(grads, pp_group)
 
@@ -179,7 +179,7 @@ class GradientFinisher:
     dp_group: Any = None
     dp_rank: int = 0
     dp_size: int = 1
-    zero: bool = False
+    fsdp: bool = False
     device: torch.device = torch.device("cpu")
 
     @property
@@ -190,15 +190,15 @@ class GradientFinisher:
     def finish(self, params: list[nn.Parameter]) -> None:
         """Called once per optimizer step on every rank, with the optimizer's parameters."""
         if self.split is not None:
-            zero_dp = (self.dp_rank, self.dp_size) if self.zero else None
-            sum_tied_gradients(self.split, self.pp_group, self.device, zero_dp)
+            fsdp_dp = (self.dp_rank, self.dp_size) if self.fsdp else None
+            sum_tied_gradients(self.split, self.pp_group, self.device, fsdp_dp)
         if self.tp is not None:
             sum_partial_gradients(self.model, self.partial, self.tp)
 
     def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
         exclude = self.split.norm_exclude() if self.split is not None else frozenset()
-        dp_group = self.dp_group if self.zero else None
+        dp_group = self.dp_group if self.fsdp else None
         return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude)
 
 

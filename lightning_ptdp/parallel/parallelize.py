@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.data_parallel import apply_data_parallel, apply_zero, shard_optimizer_states
+from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
@@ -46,7 +46,7 @@ class Parallelized:
     tp_group: Optional[TPGroup] = None
     tp_report: Optional[TPReport] = None
     pipeline: Optional[PipelineEngine] = None
-    zero: bool = False
+    fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
     optimizer_state_group: Any = None
     """ZeRO-1 with d > 1: the dp group each optimizer's state is sharded over."""
@@ -65,7 +65,7 @@ class Parallelized:
         return ShardingView(
             module=self.root,
             tensor_parallel=self.tp_report is not None,
-            zero=self.zero,
+            fsdp=self.fsdp,
             pp_group=pipeline.pp_group if pipeline is not None else None,
             aliases=pipeline.split.aliases if pipeline is not None else None,
         )
@@ -110,7 +110,7 @@ def parallelize(
     count. Data parallelism only when training. TP, recompute, the split and the pretrained read are
     cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
     log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
-    result = Parallelized(module, root=module, zero=config.fsdp)
+    result = Parallelized(module, root=module, fsdp=config.fsdp)
     check_reusable(module, config, dims)
     if training and config.fsdp:  # FSDP2 shards every module: their state_dict hooks run on whole tensors only
         take_state_dict_hooks(module, hooked_modules(module))
@@ -174,7 +174,7 @@ def parallelize(
             materialize_shards(module, device, result.pipeline)
     if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
-        result.module = apply_zero(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
+        result.module = apply_fsdp(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
         result.module = apply_data_parallel(module, mesh["dp"])
     if training and config.zero_stage == 1 and dims.dp > 1:
@@ -189,7 +189,7 @@ def parallelize(
         dp_group=mesh["dp"].get_group(),
         dp_rank=mesh["dp"].get_local_rank(),
         dp_size=dims.dp,
-        zero=config.fsdp,
+        fsdp=config.fsdp,
         device=device,
     )
     return result

@@ -123,11 +123,11 @@ def _tie_after_zero() -> list[bool]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ptdp.data_parallel import apply_zero
+    from lightning_ptdp.data_parallel import apply_fsdp
     from tests.models import build_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    model = apply_zero(build_model("nanogpt_dict_tied"), mesh["dp"], 3)
+    model = apply_fsdp(build_model("nanogpt_dict_tied"), mesh["dp"], 3)
     sharded = model.transformer.wte.weight
     return [model.lm_head.weight is sharded, sharded.to_local().shape[0] < model.lm_head.out_features]
 

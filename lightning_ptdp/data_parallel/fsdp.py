@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.parallel.blocks import find_block_lists, outer_modules
 
 
-def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place.
 
     Under pipeline parallelism the model's forward is cut short on every stage but the last, so
