@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.parallel.comm import PendingAllReduce, all_reduce_grads, flat_all_reduce, local_tensor
+from lightning_ptdp.pipeline.grad_buckets import LastBackwardBuckets
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
@@ -241,3 +242,79 @@ class DataParallelGradSync:
     def abandon(self) -> None:
         """After a failed step: forget the started buckets (the process group is being torn down)."""
         self._pending, self._deferred = [], []
+
+
+class PipelineStepGradients:
+    """Under PP, the owner of a step's gradients while the schedule's backwards produce them.
+
+    Lightning zeroes gradients after training_step and before backward, but the schedule's backward
+    runs inside the step: ``begin`` sets Lightning's gradients aside, ``end`` keeps the step's
+    (``apply_pending`` adds them back after Lightning's zero_grad) and restores the others. With a
+    ``sync`` (d > 1 without FSDP) a chunk's final gradients go to the dp mean bucket by bucket
+    during its last backward; parameters another local chunk still uses wait for that one. The
+    engine only reports its backwards (``on_backward``) and never touches ``.grad``."""
+
+    def __init__(self, module: nn.Module, split: PipelineSplit, sync: Optional[DataParallelGradSync]) -> None:
+        self.module, self.split, self.sync = module, split, sync
+        self._params: list[nn.Parameter] = []
+        self._before: list[Optional[torch.Tensor]] = []
+        self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._finished: set[int] = set()
+        self._synced: set[int] = set()
+        self._chunk_of: dict[int, int] = {}
+
+    def begin(self) -> None:
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._before = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._finished, self._synced, self._chunk_of = set(), set(), {}
+
+    def on_backward(self, chunk: int, last: bool) -> Optional[Callable[[], None]]:
+        """Before a gradient-producing backward of ``chunk``; ``last``: its last of the step. Returns
+        what to call once that backward ran (it sends the buckets the hooks have not)."""
+        if not last:
+            return None
+        self._finished.add(chunk)
+        if self.sync is None:
+            return None
+        pending = [c for c in self.split.local_chunks if c not in self._finished]
+        still_used = {id(p) for c in pending for p in self.split.params_of_chunk(c)}
+        params = [
+            p
+            for p in self.split.params_of_chunk(chunk)
+            if p.requires_grad and id(p) not in self._synced and id(p) not in still_used
+        ]
+        self._synced.update(id(p) for p in params)
+        return LastBackwardBuckets(params, lambda bucket: self._launch(chunk, bucket)).close
+
+    def _launch(self, chunk: int, bucket: list[nn.Parameter]) -> None:
+        pending = self.sync.ready(bucket) if self.sync is not None else None
+        if pending is not None:
+            self._chunk_of[id(pending)] = chunk
+
+    def end(self, ok: bool) -> tuple[list[tuple[int, float, float]], float]:
+        """After the schedule: wait for the dp mean (or forget it when the step failed), keep the
+        step's gradients, restore Lightning's. Returns (chunk, start, end) of each dp bucket and the
+        seconds this rank waited for them."""
+        buckets: list[tuple[int, float, float]] = []
+        waited = 0.0
+        try:
+            if self.sync is not None and ok:
+                rest = [p for p in self._params if id(p) not in self._synced]
+                pending, waited = self.sync.finish(rest)
+                buckets = [(self._chunk_of.get(id(b), -1), b.started, b.done or b.started) for b in pending]
+            elif self.sync is not None:
+                self.sync.abandon()
+        finally:
+            self._pending = [(p, p.grad) for p in self._params if p.grad is not None]
+            for p, grad in zip(self._params, self._before):
+                p.grad = grad
+            self._before = []
+        return buckets, waited
+
+    def apply_pending(self) -> None:
+        """Add the last training step's gradients to ``.grad`` (after Lightning's zero_grad)."""
+        for param, grad in self._pending:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._pending = []

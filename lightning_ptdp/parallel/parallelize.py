@@ -24,7 +24,7 @@ from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.dims import ParallelDims
-from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher
+from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher, PipelineStepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
@@ -102,8 +102,9 @@ def parallelize(
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
     5. data parallel    last: it wraps the final per-rank parameters (ZeRO 2/3 shards them over dp;
-                        under PP the engine's DataParallelGradSync averages gradients over dp, chunk by chunk;
-                        ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
+                        under PP a step's gradients belong to PipelineStepGradients, which averages
+                        them over dp chunk by chunk; ZeRO-1 keeps this and shards the optimizer
+                        state, see data_parallel/zero1.py).
 
     ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
     block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
@@ -156,11 +157,11 @@ def parallelize(
                     probe=run,
                     probe_rows=rows,
                     failures=failures,
-                    grad_sync=grad_sync,
                 )
             result.pipeline = module.__dict__["_ptdp_pipeline"]
             # an engine reused from an earlier run (fit, then validate) takes this run's collaborators
-            result.pipeline.failures, result.pipeline.grad_sync = failures, grad_sync
+            result.pipeline.failures = failures
+            result.pipeline.gradients = PipelineStepGradients(module, result.pipeline.split, grad_sync)
             result.pipeline.check_reusable(config, dims)
         aliases = result.pipeline.split.aliases if result.pipeline is not None else None
         if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:

@@ -42,7 +42,6 @@ def apply_pipeline(
     probe: Callable[[], Any],
     probe_rows: int,
     failures: Any = None,
-    grad_sync: Any = None,
 ) -> PipelineEngine:
     """Cut ``module`` in place to pipeline rank ``rank``'s chunks; ``probe`` runs one ordinary
     forward on a microbatch of ``probe_rows`` samples (every rank still holds the whole model)."""
@@ -67,5 +66,4 @@ def apply_pipeline(
         pp_group=pp_group,
         device=device,
         failures=failures,
-        grad_sync=grad_sync,
     )

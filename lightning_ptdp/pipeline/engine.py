@@ -23,7 +23,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
-from lightning_ptdp.pipeline.grad_buckets import LastBackwardBuckets
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.pipeline.step_results import apply_metric_states, metric_states, reduce_logs, to_device
@@ -157,7 +156,7 @@ class PipelineEngine:
         pp_group: Any,
         device: torch.device,
         failures: Optional[FailureRecords] = None,
-        grad_sync: Any = None,
+        gradients: Any = None,
     ) -> None:
         self.module, self.split, self.schedule_name = module, split, schedule
         self.micro_batch_size = micro_batch_size
@@ -168,7 +167,6 @@ class PipelineEngine:
         self._schedules: dict[tuple, Any] = {}
         self._run: Optional[_Step] = None
         self._finished: Optional[_Step] = None
-        self.pending_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._metric_counts: dict[str, int] = {}
         self._metrics: Optional[dict[str, Any]] = None
         self._spans: list[Span] = []
@@ -176,12 +174,11 @@ class PipelineEngine:
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
         self.failures = failures
-        self.grad_sync = grad_sync
-        """Under d > 1 without ZeRO: the dp mean of the gradients, chunk by chunk (parallel/grads.py)."""
-        self._backwards_done: dict[int, int] = {}
-        self._synced: set[int] = set()
-        self._buckets: list[tuple[int, Any]] = []
         """Where a stage's error is recorded for the other ranks (the run's; a reused engine gets the new run's)."""
+        self.gradients = gradients
+        """The owner of a training step's gradients (parallel/grads.py PipelineStepGradients), told of
+        each gradient-producing backward: the engine itself never reads or writes a gradient."""
+        self._backwards_done: dict[int, int] = {}
 
     def check_reusable(self, config: Any, dims: Any) -> None:
         """A model already cut for one pipeline (an earlier fit) cannot be cut again for another."""
@@ -248,45 +245,23 @@ class PipelineEngine:
             def timed(mb: int, *args: Any, _run: Callable = run, _kind: str = kind, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 kind = "I" if _kind == "B" and kwargs.get("full_backward", True) is False else _kind
-                armed = self._arm_last_backward(stage.stage_index) if kind in ("B", "W") else None
+                after = self._on_backward(stage.stage_index) if kind in ("B", "W") else None
                 out = _run(mb, *args, **kwargs)
                 self._spans.append(Span(kind, stage.stage_index, mb, start, time.perf_counter()))
-                if armed is not None:  # the chunk's gradients are final: send what the hooks have not
-                    armed.close()
+                if after is not None:  # the chunk's gradients are final: send what the hooks have not
+                    after()
                 return out
 
             setattr(stage, attr, timed)
 
-    def _arm_last_backward(self, chunk: int) -> Optional[LastBackwardBuckets]:
-        """Before a gradient-producing backward of ``chunk``: when it is the chunk's last of the step,
-        its final gradients go to the dp mean bucket by bucket as backward accumulates them
-        (parameters another local chunk still uses wait for that chunk)."""
+    def _on_backward(self, chunk: int) -> Optional[Callable[[], None]]:
+        """Before a gradient-producing backward of ``chunk``: the gradients' owner learns whether it
+        is the chunk's last of the step, and may return what to run once it ran."""
         run = self._run
         self._backwards_done[chunk] = done = self._backwards_done.get(chunk, 0) + 1
-        if self.grad_sync is None or run is None or not run.training or done != len(run.microbatches):
+        if self.gradients is None or run is None or not run.training:
             return None
-        pending = {c for c in self.split.local_chunks if self._backwards_done.get(c, 0) < len(run.microbatches)}
-        still_used = {id(p) for c in pending for p in self.split.params_of_chunk(c)}
-        params = [
-            p
-            for p in self.split.params_of_chunk(chunk)
-            if p.requires_grad and id(p) not in self._synced and id(p) not in still_used
-        ]
-        self._synced.update(id(p) for p in params)
-        return LastBackwardBuckets(params, lambda bucket: self._launch(chunk, bucket))
-
-    def _launch(self, chunk: int, bucket: list[nn.Parameter]) -> None:
-        pending = self.grad_sync.ready(bucket)
-        if pending is not None:
-            self._buckets.append((chunk, pending))
-
-    def _finish_grad_sync(self, params: list[nn.Parameter]) -> None:
-        rest = [p for p in params if id(p) not in self._synced]
-        buckets, waited = self.grad_sync.finish(rest)
-        chunks = dict((id(b), c) for c, b in self._buckets)
-        assert self.timeline is not None
-        self.timeline.comm = [Span("D", chunks.get(id(b), -1), -1, b.started, b.done or b.started) for b in buckets]
-        self.timeline.exposed_comm = waited
+        return self.gradients.on_backward(chunk, last=done == len(run.microbatches))
 
     # ------------------------------------------------------------------ one step
     def _forward_chunk(self, chunk: int, received: tuple, index: int) -> torch.Tensor:
@@ -323,29 +298,19 @@ class PipelineEngine:
 
     def train_step(self, step: Callable[..., Any], batch: Any, extra: tuple, grad_scale: float) -> Any:
         """Forward and backward of every microbatch; returns the mean loss (on every pipeline rank),
-        as a tensor or as {"loss": ...} like the step returned it (other keys are not carried). ``grad_scale`` multiplies the gradients (1/accumulation).
-
-        Lightning zeroes gradients after training_step and before backward, but the schedule's
-        backward runs inside the step: the step's gradients are set aside (``pending_grads``) and
-        added by ``apply_pending_grads`` from the strategy's backward hook, so accumulation and
-        zero_grad behave as without a pipeline."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        before = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        self._backwards_done, self._synced, self._buckets = {}, set(), []
+        as a tensor or as {"loss": ...} like the step returned it (other keys are not carried).
+        ``grad_scale`` multiplies the gradients (1/accumulation); they belong to ``gradients``."""
+        self._backwards_done = {}
+        self.gradients.begin()
+        ok = False
         try:
             outputs = self._run_schedule(step, batch, extra, training=True, grad_scale=grad_scale)
-            if self.grad_sync is not None:
-                self._finish_grad_sync(params)
-        except BaseException:
-            if self.grad_sync is not None:
-                self.grad_sync.abandon()
-            raise
+            ok = True
         finally:
-            self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
-            for p, grad in zip(params, before):
-                p.grad = grad
+            buckets, waited = self.gradients.end(ok)
+        assert self.timeline is not None
+        self.timeline.comm = [Span("D", chunk, -1, start, end) for chunk, start, end in buckets]
+        self.timeline.exposed_comm = waited
         payload = self._payload(
             lambda: {"loss": sum(float(o) for o in outputs) / len(outputs), "dtype": outputs[0].dtype}
         )
@@ -353,12 +318,6 @@ class PipelineEngine:
         # would round a float32 loss to 8 bits (4.162 reported as 4.156)
         loss = torch.tensor(payload["loss"], dtype=payload["dtype"], device=self.device)
         return {"loss": loss} if payload["as_dict"] else loss
-
-    def apply_pending_grads(self) -> None:
-        """Add the last training step's gradients to ``.grad`` (after Lightning's zero_grad)."""
-        for param, grad in self.pending_grads:
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self.pending_grads = []
 
     def eval_step(self, step: Callable[..., Any], batch: Any, extra: tuple, *, collect: bool) -> Any:
         """Forward of every microbatch; with ``collect`` the step outputs (predictions) of the last
