@@ -16,94 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
+from lightning_ptdp.pipeline.microbatches import loss_of, merge_outputs, split_microbatches
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
-from lightning_ptdp.pipeline.step_results import apply_metric_states, metric_states, reduce_logs, to_device
+from lightning_ptdp.pipeline.step_results import StepResults, to_device
+from lightning_ptdp.pipeline.timeline import Span, StepTimeline
 
 log = logging.getLogger(__name__)
-
-
-def split_microbatches(batch: Any, micro_batch_size: Optional[int], *, strict: bool = True) -> tuple[list[Any], int]:
-    """Cut every tensor in ``batch`` along dim 0 into microbatches of ``micro_batch_size`` rows
-    (other leaves are shared). Returns (microbatches, rows per microbatch). Not ``strict``
-    (evaluation): a batch that ``micro_batch_size`` does not divide is one microbatch."""
-    leaves, spec = tree_flatten(batch)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
-    if not tensors:
-        raise ValueError("pipeline parallelism splits the batch into microbatches along dim 0, but it holds no tensors")
-    rows = tensors[0].shape[0]
-    if any(t.shape[0] != rows for t in tensors):
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(
-            f"the batch's tensors {shapes} disagree on dim 0; pipeline microbatches split every tensor there"
-        )
-    size = micro_batch_size or rows
-    if rows % size and not strict:
-        size = rows
-    if rows % size:
-        fits = [k for k in range(1, rows + 1) if rows % k == 0]
-        raise ValueError(
-            f"micro_batch_size={size} does not divide the per-replica batch of {rows} samples; choose one of "
-            f"{fits}, or a batch size that is a multiple of {size} (DataLoader(drop_last=True) for a short last batch)"
-        )
-    count = rows // size
-    pieces = [
-        leaf.split(size) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count for leaf in leaves
-    ]
-    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(count)], size
-
-
-@dataclass
-class Span:
-    """One forward (F), backward (B), input-backward (I) or weight-backward (W) of one microbatch."""
-
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-
-
-@dataclass
-class StepTimeline:
-    """This rank's measured schedule for one step: what ran when, between ``start`` and ``end``."""
-
-    rank: int
-    start: float
-    end: float
-    spans: list[Span] = field(default_factory=list)
-    wall_offset: float = 0.0
-    """time.time() - time.perf_counter() at the start: spans + offset are comparable across hosts."""
-    comm: list[Span] = field(default_factory=list)
-    """Data-parallel gradient buckets (kind "D"), from start to arrival: beside compute, not in ``busy``."""
-    exposed_comm: float = 0.0
-    """Seconds this rank waited for those buckets after the schedule: the communication not hidden,
-    plus any wait for a dp replica that was still computing (compare the replicas' timelines)."""
-
-    @property
-    def busy(self) -> float:
-        return sum(s.end - s.start for s in self.spans)
-
-    @property
-    def bubble(self) -> float:
-        """Time not computing (waiting on other stages or transfers) over time computing: what
-        the paper's (p-1)/m estimates."""
-        return (self.end - self.start - self.busy) / self.busy if self.busy > 0 else 0.0
-
-    def max_in_flight(self, stage: int) -> int:
-        """Most microbatches whose activations ``stage`` held at once (forwarded, not yet backwarded)."""
-        live, peak = 0, 0
-        for span in sorted((s for s in self.spans if s.stage == stage), key=lambda s: s.start):
-            live += 1 if span.kind == "F" else (-1 if span.kind in ("B", "I") else 0)
-            peak = max(peak, live)
-        return peak
 
 
 class _Chunk(nn.Module):
@@ -132,17 +57,6 @@ class _Step:
     as_dict: bool = False
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    raise ValueError(
-        f"under pipeline parallelism training_step must return the loss tensor or a dict with 'loss'; it returned "
-        f"{type(output).__name__} (skipping a step by returning None is not supported: every stage has started it)"
-    )
-
-
 class PipelineEngine:
     """Runs Lightning steps of ``module`` through torch pipeline schedules on this pipeline rank."""
 
@@ -163,12 +77,10 @@ class PipelineEngine:
         self.pp_group, self.device = pp_group, device
         self.pp = split.layout.pp
         self.is_last = split.rank == self.pp - 1
-        self._last_global = dist.get_global_rank(pp_group, self.pp - 1)
         self._schedules: dict[tuple, Any] = {}
         self._run: Optional[_Step] = None
         self._finished: Optional[_Step] = None
-        self._metric_counts: dict[str, int] = {}
-        self._metrics: Optional[dict[str, Any]] = None
+        self.results = StepResults(module, pp_group, is_last=self.is_last, device=device)
         self._spans: list[Span] = []
         self._input_shapes: Optional[list[tuple]] = None
         self.timeline: Optional[StepTimeline] = None
@@ -311,8 +223,11 @@ class PipelineEngine:
         assert self.timeline is not None
         self.timeline.comm = [Span("D", chunk, -1, start, end) for chunk, start, end in buckets]
         self.timeline.exposed_comm = waited
-        payload = self._payload(
-            lambda: {"loss": sum(float(o) for o in outputs) / len(outputs), "dtype": outputs[0].dtype}
+        run = self._finished
+        payload = self.results.share_and_replay(
+            lambda: {"loss": sum(float(o) for o in outputs) / len(outputs), "dtype": outputs[0].dtype},
+            run.logs,
+            run.as_dict,
         )
         # the step's own dtype: under precision="bf16-true" the default dtype is bf16 here, which
         # would round a float32 loss to 8 bits (4.162 reported as 4.156)
@@ -323,38 +238,20 @@ class PipelineEngine:
         """Forward of every microbatch; with ``collect`` the step outputs (predictions) of the last
         stage, concatenated over microbatches, on every pipeline rank."""
         outputs = self._run_schedule(step, batch, extra, training=False)
-        payload = self._payload(lambda: {"outputs": _merge([detached_cpu(o) for o in outputs]) if collect else None})
+        run = self._finished
+        payload = self.results.share_and_replay(
+            lambda: {"outputs": merge_outputs([detached_cpu(o) for o in outputs]) if collect else None},
+            run.logs,
+            run.as_dict,
+        )
         return to_device(payload["outputs"], self.device)
-
-    def _payload(self, last_stage: Callable[[], dict]) -> dict:
-        """Results of the last stage shared with every pipeline rank, then its logs replayed."""
-        payload = None
-        if self.is_last:
-            run = self._finished
-            try:
-                payload = {**last_stage(), "logs": self._reduced_logs(run.logs), "metrics": self._metric_states()}
-                payload["as_dict"] = run.as_dict
-            except Exception as error:  # shared below, so no other stage waits for a result that never comes
-                payload = {"error": f"{type(error).__name__}: {error}"}
-        payload = self.share(payload)
-        if "error" in payload:
-            raise RuntimeError(f"the last pipeline stage could not finish the step: {payload['error']}")
-        self._apply_metric_states(payload["metrics"])
-        for name, value, args, kwargs in payload["logs"]:
-            if isinstance(value, str):  # a torchmetrics Metric, by its path in the module
-                value = self.module.get_submodule(value)
-            elif value is not None:
-                value = torch.tensor(value, device=self.device)
-            if value is not None:
-                self.module.log(name, value, *args, **kwargs)
-        return payload
 
     def _run_schedule(
         self, step: Callable[..., Any], batch: Any, extra: tuple, *, training: bool, grad_scale: float = 1.0
     ) -> list[Any]:
         """Run ``step(microbatch, *extra)`` over the microbatches of ``batch`` through the schedule;
         returns the last stage's per-microbatch outputs (empty elsewhere)."""
-        self._metric_counts = self._update_counts()
+        self.results.begin()
         microbatches, rows = self._split(batch, training)
         schedule = self._schedule(len(microbatches), rows, training)
         self._run = _Step(step, microbatches, extra, training, grad_scale / len(microbatches))
@@ -393,38 +290,3 @@ class PipelineEngine:
         run = self._run
         assert run is not None
         run.logs.append((run.current, name, value, args, kwargs))
-
-    # ------------------------------------------------------------------ results on every rank
-    def _metric_paths(self) -> dict[str, Any]:
-        """The module's torchmetrics Metrics by path, found once (setup fixed the module tree)."""
-        if self._metrics is None:
-            from torchmetrics import Metric
-
-            self._metrics = {name: m for name, m in self.module.named_modules() if isinstance(m, Metric)}
-        return self._metrics
-
-    def _update_counts(self) -> dict[str, int]:
-        return {name: m._update_count for name, m in self._metric_paths().items()}
-
-    def _metric_states(self) -> dict[str, dict]:
-        return metric_states(self._metric_paths(), self._metric_counts)
-
-    def _apply_metric_states(self, states: dict[str, dict]) -> None:
-        if not self.is_last:
-            apply_metric_states(self.module, states, self.device)
-
-    def _reduced_logs(self, logs: list[tuple[int, str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
-        return reduce_logs(logs, self._metric_paths())
-
-    def share(self, payload: Any) -> Any:
-        """``payload`` from the last pipeline stage, on every rank of this pipeline."""
-        box = [payload if self.is_last else None]
-        dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
-        return box[0]
-
-
-def _merge(outputs: list[Any]) -> Any:
-    """Microbatch outputs back into one batch: tensors concatenated along dim 0, else a list."""
-    if outputs and all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outputs):
-        return torch.cat(outputs)
-    return outputs

@@ -1,11 +1,13 @@
-"""What a pipeline step's last stage hands every other rank: its ``self.log`` calls, each combined
-over the microbatches as one process would log it for the whole batch, and its torchmetrics states."""
+"""What a pipeline step's last stage hands every other rank: its results, its ``self.log`` calls,
+each combined over the microbatches as one process would log it for the whole batch, and its
+torchmetrics states (``StepResults``; the functions below do each part)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -107,3 +109,61 @@ def combine_microbatches(values: list[float], sizes: list[Optional[int]], reduce
 def to_device(value: Any, device: torch.device) -> Any:
     leaves, spec = tree_flatten(value)
     return tree_unflatten([v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+class StepResults:
+    """After each step, the last stage's results shared with every rank of its pipeline, and its
+    logs and metric states replayed there."""
+
+    def __init__(self, module: nn.Module, pp_group: Any, *, is_last: bool, device: torch.device) -> None:
+        self.module, self.pp_group, self.is_last, self.device = module, pp_group, is_last, device
+        self._last_global = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+        self._counts: dict[str, int] = {}
+        self._metrics: Optional[dict[str, Any]] = None
+
+    def metric_paths(self) -> dict[str, Any]:
+        """The module's torchmetrics Metrics by path, found once (setup fixed the module tree)."""
+        if self._metrics is None:
+            from torchmetrics import Metric
+
+            self._metrics = {name: m for name, m in self.module.named_modules() if isinstance(m, Metric)}
+        return self._metrics
+
+    def begin(self) -> None:
+        """Before a step: the metrics' update counts, to tell which ones the step updated."""
+        self._counts = {name: m._update_count for name, m in self.metric_paths().items()}
+
+    def share_and_replay(self, last_stage: Callable[[], dict], logs: list, as_dict: bool) -> dict:
+        """``last_stage()`` with the step's combined logs and metric states, on every pipeline rank;
+        the logs replayed on each (``self.log``), the states taken by the other stages."""
+        payload = None
+        if self.is_last:
+            paths = self.metric_paths()
+            try:
+                payload = {
+                    **last_stage(),
+                    "logs": reduce_logs(logs, paths),
+                    "metrics": metric_states(paths, self._counts),
+                }
+                payload["as_dict"] = as_dict
+            except Exception as error:  # shared below, so no other stage waits for a result that never comes
+                payload = {"error": f"{type(error).__name__}: {error}"}
+        payload = self.share(payload)
+        if "error" in payload:
+            raise RuntimeError(f"the last pipeline stage could not finish the step: {payload['error']}")
+        if not self.is_last:
+            apply_metric_states(self.module, payload["metrics"], self.device)
+        for name, value, args, kwargs in payload["logs"]:
+            if isinstance(value, str):  # a torchmetrics Metric, by its path in the module
+                value = self.module.get_submodule(value)
+            elif value is not None:
+                value = torch.tensor(value, device=self.device)
+            if value is not None:
+                self.module.log(name, value, *args, **kwargs)
+        return payload
+
+    def share(self, payload: Any) -> Any:
+        """``payload`` from the last pipeline stage, on every rank of this pipeline."""
+        box = [payload if self.is_last else None]
+        dist.broadcast_object_list(box, src=self._last_global, group=self.pp_group)
+        return box[0]
