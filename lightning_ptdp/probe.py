@@ -5,19 +5,17 @@ torchmetrics updates are muted; on a model built on the meta device values read 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.overrides import TorchFunctionMode
 
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.pipeline import split_microbatches
-
-if TYPE_CHECKING:
-    from lightning_ptdp.strategy import PTDPStrategy
 
 
 class _MetaScalarsAsZero(TorchFunctionMode):
@@ -62,7 +60,7 @@ def side_effects_muted(module: pl.LightningModule) -> Generator[None, None, None
                 metric.update = update
 
 
-def stage_step(strategy: PTDPStrategy, trainer: pl.Trainer) -> tuple[Callable[..., Any], Any]:
+def stage_step(strategy: Strategy, trainer: pl.Trainer) -> tuple[Callable[..., Any], Any]:
     """The stage's step method and its dataloader's first batch (on this device, or on meta)."""
     module = strategy.lightning_module
     loop, step = {
@@ -77,14 +75,14 @@ def stage_step(strategy: PTDPStrategy, trainer: pl.Trainer) -> tuple[Callable[..
     return step, probe_batch(strategy, next(iter(loader)))
 
 
-def probe_batch(strategy: PTDPStrategy, batch: Any) -> Any:
+def probe_batch(strategy: Strategy, batch: Any) -> Any:
     """A batch for the setup probes: on the meta device while the model is (shapes only)."""
     if strategy.model is not None and is_on_meta(strategy.model):
         return apply_to_collection(batch, torch.Tensor, lambda t: t.to("meta"))
     return strategy.batch_to_device(batch)
 
 
-def forward_probe(strategy: PTDPStrategy, trainer: pl.Trainer) -> None:
+def forward_probe(strategy: Strategy, trainer: pl.Trainer) -> None:
     """One ordinary step on a sample batch: ``example_input_array`` when the module has one, else
     the first batch of the stage's dataloader (the loop's data source knows every way Lightning
     accepts data)."""
@@ -98,12 +96,14 @@ def forward_probe(strategy: PTDPStrategy, trainer: pl.Trainer) -> None:
         step(batch, 0)
 
 
-def microbatch_probe(strategy: PTDPStrategy, trainer: pl.Trainer) -> tuple[Callable[[], None], int]:
+def microbatch_probe(
+    strategy: Strategy, trainer: pl.Trainer, micro_batch_size: Optional[int]
+) -> tuple[Callable[[], None], int]:
     """One ordinary step on the first microbatch of the stage's first batch, for the pipeline split;
     returned unrun, with the batch's sample count."""
     step, batch = stage_step(strategy, trainer)
     fitting = trainer.state.fn == TrainerFn.FITTING
-    microbatches, rows = split_microbatches(batch, strategy.parallel_config.micro_batch_size, strict=fitting)
+    microbatches, rows = split_microbatches(batch, micro_batch_size, strict=fitting)
     module, plugin = strategy.lightning_module, strategy.precision_plugin
 
     def run() -> None:

@@ -258,7 +258,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             probe=lambda: probe.forward_probe(self, trainer),
             tp_plan=self.tp_plan,
             training=fitting,
-            pipeline_probe=lambda: probe.microbatch_probe(self, trainer),
+            pipeline_probe=lambda: probe.microbatch_probe(self, trainer, self.parallel_config.micro_batch_size),
             device=self.root_device,
             pretrained=self.pretrained,
             failures=self._failures,
