@@ -110,6 +110,28 @@ def test_no_module_imports_upward_or_sideways():
     assert violations(edges) == []
 
 
+def mutual_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Pairs of modules that import each other (lazily, or for type checking, too); a package and
+    its own submodules (``pipeline`` re-exporting ``pipeline.engine``) do not count."""
+
+    def family(a: str, b: str) -> bool:
+        return a.startswith(f"{b}.") or b.startswith(f"{a}.")
+
+    return sorted(
+        f"{a} <-> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if a < b and a in edges.get(b, ()) and not family(a, b)
+    )
+
+
+def test_no_two_modules_import_each_other():
+    edges = {name: imports_of(path, name) for name, path in _modules().items()}
+    assert mutual_imports(edges) == []
+    assert mutual_imports({"probe": {"strategy"}, "strategy": {"probe"}}) == ["probe <-> strategy"]
+    assert mutual_imports({"pipeline": {"pipeline.engine"}, "pipeline.engine": {"pipeline"}}) == []
+
+
 def test_the_layer_check_fails_on_a_violation():
     assert violations({"pipeline.engine": {"tensor_parallel.layers"}}) == [
         "pipeline.engine imports tensor_parallel.layers: sideways between parallelism axes"
