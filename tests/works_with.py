@@ -1,14 +1,13 @@
 """README.md's "Works with" table, rendered from the conformance matrix's definition.
 
 Every cell is a test, `tests/distributed/test_real_models.py::test_conformance[family-layout]`, that
-CI runs on every change; a failing cell fails CI, so the table shows what passes. A test run never
-writes the README: ``python -m tests.works_with`` rewrites the table after the matrix changes, and
-`tests/unit/test_works_with.py` checks that the README holds what this renders.
+CI runs on every change; a failing cell fails CI, so the table shows what passes. Nothing under
+tests/ writes the README: ``python .ci/works_with.py`` rewrites the table after the matrix changes,
+and `tests/unit/test_works_with.py` checks that the README holds what this renders.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -16,7 +15,7 @@ BEGIN, END = "<!-- works-with:begin -->", "<!-- works-with:end -->"
 STAMP = (
     "Each cell is `tests/distributed/test_real_models.py::test_conformance[family-layout]`, which CI runs: "
     "3 steps with the Trainer equal to one process (fp32, losses and gradients 1e-5 relative), each rank "
-    "holding only its share. Regenerate with `python -m tests.works_with` after the matrix changes."
+    "holding only its share. Regenerate with `python .ci/works_with.py` after the matrix changes."
 )
 
 
@@ -36,13 +35,3 @@ def render() -> str:
 def readme_block(text: str) -> str:
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[start:end]
-
-
-def main() -> int:
-    text = README.read_text()
-    README.write_text(text.replace(readme_block(text), render()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

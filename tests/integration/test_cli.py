@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -93,8 +94,11 @@ def ptdp_command() -> list[str]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd`` from a fresh temporary folder: what it writes where it runs (Lightning's
+    lightning_logs/ without a default_root_dir) never lands in the source tree."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="ptdp-cli-") as cwd:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
@@ -287,7 +291,7 @@ def start_two_nodes(out_dir: Path, port: int) -> tuple[list[int], str]:
             *recorder_args(out_dir / "ranks"),
         ]
         log = open(out_dir / f"node{node_rank}.log", "w")
-        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        nodes.append((subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         codes = [proc.wait(timeout=TIMEOUT_S) for proc, _ in nodes]
     finally:

@@ -215,7 +215,7 @@ PAPER_TABLE_1 = {
 def test_estimate_at_the_papers_layouts_matches_table_1():
     """Each row at its own layout: the paper's t and p, b=1, full recompute; v=1 (Table 1 states
     no v). One constant is fitted, GEMM_EFFICIENCY, on two rows (FIT_ROWS: gpt_1.7b and gpt_1t);
-    the other eight are predictions. Every row within 10%, as the README says (largest today 8.7%)."""
+    the other eight are predictions. Every row within 10%, as benchmarks/RESULTS.md (planner_table_1) says (largest today 8.7%)."""
     errors = {}
     for name, (t, p, gpus, batch, paper) in PAPER_TABLE_1.items():
         x = estimate(
@@ -250,7 +250,7 @@ def test_gpt3_175b_on_1024_gpus_against_the_papers_140_tflops_and_34_days():
     best = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, **PAPER_TOOLSET)[0]
     assert best.tflops_per_gpu == pytest.approx(140, rel=0.15)  # no recompute: fewer FLOPs than the paper counts
     assert best.tensor_parallel_size == 8 and best.pipeline_parallel_size > 1
-    # like with like (the paper's 140 counts recomputation): optimistic, within 25% (README: +21.6%)
+    # like with like (the paper's 140 counts recomputation): optimistic, within 25% (RESULTS.md, planner_table_1: +21.6%)
     full = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, recompute_modes=("full",))[0]
     assert full.activation_checkpointing == "full" and 1.0 < full.tflops_per_gpu / 140 < 1.25
 

@@ -1,10 +1,10 @@
-"""The README's "Works with" table is the conformance matrix's, as `python -m tests.works_with` renders it."""
+"""The README's "Works with" table is the conformance matrix's, as tests/works_with.py renders it (`python .ci/works_with.py` writes it)."""
 
 from tests.works_with import README, readme_block, render
 
 
 def test_readme_holds_the_rendered_table():
-    assert readme_block(README.read_text()) == render(), "run `python -m tests.works_with` and commit README.md"
+    assert readme_block(README.read_text()) == render(), "run `python .ci/works_with.py` and commit README.md"
 
 
 def test_every_matrix_cell_is_a_row_entry():
