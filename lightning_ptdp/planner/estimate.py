@@ -24,7 +24,7 @@ from lightning_ptdp.planner.cost import (
     send_seconds,
 )
 from lightning_ptdp.planner.models import ModelSize, check_positive, model_size
-from lightning_ptdp.tools.flops import activation_bytes_per_layer, gpt_flops_per_iteration, model_state_bytes_per_rank
+from lightning_ptdp.tools.flops import activation_bytes_per_layer, model_state_bytes_per_rank
 
 BF16 = 2  # bytes per activation, gradient and communicated element
 OPTIMIZER_BYTES_PER_PARAMETER = 32
@@ -66,17 +66,13 @@ class Layout:
 
 
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
-    """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included: the
-    paper's formula for its GPT, and its terms for any layer (2 FLOPs per weight and token in each
-    matmul, 4bs^2h for QK^T and scores x V, three passes, four under full recompute)."""
+    """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included, by the
+    paper's terms for any layer: 2 FLOPs per weight and token in each matmul, 4bs^2h for QK^T and
+    scores x V, three passes (four under full recompute); on its GPT, exactly its Eq. 3."""
     b, s, l, h, vocab = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
     logits = 6 * b * s * h * vocab
-    if model.is_paper_gpt:
-        total = gpt_flops_per_iteration(b, s, l, h, vocab, activation_recompute=recompute == "full")
-        layers = total - logits
-    else:
-        forward = 2 * b * s * model.layer_matrix_parameters + 4 * b * s * s * h
-        layers = l * forward * (4 if recompute == "full" else 3)
+    forward = 2 * b * s * model.layer_matrix_parameters + 4 * b * s * s * h
+    layers = l * forward * (4 if recompute == "full" else 3)
     if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
         layers += 4 * b * s**2 * h * l
     return layers, logits

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_ptdp.tools.flops import gpt_parameter_count
-
 
 def check_positive(name: str, value: object, *, integer: bool = True) -> None:
     """Raise ValueError unless ``value`` is a positive int (or number when ``integer=False``); bools refused."""
@@ -109,9 +107,7 @@ class ModelSize:
 
     @property
     def parameters(self) -> int:
-        """Eq. 2 for the paper's GPT; otherwise counted term by term the same way (final norm left out)."""
-        if self.is_paper_gpt:
-            return gpt_parameter_count(self.num_layers, self.hidden_size, self.vocab_size, self.seq_length)
+        """Counted term by term as Eq. 2 counts the paper's GPT (exactly Eq. 2 there; final norm left out)."""
         h, f = self.hidden_size, self.ffn_size
         norms = 4 * h if self.biases else 2 * h  # two LayerNorms (weight + bias) or RMSNorms (weight)
         biases = (self.qkv_width + h + f * (2 if self.gated_mlp else 1) + h) if self.biases else 0

@@ -33,7 +33,7 @@ from lightning_ptdp.planner import (
     plan,
 )
 from lightning_ptdp.planner.cost import all_reduce_seconds, gemm_seconds, wave_efficiency
-from lightning_ptdp.tools.flops import gpt_parameter_count, training_time_seconds
+from lightning_ptdp.tools.flops import gpt_flops_per_iteration, gpt_parameter_count, training_time_seconds
 
 GB = 1e9
 # Float sums of the same terms in a different order: relative difference of a few ulps.
@@ -693,13 +693,17 @@ def test_gpt2_config_is_the_papers_gpt():
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
 def test_general_flops_reduce_to_the_papers_formula_on_its_gpt(recompute):
-    # An untied head changes no FLOPs but takes the general, term-by-term path.
+    # the term-by-term count against Eq. 3 itself; an untied head changes no FLOPs
     from lightning_ptdp.planner.estimate import executed_flops
 
     gpt = TABLE_1["gpt_7.5b"].model
     untied = replace(gpt, tied_embeddings=False)
     assert not untied.is_paper_gpt
     assert executed_flops(untied, 512, recompute) == pytest.approx(executed_flops(gpt, 512, recompute), rel=1e-12)
+    h, l = gpt.hidden_size, gpt.num_layers
+    paper = gpt_flops_per_iteration(512, gpt.seq_length, l, h, gpt.vocab_size, activation_recompute=recompute == "full")
+    paper += 4 * 512 * gpt.seq_length**2 * h * l if recompute == "selective" else 0  # the core again
+    assert sum(executed_flops(gpt, 512, recompute)) == pytest.approx(paper, rel=1e-12)
 
 
 def test_grouped_query_attention_and_swiglu_change_the_layer_cost():
