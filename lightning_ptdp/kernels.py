@@ -96,14 +96,15 @@ def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device
                 f"{_FIX}"
             )
         return KernelReport(mode, "torch", reason=reason)
-    plan = _Plan.discover(module)
     note = torch_attention_preferred(target) if mode == "auto" else None
+    plan = _Plan.discover(module, route_attention=note is None)  # no hook where nothing is routed
     router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention=note is None)
     for hooked in plan.hooked:
         router.hook(hooked)
     module.__dict__[_ROUTER_ATTR] = router  # the routing belongs to the model, not to a global
-    attention = tuple(plan.attention) if note is None else ()
-    report = KernelReport(mode, "triton", attention, tuple(plan.pairs), tuple(plan.skipped), attention_note=note)
+    report = KernelReport(
+        mode, "triton", tuple(plan.attention), tuple(plan.pairs), tuple(plan.skipped), attention_note=note
+    )
     log.info(report.summary())
     return report
 
@@ -153,7 +154,9 @@ class _OwnForwardTracer(fx.Tracer):
 class _Plan:
     """Which modules to hook and which Linears to fuse, found by tracing each module's own forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, route_attention: bool = True) -> None:
+        self.route_attention = route_attention
+        """False: attention stays torch's, so a module is hooked only for its Linear->GeLU pairs."""
         self.attention: list[str] = []
         self.pairs: list[str] = []
         self.skipped: list[tuple[str, str]] = []
@@ -162,8 +165,8 @@ class _Plan:
         self.names: dict[nn.Module, str] = {}
 
     @classmethod
-    def discover(cls, root: nn.Module) -> _Plan:
-        plan = cls()
+    def discover(cls, root: nn.Module, route_attention: bool = True) -> _Plan:
+        plan = cls(route_attention)
         for name, module in root.named_modules():
             plan.names[module] = name or type(module).__name__
             if isinstance(module, _CONTAINERS) or _is_metric(module):
@@ -181,9 +184,10 @@ class _Plan:
         except Exception as err:  # noqa: BLE001 - any tracing failure only means "look at run time"
             first_sentence = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
             self.skipped.append((label, f"torch.fx could not trace it: {type(err).__name__}: {first_sentence}"))
-            self.hooked.append(module)
+            if self.route_attention:  # its attention calls are routed at run time
+                self.hooked.append(module)
             return
-        calls_attention = any(
+        calls_attention = self.route_attention and any(
             node.op == "call_function" and node.target is F.scaled_dot_product_attention for node in graph.nodes
         )
         pairs = _linear_gelu_pairs(owner, graph)

@@ -209,6 +209,8 @@ def test_auto_keeps_torch_attention_where_it_has_fused_kernels(monkeypatch, capa
     assert bool(report.attention) is routed
     assert model.__dict__["_ptdp_kernel_router"].route_attention is routed
     assert (report.attention_note is None) is routed
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attention and all(bool(m._forward_pre_hooks) is routed for m in attention)  # no hook for nothing
     if not routed:
         assert f"sm{capability[0]}{capability[1]}" in report.summary()
 
