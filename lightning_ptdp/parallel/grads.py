@@ -289,7 +289,7 @@ class PipelineStepGradients:
         return LastBackwardBuckets(params, lambda bucket: self._launch(chunk, bucket)).close
 
     def _launch(self, chunk: int, bucket: list[nn.Parameter]) -> None:
-        pending = self.sync.ready(bucket) if self.sync is not None else None
+        pending = self.sync.ready(bucket)  # armed only with a sync (on_backward)
         if pending is not None:
             self._chunk_of[id(pending)] = chunk
 
