@@ -10,7 +10,7 @@ parallel, recompute) and counts the bytes autograd saves for backward while bloc
 its forward on each rank: unique storages, parameters and buffers excluded (``SavedBytes``).
 
 The paper's per-layer bytes, 16-bit activations and 1-byte dropout masks (the rows of its Table 2,
-derived in the sections named; ``lightning_ptdp.tools.flops.activation_bytes_per_layer`` holds the same):
+derived in the sections named; ``lightning_ptdp.core.flops.activation_bytes_per_layer`` holds the same):
   no parallelism                 sbh (34 + 5as/h)            Section 4.1 (Eq. 1)
   TP, t ranks                    sbh (10 + 24/t + 5as/(ht))  Section 4.2.1 (Eq. 2)
   TP + SP                        sbh (34/t + 5as/(ht))       Section 4.2.2

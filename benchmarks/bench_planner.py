@@ -13,8 +13,8 @@ import platform
 import sys
 
 from benchmarks.results import cpu_description, today, write_section
+from lightning_ptdp.core.flops import training_time_seconds
 from lightning_ptdp.planner import FIT_ROWS, GEMM_EFFICIENCY, TABLE_1, Cluster, paper_layout, plan
-from lightning_ptdp.tools.flops import training_time_seconds
 
 GPT3 = {"model": "gpt3_175b", "gpus": 1024, "batch": 1536, "paper_tflops": 140, "tokens": 300e9, "paper_days": 34}
 

@@ -16,7 +16,7 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_ptdp.config import CompileConfig, ParallelConfig
-    from lightning_ptdp.parallel.dims import ParallelDims
+    from lightning_ptdp.core.dims import ParallelDims
     from lightning_ptdp.strategy import PTDPStrategy
 
     if PTDPStrategy.strategy_name not in StrategyRegistry:

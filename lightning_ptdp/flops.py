@@ -1,13 +1,13 @@
-"""Deprecated location of ``lightning_ptdp.tools.flops`` (moved in 0.1.0): importing it still works for
-one release and warns. Import ``lightning_ptdp.tools.flops`` instead."""
+"""Deprecated location of ``lightning_ptdp.core.flops`` (moved in 0.1.0): importing it still works for
+one release and warns. Import ``lightning_ptdp.core.flops`` instead."""
 
 import warnings
 
-from lightning_ptdp.tools.flops import *  # noqa: F403
-from lightning_ptdp.tools.flops import __all__  # noqa: F401
+from lightning_ptdp.core.flops import *  # noqa: F403
+from lightning_ptdp.core.flops import __all__  # noqa: F401
 
 warnings.warn(
-    "lightning_ptdp.flops moved to lightning_ptdp.tools.flops; import it from there (the old path goes in the "
+    "lightning_ptdp.flops moved to lightning_ptdp.core.flops; import it from there (the old path goes in the "
     "next release)",
     DeprecationWarning,
     stacklevel=2,

@@ -31,14 +31,14 @@ from lightning_ptdp import config as cfg
 from lightning_ptdp import probe
 from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
-from lightning_ptdp.checkpoint.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.checkpoint.resume import resume_dataloader
+from lightning_ptdp.core.dims import ParallelDims, destroy_process_group_at_exit, process_group_failed
 from lightning_ptdp.faults.nonfinite import apply_policy, check_grad_scaler, nonfinite_ranks
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.compile import adopt_compiled_module
-from lightning_ptdp.parallel.dims import ParallelDims, destroy_process_group_at_exit, process_group_failed
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
+from lightning_ptdp.parallel.pretrained import Pretrained, parameters_on_meta
 from lightning_ptdp.strategy_collectives import WorldCollectives
 from lightning_ptdp.strategy_steps import PipelineSteps
 from lightning_ptdp.tensor_parallel.explicit_plan import check_plan

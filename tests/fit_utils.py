@@ -114,7 +114,7 @@ def fit_and_record(
         setattr(model, name, torch.compile(getattr(model, name), backend="inductor"))
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if compile_blocks is not None:
-        from lightning_ptdp.parallel.blocks import find_block_lists
+        from lightning_ptdp.core.blocks import find_block_lists
 
         for _, blocks in find_block_lists(model):
             for block in blocks:

@@ -136,7 +136,7 @@ def environment(device: torch.device) -> dict:
 def run_suite(
     *, smoke: bool, parts: list[str], out_dir: Path, results_md: Path | None, budget_scale: float, command: str
 ) -> dict:
-    from lightning_ptdp.tools.flops import device_hbm_bandwidth, device_peak_flops
+    from lightning_ptdp.core.flops import device_hbm_bandwidth, device_peak_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     env = environment(device)

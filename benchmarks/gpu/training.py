@@ -109,8 +109,8 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.core.flops import gpt_flops_per_iteration
     from lightning_ptdp.testing import quiet_trainer
-    from lightning_ptdp.tools.flops import gpt_flops_per_iteration
     from recipes.gpt import GPTConfig
 
     cfg = GPTConfig(**model)
@@ -169,7 +169,7 @@ def _fit(ctx: Context, model: dict, variant: Variant, batch: int, steps: int, wa
 
 
 def run(ctx: Context, rows: list[dict]) -> dict:
-    from lightning_ptdp.tools.flops import gpt_parameter_count
+    from lightning_ptdp.core.flops import gpt_parameter_count
 
     model = SMOKE_MODEL if ctx.smoke else GPU_MODEL
     steps, warmup = (3, 1) if ctx.smoke else (12, 4)

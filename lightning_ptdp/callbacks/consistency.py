@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ptdp.parallel.comm import local_tensor
+from lightning_ptdp.core.comm import local_tensor
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_ptdp.tools.flops import device_peak_flops, gpt_flops_per_iteration
+from lightning_ptdp.core.flops import device_peak_flops, gpt_flops_per_iteration
 
 _FORMULAS = {
     True: "F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) (Narayanan et al. 2021 Eq. 3: the recomputed "
@@ -45,7 +45,7 @@ class PTDPThroughput(pl.Callback):
       batch: the per-rank batch ``(B_local, s)`` times the data-parallel size (the strategy's
       ``distributed_sampler_kwargs["num_replicas"]``, else the world size);
     * TFLOP/s per device = ``n * F(B, s) / t / devices / 1e12`` with ``devices`` the world size
-      (every t, p and d rank) and ``F`` from :func:`lightning_ptdp.tools.flops.gpt_flops_per_iteration`:
+      (every t, p and d rank) and ``F`` from :func:`lightning_ptdp.core.flops.gpt_flops_per_iteration`:
       with ``activation_recompute=True``, the paper's Eq. 3
       ``F = 96Bslh^2 (1 + s/(6h) + V/(16lh))``; without, the model FLOPs
       ``F = 72Bslh^2 (1 + s/(6h) + V/(12lh))``;

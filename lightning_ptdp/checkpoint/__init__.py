@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.checkpoint import dcp_load, dcp_save, full, rng
+from lightning_ptdp.core.comm import raise_on_every_rank
 from lightning_ptdp.data_parallel.zero1 import dp_group_of, local_optimizer, sync_groups_after_load
-from lightning_ptdp.parallel.comm import raise_on_every_rank
 
 LOADED_IN_PLACE = dcp_load.LOADED_IN_PLACE
 

@@ -26,7 +26,7 @@ from lightning_ptdp.checkpoint.dcp_save import (
 from lightning_ptdp.checkpoint.full import describe_mismatch, load_named_optimizer_state
 from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 from lightning_ptdp.checkpoint.rng import set_rng_state
-from lightning_ptdp.parallel.comm import raise_on_every_rank
+from lightning_ptdp.core.comm import raise_on_every_rank
 
 LOADED_IN_PLACE = "ptdp_loaded_in_place"
 

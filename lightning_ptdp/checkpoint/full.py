@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_ptdp.parallel.comm import detached_cpu, tensor_shape
+from lightning_ptdp.core.comm import detached_cpu, tensor_shape
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 from lightning_ptdp.tensor_parallel.state_dict_hooks import run_load_pre_hooks, run_save_hooks
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ptdp.parallel.blocks import find_block_lists, outer_modules
+from lightning_ptdp.core.blocks import find_block_lists, outer_modules
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:

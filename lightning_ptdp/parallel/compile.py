@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from lightning_ptdp.config import CompileConfig
-from lightning_ptdp.parallel.blocks import find_block_lists
+from lightning_ptdp.core.blocks import find_block_lists
 
 log = logging.getLogger(__name__)
 

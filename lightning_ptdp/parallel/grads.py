@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_ptdp.parallel.comm import PendingAllReduce, all_reduce_grads, flat_all_reduce, local_tensor
+from lightning_ptdp.core.comm import PendingAllReduce, all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.grad_buckets import LastBackwardBuckets
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.tensor_parallel.collectives import TPGroup

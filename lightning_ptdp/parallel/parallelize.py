@@ -17,15 +17,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.checkpoint import ShardingView
-from lightning_ptdp.checkpoint.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
-from lightning_ptdp.parallel.dims import ParallelDims
 from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher, PipelineStepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
+from lightning_ptdp.parallel.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.pipeline import PipelineEngine, apply_pipeline
 from lightning_ptdp.tensor_parallel import TPGroup, TPReport, apply_explicit_plan, apply_tensor_parallel

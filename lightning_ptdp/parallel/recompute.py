@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ptdp.parallel.blocks import find_block_lists
+from lightning_ptdp.core.blocks import find_block_lists
 
 
 class _RecomputeAttention(TorchFunctionMode):

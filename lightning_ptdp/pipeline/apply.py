@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.parallel.blocks import find_block_lists
+from lightning_ptdp.core.blocks import find_block_lists
 from lightning_ptdp.pipeline.engine import PipelineEngine
 from lightning_ptdp.pipeline.split import ChunkLayout, PipelineSplitError, record_forward, split_model
 

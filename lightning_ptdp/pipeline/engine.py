@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_ptdp.core.comm import detached_cpu
 from lightning_ptdp.faults.records import FailureRecords
-from lightning_ptdp.parallel.comm import detached_cpu
 from lightning_ptdp.pipeline.failure import stop_pipeline
 from lightning_ptdp.pipeline.microbatches import loss_of, merge_outputs, split_microbatches
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches

@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_ptdp.parallel.blocks import outer_modules
-from lightning_ptdp.parallel.comm import divisors
+from lightning_ptdp.core.blocks import outer_modules
+from lightning_ptdp.core.comm import divisors
 
 
 class PipelineSplitError(ValueError):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_ptdp.parallel.comm import detached_cpu
+from lightning_ptdp.core.comm import detached_cpu
 
 
 def metric_states(metric_paths: dict[str, Any], counts_before: dict[str, int]) -> dict[str, tuple]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import gcd
 
+from lightning_ptdp.core.flops import activation_bytes_per_layer, model_state_bytes_per_rank
 from lightning_ptdp.planner.cost import (
     GB,
     Cluster,
@@ -24,7 +25,6 @@ from lightning_ptdp.planner.cost import (
     send_seconds,
 )
 from lightning_ptdp.planner.models import ModelSize, check_positive, model_size
-from lightning_ptdp.tools.flops import activation_bytes_per_layer, model_state_bytes_per_rank
 
 BF16 = 2  # bytes per activation, gradient and communicated element
 OPTIMIZER_BYTES_PER_PARAMETER = 32

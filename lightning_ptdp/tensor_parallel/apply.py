@@ -1,6 +1,6 @@
 """Rewrite an ordinary model for tensor (and sequence) parallelism, in place.
 
-Find the block lists (parallel/blocks.py), capture the first block's real inputs with one probe
+Find the block lists (core/blocks.py), capture the first block's real inputs with one probe
 forward, record and plan one block per list (discovery.py); then for every block swap its Linears
 for column/row shards and run its own forward under the replay (replay.py), one collective at each
 region's input (f) and output (g). Split the token embedding and LM head by vocabulary (ties stay
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.parallel.blocks import find_block_lists, is_conv1d
+from lightning_ptdp.core.blocks import find_block_lists, is_conv1d
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import (

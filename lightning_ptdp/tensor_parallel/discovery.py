@@ -16,7 +16,7 @@ import operator
 import torch.nn as nn
 from torch import fx
 
-from lightning_ptdp.parallel.blocks import is_linear_like
+from lightning_ptdp.core.blocks import is_linear_like
 from lightning_ptdp.tensor_parallel.discovery_types import (
     BlockPlan,
     RegionPlan,

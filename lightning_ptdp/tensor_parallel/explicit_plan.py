@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch.nn as nn
 
-from lightning_ptdp.parallel.blocks import is_conv1d
+from lightning_ptdp.core.blocks import is_conv1d
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,

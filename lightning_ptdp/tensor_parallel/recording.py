@@ -23,7 +23,7 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_ptdp.parallel.blocks import is_linear_like
+from lightning_ptdp.core.blocks import is_linear_like
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
-from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.core.flops import device_peak_flops
 from lightning_ptdp.tools.checks import FAIL, OK, WARN, Check
-from lightning_ptdp.tools.flops import device_peak_flops
 from lightning_ptdp.tools.interconnect import (
     BenchRow,
     format_benchmark,

@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_activation import block_saved_bytes, formula_bytes
+from lightning_ptdp.core.flops import activation_bytes_per_layer
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
-from lightning_ptdp.tools.flops import activation_bytes_per_layer
 from recipes.gpt import GPT, GPTConfig
 
 # a*s/h = 8: the attention-score term is larger than all the others together

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.parallel.blocks import find_block_lists, is_linear_like
+from lightning_ptdp.core.blocks import find_block_lists, is_linear_like
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
 from lightning_ptdp.pipeline import ChunkLayout
 from lightning_ptdp.pipeline.apply import transformer_blocks

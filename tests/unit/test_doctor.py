@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.tools import cli, doctor, interconnect
 from lightning_ptdp.tools.doctor import FAIL, OK, WARN, Check
 from lightning_ptdp.tools.interconnect import BUS_FACTORS, bench_row, format_size, nvlink_pairs, parse_bytes

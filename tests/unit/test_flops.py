@@ -1,4 +1,4 @@
-"""Tests for lightning_ptdp.tools.flops: the paper's formulas, memory estimates, device peaks.
+"""Tests for lightning_ptdp.core.flops: the paper's formulas, memory estimates, device peaks.
 
 Expected values are written out independently here (with ``Fraction`` where the paper's
 closed forms have fractions), never by calling the function under test a second way.
@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from lightning_ptdp.tools.flops import (
+from lightning_ptdp.core.flops import (
     PEAK_TFLOPS,
     achieved_tflops_per_gpu,
     activation_bytes_per_layer,

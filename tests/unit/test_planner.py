@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 
 from lightning_ptdp.config import ParallelConfig
-from lightning_ptdp.parallel.dims import ParallelDims
+from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.core.flops import gpt_flops_per_iteration, gpt_parameter_count, training_time_seconds
 from lightning_ptdp.planner import (
     FIT_ROWS,
     GEMM_EFFICIENCY,
@@ -33,7 +34,6 @@ from lightning_ptdp.planner import (
     plan,
 )
 from lightning_ptdp.planner.cost import all_reduce_seconds, gemm_seconds, wave_efficiency
-from lightning_ptdp.tools.flops import gpt_flops_per_iteration, gpt_parameter_count, training_time_seconds
 
 GB = 1e9
 # Float sums of the same terms in a different order: relative difference of a few ulps.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ptdp.checkpoint.pretrained import load_pretrained
+from lightning_ptdp.parallel.pretrained import load_pretrained
 from tests.models import build_model
 
 

@@ -10,7 +10,7 @@ import pytest
 PUBLIC = (
     "lightning_ptdp",
     "lightning_ptdp.callbacks",
-    "lightning_ptdp.tools.flops",
+    "lightning_ptdp.core.flops",
     "lightning_ptdp.planner",
     "lightning_ptdp.testing",
     "triton_kernels",
@@ -26,11 +26,12 @@ def test_public_module_exports_what_it_lists(name):
         assert hasattr(module, export), f"{name}.__all__ names {export}, which it lacks"
 
 
-def test_the_old_flops_path_warns_and_gives_the_same_functions():
-    from lightning_ptdp.tools import flops
+@pytest.mark.parametrize("old_path", ["lightning_ptdp.flops", "lightning_ptdp.tools.flops"])
+def test_the_old_flops_paths_warn_and_give_the_same_functions(old_path):
+    from lightning_ptdp.core import flops
 
-    sys.modules.pop("lightning_ptdp.flops", None)
-    with pytest.warns(DeprecationWarning, match=r"lightning_ptdp.flops moved to lightning_ptdp.tools.flops"):
-        old = importlib.import_module("lightning_ptdp.flops")
+    sys.modules.pop(old_path, None)
+    with pytest.warns(DeprecationWarning, match=rf"{old_path} moved to lightning_ptdp.core.flops"):
+        old = importlib.import_module(old_path)
     assert old.gpt_parameter_count is flops.gpt_parameter_count
     assert set(old.__all__) == set(flops.__all__)

@@ -14,30 +14,24 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_ptdp"
 
 LAYERS: dict[str, int] = {
-    # 0: foundation, knows no parallelism technique
+    # 0: the foundation, knows no parallelism technique: mesh and dims, block finder, flat collectives
     "config": 0,
+    "core": 0,
     "faults": 0,
-    "parallel.dims": 0,
-    "parallel.blocks": 0,
-    "parallel.comm": 0,
     "testing": 0,
-    "tools.flops": 0,
+    "flops": 0,  # deprecated path of core.flops
     # 1: the three axes, side by side
     "tensor_parallel": 1,
     "pipeline": 1,
     "data_parallel": 1,
-    # 2: what combines an axis with state: kernels, checkpoints, gradient finishing, values, recompute
+    # 2: what combines an axis with state: kernels, checkpoints
     "kernels": 2,
     "checkpoint": 2,
-    "parallel.grads": 2,
-    "parallel.init": 2,
-    "parallel.recompute": 2,
-    "parallel.compile": 2,
-    # 3: the fixed order
-    "parallel.parallelize": 3,
+    # 3: the composition: the fixed order, gradients, initial values, recompute, compile
+    "parallel": 3,
     # 4: Lightning's side
     "strategy": 4,
-    "strategy_steps": 4,
+    "strategy_steps": 4,  # (folded into strategy)
     "strategy_collectives": 4,
     "probe": 4,
     "callbacks": 4,
@@ -104,6 +98,13 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def test_layers_are_whole_folders():
+    """A layer is a folder (or a single top-level module): the tree shows the layers."""
+    assert [key for key in LAYERS if "." in key] == []
+    for name in _modules():
+        assert name.split(".")[0] in LAYERS, f"lightning_ptdp.{name} has no layer: add its folder to LAYERS"
+
+
 def test_no_module_imports_upward_or_sideways():
     edges = {name: imports_of(path, name) for name, path in _modules().items()}
     assert sum(len(t) for t in edges.values()) > 50  # the walk sees the package's imports
@@ -136,8 +137,8 @@ def test_the_layer_check_fails_on_a_violation():
     assert violations({"pipeline.engine": {"tensor_parallel.layers"}}) == [
         "pipeline.engine imports tensor_parallel.layers: sideways between parallelism axes"
     ]
-    assert violations({"parallel.comm": {"checkpoint.full"}}) == [
-        "parallel.comm (layer 0) imports checkpoint.full (layer 2): upward"
+    assert violations({"core.comm": {"checkpoint.full"}}) == [
+        "core.comm (layer 0) imports checkpoint.full (layer 2): upward"
     ]
     assert violations({"strategy": {"tensor_parallel.apply", "config"}}) == []
 
