@@ -3,7 +3,8 @@
     ptdp fit --trainer.strategy.tensor_parallel_size=2 --trainer.devices=8   # also validate, test, predict
     ptdp fit --config run.yaml --model=my_pkg.MyModel --data=my_pkg.MyData
 
-Without ``--model`` / ``--data`` the reference GPT trains on the embedded Markov corpus;
+``--model`` and ``--data`` name the user's classes (the ``ptdp`` console script, ``recipes.cli``,
+defaults them to the reference GPT on the Markov corpus: the library itself knows no model);
 ``--trainer.strategy`` defaults to ``ptdp``. Other subcommands (plan, doctor, checkpoint) are each a
 ``main(argv) -> int`` named in ``TOOL_COMMANDS``, dispatched before jsonargparse is imported.
 """
@@ -15,8 +16,6 @@ import sys
 from typing import Any, Optional, Sequence
 
 STRATEGY_CLASS_PATH = "lightning_ptdp.PTDPStrategy"
-DEFAULT_MODEL = "recipes.gpt.GPTLightningModule"
-DEFAULT_DATA = "recipes.data.MarkovDataModule"
 
 TOOL_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_ptdp.planner", "main"),
@@ -63,15 +62,23 @@ def expand_strategy_name(args: Sequence[str]) -> list[str]:
     return out
 
 
-def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **cli_kwargs: Any):
-    """Construct the LightningCLI (and run the subcommand when ``run``); returns the CLI object."""
+def build_cli(
+    args: Optional[Sequence[str]] = None,
+    *,
+    run: bool = True,
+    defaults: Optional[dict[str, str]] = None,
+    **cli_kwargs: Any,
+):
+    """Construct the LightningCLI (and run the subcommand when ``run``); returns the CLI object.
+    ``defaults``: class paths for ``model`` and ``data`` when the command line names none."""
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_ptdp  # noqa: F401  (registers strategy="ptdp")
 
     class PTDPCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
-            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+            if defaults:
+                parser.set_defaults({key: {"class_path": path} for key, path in defaults.items()})
 
     if args is None:  # the command line: rewritten in place, so launched ranks re-run the same one
         sys.argv[1:] = expand_strategy_name(sys.argv[1:])
@@ -88,14 +95,14 @@ def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **cli_k
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of the ``ptdp`` console script."""
+def main(argv: Optional[Sequence[str]] = None, *, defaults: Optional[dict[str, str]] = None) -> None:
+    """The ``ptdp`` command (``defaults`` as in ``build_cli``)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in TOOL_COMMANDS:
         raise SystemExit(run_tool(args[0], args[1:]))
     if not args or args[0] in ("-h", "--help"):
         print(f"ptdp subcommands: fit, validate, test, predict (LightningCLI); {', '.join(TOOL_COMMANDS)}\n")
-    build_cli(argv)
+    build_cli(argv, defaults=defaults)
 
 
 if __name__ == "__main__":

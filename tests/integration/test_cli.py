@@ -19,6 +19,7 @@ import torch
 
 from lightning_ptdp import PTDPStrategy
 from lightning_ptdp.tools import cli
+from recipes import cli as recipes_cli
 from recipes.data import MarkovDataModule
 from recipes.gpt import GPTLightningModule
 
@@ -90,7 +91,7 @@ class MarkovWithTestSplit(MarkovDataModule):
 def ptdp_command() -> list[str]:
     """The installed console script when there is one (Lightning re-runs it for rank 1), else -m."""
     script = Path(sys.executable).parent / "ptdp"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "lightning_ptdp.tools.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "recipes.cli"]
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -116,13 +117,13 @@ def parse(monkeypatch):
     """Build the CLI in this process without running a subcommand (no process is launched)."""
     monkeypatch.setattr(sys, "argv", ["ptdp"])
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the seed LightningCLI sets stays here
-    return lambda *args: cli.build_cli(["--trainer.accelerator=cpu", *args], run=False)
+    return lambda *args: recipes_cli.build_cli(["--trainer.accelerator=cpu", *args], run=False)
 
 
 # ---------------------------------------------------------------- argument forms
 def test_console_script_is_the_cli_main():
     (script,) = entry_points(group="console_scripts", name="ptdp")
-    assert script.load() is cli.main
+    assert script.load() is recipes_cli.main
 
 
 @pytest.mark.parametrize(
@@ -160,6 +161,14 @@ def test_defaults_are_the_reference_gpt_on_the_markov_corpus(parse):
     built = parse("--trainer.devices=1", "--model.model.num_layers=3", "--data.batch_size=4")
     assert type(built.model) is GPTLightningModule and built.model.model_config.num_layers == 3
     assert type(built.datamodule) is MarkovDataModule and built.datamodule.batch_size == 4
+
+
+def test_the_library_command_knows_no_model(monkeypatch, capsys):
+    """Only the recipes' console script defaults the model: the library never imports recipes/."""
+    monkeypatch.setattr(sys, "argv", ["ptdp"])
+    with pytest.raises(SystemExit):
+        cli.build_cli(["--trainer.accelerator=cpu", "--trainer.devices=1"], run=False)
+    assert "required: model" in capsys.readouterr().err
 
 
 def test_user_classes_by_class_path(parse):
@@ -241,7 +250,7 @@ def test_test_and_predict_with_user_classes(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "lightning_ptdp.tools.cli",
+                "recipes.cli",
                 subcommand,
                 *QUICK,
                 *user_classes,
@@ -280,7 +289,7 @@ def start_two_nodes(out_dir: Path, port: int) -> tuple[list[int], str]:
             "--master_addr=127.0.0.1",
             f"--master_port={port}",
             "-m",
-            "lightning_ptdp.tools.cli",
+            "recipes.cli",
             "fit",
             *QUICK,
             "--trainer.num_nodes=2",
