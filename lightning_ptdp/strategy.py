@@ -1,9 +1,12 @@
-"""PTDPStrategy: Lightning's hooks, each delegating; the parallel work is in parallel/, tensor_parallel/,
-pipeline/ and data_parallel/, checkpoints in checkpoint/, failures in faults/ (docs/architecture.md)."""
+"""PTDPStrategy: Lightning's hooks in one class, each delegating; the parallel work is in parallel/,
+tensor_parallel/, pipeline/ and data_parallel/, checkpoints in checkpoint/, failures in faults/
+(docs/architecture.md). Under pipeline parallelism the step hooks route the batch through the
+rank's pipeline engine; collectives follow the dp group for logged values, the world for decisions."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
@@ -11,14 +14,17 @@ from typing import Any, Generator, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
+    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,21 +38,20 @@ from lightning_ptdp import probe
 from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.resume import resume_dataloader
-from lightning_ptdp.core.dims import ParallelDims, destroy_process_group_at_exit, process_group_failed
-from lightning_ptdp.faults.nonfinite import apply_policy, check_grad_scaler, nonfinite_ranks
+from lightning_ptdp.core.dims import ParallelDims, init_process_group, process_group_failed
+from lightning_ptdp.faults.nonfinite import check_grad_scaler
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.compile import adopt_compiled_module
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
 from lightning_ptdp.parallel.pretrained import Pretrained, parameters_on_meta
-from lightning_ptdp.strategy_collectives import WorldCollectives
-from lightning_ptdp.strategy_steps import PipelineSteps
+from lightning_ptdp.pipeline import PipelineEngine
 from lightning_ptdp.tensor_parallel.explicit_plan import check_plan
 
 log = logging.getLogger(__name__)
 
 
-class PTDPStrategy(PipelineSteps, WorldCollectives):
+class PTDPStrategy(ParallelStrategy):
     """Pipeline x tensor x data parallelism (Narayanan et al. 2021) behind the standard Trainer.
 
     ``Trainer(strategy="ptdp")`` with no arguments is plain data parallelism over all devices.
@@ -93,28 +98,11 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             checkpoint_io=checkpoint_io if checkpoint_io is not None else CheckedCheckpointIO(),
             precision_plugin=precision_plugin,
         )
+        given = locals()  # every ParallelConfig and RunOptions field is an argument of the same name
         self.parallel_config = cfg.ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            virtual_pipeline_size=virtual_pipeline_size,
-            micro_batch_size=micro_batch_size,
-            sequence_parallel=sequence_parallel,
-            zero_stage=zero_stage,
-            activation_checkpointing=activation_checkpointing,
-            pipeline_schedule=pipeline_schedule,
-            kernels=kernels,
-            overlap_grad_reduce=overlap_grad_reduce,
-            compile=compile,
+            **{f.name: given[f.name] for f in dataclasses.fields(cfg.ParallelConfig)}
         )
-        self.options = cfg.RunOptions(
-            on_nonfinite=on_nonfinite,
-            checkpoint_format=checkpoint_format,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            failure_timeout=failure_timeout,
-            start_method=start_method,
-        )
+        self.options = cfg.RunOptions(**{f.name: given[f.name] for f in dataclasses.fields(cfg.RunOptions)})
         self.pretrained = None if pretrained is None else Pretrained(path=str(pretrained), prefix=pretrained_prefix)
         self.tp_plan = check_plan(
             tp_plan, tensor_parallel_size=tensor_parallel_size, sequence_parallel=self.parallel_config.sequence_parallel
@@ -212,13 +200,9 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        kwargs: dict[str, Any] = {"timeout": self.options.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        created = not torch.distributed.is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if created:  # this process's group is the strategy's to close (not a caller's, e.g. a test pool)
-            destroy_process_group_at_exit()
+        init_process_group(
+            self.cluster_environment, self._process_group_backend, self.options.timeout, self.root_device
+        )
         self._failures = FailureRecords.open(self.global_rank, self.world_size, self.options.failure_timeout)
         if not getattr(self.cluster_environment, "auto_requeue", False):  # SLURM requeue owns SIGTERM there
             self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
@@ -261,7 +245,7 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
             pipeline_probe=lambda: probe.microbatch_probe(self, trainer, self.parallel_config.micro_batch_size),
             device=self.root_device,
             pretrained=self.pretrained,
-            failures=self._failures,
+            on_nonfinite=self.options.on_nonfinite,
         )
         self.model = parallel.module
         if parallel.gradients.clips_globally:  # Lightning's clipping hook, by the norm of the whole model
@@ -276,22 +260,73 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    # ------------------------------------------------------------------ steps
+    @property
+    def pipeline(self) -> Optional[PipelineEngine]:
+        """This rank's pipeline engine (its chunks, the last step's measured timeline); None if p = 1."""
+        return self._parallelized.pipeline if self._parallelized is not None else None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under PP: the whole batch through the pipeline schedule (forward and backward of every
+        microbatch); returns the mean loss on every rank. Otherwise Lightning's own step."""
+        engine = self.pipeline
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        step = functools.partial(module.training_step, **kwargs)
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            return engine.train_step(
+                step, args[0], args[1:], scale, gradients=self._parallelized.gradients, failures=self._failures
+            )
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Under PP the schedule already ran backward inside training_step: its gradients are
+        added here (after Lightning's zero_grad), between the usual hooks."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._parallelized.gradients.apply_pending()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Right after backward, before Lightning's clipping and the step: finish the gradients
-        (parallel/grads.py), then check on all ranks together that loss and gradients are finite."""
+        """Right after backward, before Lightning's clipping and the step: the gradients' owner
+        finishes them and checks on all ranks together that loss and gradients are finite."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
 
         def closure_then_finish() -> Any:
             output = closure()
-            if self._parallelized is not None:
-                self._parallelized.gradients.finish(params)
-            if self.options.on_nonfinite != "ignore":
-                step = self.lightning_module.trainer.global_step
-                apply_policy(self.options.on_nonfinite, nonfinite_ranks(output, params), step, params)
+            self._parallelized.gradients.finish(params, output, self.lightning_module.trainer.global_step)
             return output
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+
+    def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
+        engine = self.pipeline
+        if engine is None:
+            return getattr(super(), name)(*args, **kwargs)
+        step = functools.partial(getattr(self.lightning_module, name), **kwargs)
+        with context():
+            return engine.eval_step(step, args[0], args[1:], collect=collect, failures=self._failures)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args, kwargs, self.precision_plugin.test_step_context)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under PP the predictions of the last stage, returned on every rank."""
+        return self._eval_step("predict_step", args, kwargs, self.precision_plugin.predict_step_context, True)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -320,6 +355,54 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
         meta = parameters_on_meta() if self.pretrained is not None else torch.device("meta")  # pretrained: buffers real
         with meta, self.precision_plugin.tensor_init_context():
             yield
+
+    # ------------------------------------------------------------------ collectives on the (pp, dp, tp) world
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Replicas are the dp ranks: all tp and pp ranks of one replica read the same samples."""
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @override
+    def reduce(
+        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
+    ) -> Union[torch.Tensor, Any]:
+        """A logged value, reduced over the dp group (tp/pp ranks of one replica hold the same value)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            if self._dp_group is None:
+                dp = self.device_mesh["dp"]
+                self._dp_group = (dp.get_group(), dp.size())
+            group, members = self._dp_group
+            if members == 1:  # any reduction over one replica is the value itself: no barrier, no all-reduce
+                return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """One decision for the whole world (not per dp group): ModelCheckpoint's top-k update and
+        file names, EarlyStopping's stop; every rank must then join the same save."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(device_ids=[self.root_device.index]) if dist.get_backend() == "nccl" else dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from global rank ``src``."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
 
     # ------------------------------------------------------------------ checkpoints (checkpoint/)
     @property
@@ -372,19 +455,10 @@ class PTDPStrategy(PipelineSteps, WorldCollectives):
     @override
     def save_checkpoint(self, state: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A failure on any rank is raised on every rank; the previous checkpoint stays as it was."""
-        dims, config = self.parallel_dims, self.parallel_config
-        layout = dict(
-            t=dims.tp,
-            p=dims.pp,
-            d=dims.dp,
-            v=config.virtual_pipeline_size,
-            zero=config.zero_stage,
-            world_size=self.world_size,
-        )
         self.checkpointer.save(
             state,
             str(filepath),
-            layout=layout,
+            layout=self.parallel_dims.checkpoint_layout(self.parallel_config),
             storage_options=storage_options,
             write_file=lambda full: self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options),
         )

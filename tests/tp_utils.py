@@ -49,7 +49,7 @@ def tp_step(
     (any graph break is an error), and report dynamo's own graph-break count."""
     import torch.distributed as dist
 
-    from lightning_ptdp.parallel.grads import sum_partial_gradients
+    from lightning_ptdp.parallel.grad_sums import sum_partial_over_tp
     from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict
     from lightning_ptdp.tensor_parallel.state_dict_hooks import run_save_hooks
@@ -83,7 +83,7 @@ def tp_step(
     forward_counts = dict(counter.counts) if counter else {}
     loss.backward()
     backward_counts = counter.stop() if counter else {}
-    sum_partial_gradients(net, report.partial_grad_params, tp)
+    sum_partial_over_tp(net, report.partial_grad_params, tp)
     local_shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     return {
         "loss": loss.item(),

@@ -8,7 +8,9 @@ The mesh is returned to the caller and never stored in a module global.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
@@ -76,12 +78,37 @@ class ParallelDims:
         """The (pp, dp, tp) coordinates of a global rank, without building a mesh."""
         return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
 
+    def checkpoint_layout(self, config: ParallelConfig) -> dict[str, int]:
+        """The layout a checkpoint records, which loading on another layout compares with its own."""
+        return dict(
+            t=self.tp,
+            p=self.pp,
+            d=self.dp,
+            v=config.virtual_pipeline_size,
+            zero=config.zero_stage,
+            world_size=self.world_size,
+        )
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the 3D mesh (a collective over the world: every rank must call it)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
 
 
 _AT_EXIT = {"registered": False, "failed": False}
+
+
+def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
+    """Lightning's process-group start; a group created here is destroyed at exit (not a caller's,
+    e.g. a test pool's, which was already initialized)."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    created = not torch.distributed.is_initialized()
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+    if created:
+        destroy_process_group_at_exit()
 
 
 def destroy_process_group_at_exit() -> None:

@@ -3,7 +3,8 @@
 ``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 2 kernels,
 2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
 this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
-the pipeline engine, the ``GradientFinisher`` and the ``ShardingView`` checkpoints need.
+the pipeline engine, the step's gradient owner ``StepGradients`` and the ``ShardingView``
+checkpoints need.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
-from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
-from lightning_ptdp.parallel.grads import DataParallelGradSync, GradientFinisher, PipelineStepGradients
+from lightning_ptdp.parallel.gradients import DENSE, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Parallelized:
     """What ``parallelize`` returns: the module to train, what each step recorded, and the two
-    things the strategy delegates to: gradient finishing and what checkpoints need to know."""
+    things the strategy delegates to: the step's gradients and what checkpoints need to know."""
 
     module: torch.nn.Module
     """What the Trainer runs: the model itself, or its DDP wrapper."""
@@ -50,7 +50,7 @@ class Parallelized:
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
     optimizer_state_group: Any = None
     """ZeRO-1 with d > 1: the dp group each optimizer's state is sharded over."""
-    gradients: GradientFinisher = field(init=False)
+    gradients: StepGradients = field(init=False)
 
     def shard_optimizer_states(self, optimizers: list[Any], scheduler_configs: list[Any]) -> list[Any]:
         """ZeRO-1: the optimizers configure_optimizers built, each stepping only its dp rank's share."""
@@ -83,7 +83,7 @@ def parallelize(
     pipeline_probe: Optional[Callable[[], tuple[Callable[[], Any], int]]] = None,
     device: torch.device = torch.device("cpu"),
     pretrained: Optional[Pretrained] = None,
-    failures: Optional[FailureRecords] = None,
+    on_nonfinite: str = "raise",
 ) -> Parallelized:
     """Apply the steps in this fixed order:
 
@@ -102,9 +102,8 @@ def parallelize(
     4b. values          a model built on meta gets storage and values for what this rank kept only:
                         read from pretrained files, or the single-process initialisation.
     5. data parallel    last: it wraps the final per-rank parameters (ZeRO 2/3 shards them over dp;
-                        under PP a step's gradients belong to PipelineStepGradients, which averages
-                        them over dp chunk by chunk; ZeRO-1 keeps this and shards the optimizer
-                        state, see data_parallel/zero1.py).
+                        under PP the step's gradient owner averages them over dp chunk by chunk;
+                        ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
 
     ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
     block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
@@ -134,13 +133,6 @@ def parallelize(
             module.__dict__["_ptdp_recompute"] = wrapped
             log.info("activation checkpointing (%s) on %d blocks", config.activation_checkpointing, len(wrapped))
         if dims.pp > 1:
-            # the dp mean of the gradients is the engine's under PP (no DDP wrapper; under ZeRO 2/3 FSDP's)
-            dp_sync = training and not config.fsdp and dims.dp > 1
-            grad_sync = (
-                DataParallelGradSync(group=mesh["dp"].get_group(), size=dims.dp, overlap=config.overlap_grad_reduce)
-                if dp_sync
-                else None
-            )
             if "_ptdp_pipeline" not in module.__dict__:
                 if pipeline_probe is None:
                     raise ValueError("pipeline_parallel_size > 1 needs pipeline_probe (a forward on one microbatch)")
@@ -156,12 +148,8 @@ def parallelize(
                     device=device,
                     probe=run,
                     probe_rows=rows,
-                    failures=failures,
                 )
             result.pipeline = module.__dict__["_ptdp_pipeline"]
-            # an engine reused from an earlier run (fit, then validate) takes this run's collaborators
-            result.pipeline.failures = failures
-            result.pipeline.gradients = PipelineStepGradients(module, result.pipeline.split, grad_sync)
             result.pipeline.check_reusable(config, dims)
         aliases = result.pipeline.split.aliases if result.pipeline is not None else None
         if pretrained is not None and "_ptdp_pretrained" not in module.__dict__:
@@ -180,20 +168,39 @@ def parallelize(
         result.module = apply_data_parallel(module, mesh["dp"])
     if training and config.zero_stage == 1 and dims.dp > 1:
         result.optimizer_state_group = mesh["dp"].get_group()
+    result.gradients = step_gradients(module, result, config, dims, mesh, on_nonfinite, device)
+    return result
+
+
+def step_gradients(
+    module: torch.nn.Module,
+    result: Parallelized,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    on_nonfinite: str,
+    device: torch.device,
+) -> StepGradients:
+    """The owner of each step's gradients. Each placement's reduce group is one entry: the dense
+    parameters average over dp, through DDP or FSDP where those wrap the model (without a pipeline,
+    or under ZeRO 2/3), else through the owner itself, chunk by chunk during the pipeline's backward."""
+    dp = mesh["dp"]
+    dense = ReduceGroup(
+        group=dp.get_group(), size=dims.dp, rank=dp.get_local_rank(), wrapped=config.fsdp or dims.pp == 1
+    )
     pipeline = result.pipeline
-    result.gradients = GradientFinisher(
-        model=module,
+    return StepGradients(
+        module,
+        groups={DENSE: dense},
         tp=result.tp_group,
         partial=result.tp_report.partial_grad_params if result.tp_report else [],
         split=pipeline.split if pipeline is not None else None,
-        pp_group=pipeline.pp_group if pipeline else None,
-        dp_group=mesh["dp"].get_group(),
-        dp_rank=mesh["dp"].get_local_rank(),
-        dp_size=dims.dp,
+        pp_group=pipeline.pp_group if pipeline is not None else None,
         fsdp=config.fsdp,
+        overlap=config.overlap_grad_reduce,
+        on_nonfinite=on_nonfinite,
         device=device,
     )
-    return result
 
 
 def check_reusable(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:

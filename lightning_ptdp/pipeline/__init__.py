@@ -1,6 +1,6 @@
 """Pipeline parallelism: the runtime split (split.py), torch schedules (schedules.py), the
 Lightning-step runner (engine.py) with its microbatches, timeline and step results beside it; a
-step's gradients belong to parallel/grads.py."""
+step's gradients belong to parallel/gradients.py."""
 
 from lightning_ptdp.pipeline.apply import apply_pipeline
 from lightning_ptdp.pipeline.engine import PipelineEngine

@@ -41,7 +41,6 @@ def apply_pipeline(
     device: torch.device,
     probe: Callable[[], Any],
     probe_rows: int,
-    failures: Any = None,
 ) -> PipelineEngine:
     """Cut ``module`` in place to pipeline rank ``rank``'s chunks; ``probe`` runs one ordinary
     forward on a microbatch of ``probe_rows`` samples (every rank still holds the whole model)."""
@@ -65,5 +64,4 @@ def apply_pipeline(
         micro_batch_size=micro_batch_size,
         pp_group=pp_group,
         device=device,
-        failures=failures,
     )

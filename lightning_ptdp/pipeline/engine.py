@@ -17,12 +17,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.core.comm import detached_cpu
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.pipeline.failure import stop_pipeline
-from lightning_ptdp.pipeline.microbatches import loss_of, merge_outputs, split_microbatches
+from lightning_ptdp.pipeline.microbatches import check_fixed_shapes, loss_of, merge_outputs, split_microbatches
 from lightning_ptdp.pipeline.schedules import build_schedule, check_microbatches
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.pipeline.step_results import StepResults, to_device
@@ -51,6 +50,11 @@ class _Step:
     extra: tuple
     training: bool
     grad_scale: float
+    gradients: Any = None
+    """The owner of the step's gradients (parallel/gradients.py), told of each gradient-producing
+    backward: the engine itself never reads or writes a gradient."""
+    failures: Optional[FailureRecords] = None
+    """Where a stage's error is recorded for the other ranks (the run's)."""
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: list[tuple[int, str, Any, tuple, dict]] = field(default_factory=list)
     current: int = 0
@@ -69,8 +73,6 @@ class PipelineEngine:
         micro_batch_size: Optional[int],
         pp_group: Any,
         device: torch.device,
-        failures: Optional[FailureRecords] = None,
-        gradients: Any = None,
     ) -> None:
         self.module, self.split, self.schedule_name = module, split, schedule
         self.micro_batch_size = micro_batch_size
@@ -85,11 +87,6 @@ class PipelineEngine:
         self._input_shapes: Optional[list[tuple]] = None
         self.timeline: Optional[StepTimeline] = None
         """The last step's measured schedule on this rank."""
-        self.failures = failures
-        """Where a stage's error is recorded for the other ranks (the run's; a reused engine gets the new run's)."""
-        self.gradients = gradients
-        """The owner of a training step's gradients (parallel/grads.py PipelineStepGradients), told of
-        each gradient-producing backward: the engine itself never reads or writes a gradient."""
         self._backwards_done: dict[int, int] = {}
 
     def check_reusable(self, config: Any, dims: Any) -> None:
@@ -171,9 +168,9 @@ class PipelineEngine:
         is the chunk's last of the step, and may return what to run once it ran."""
         run = self._run
         self._backwards_done[chunk] = done = self._backwards_done.get(chunk, 0) + 1
-        if self.gradients is None or run is None or not run.training:
+        if run is None or run.gradients is None or not run.training:
             return None
-        return self.gradients.on_backward(chunk, last=done == len(run.microbatches))
+        return run.gradients.on_backward(chunk, last=done == len(run.microbatches))
 
     # ------------------------------------------------------------------ one step
     def _forward_chunk(self, chunk: int, received: tuple, index: int) -> torch.Tensor:
@@ -196,30 +193,28 @@ class PipelineEngine:
         run.outputs[index] = value
         return torch.zeros(1, device=self.device)
 
-    def _check_shapes(self, microbatch: Any) -> None:
-        shapes = [
-            tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0
-        ]
-        if self._input_shapes is None:
-            self._input_shapes = shapes
-        elif shapes != self._input_shapes:
-            raise ValueError(
-                f"pipeline stages exchange fixed-shape activations, but this batch's tensors have per-sample shapes "
-                f"{shapes} where the first batch had {self._input_shapes}; pad or crop to a fixed sequence length"
-            )
-
-    def train_step(self, step: Callable[..., Any], batch: Any, extra: tuple, grad_scale: float) -> Any:
+    def train_step(
+        self,
+        step: Callable[..., Any],
+        batch: Any,
+        extra: tuple,
+        grad_scale: float,
+        *,
+        gradients: Any,
+        failures: Optional[FailureRecords] = None,
+    ) -> Any:
         """Forward and backward of every microbatch; returns the mean loss (on every pipeline rank),
         as a tensor or as {"loss": ...} like the step returned it (other keys are not carried).
         ``grad_scale`` multiplies the gradients (1/accumulation); they belong to ``gradients``."""
         self._backwards_done = {}
-        self.gradients.begin()
+        gradients.begin()
         ok = False
         try:
-            outputs = self._run_schedule(step, batch, extra, training=True, grad_scale=grad_scale)
+            run = _Step(step, [], extra, True, grad_scale, gradients=gradients, failures=failures)
+            outputs = self._run_schedule(run, batch)
             ok = True
         finally:
-            buckets, waited = self.gradients.end(ok)
+            buckets, waited = gradients.end(ok)
         assert self.timeline is not None
         self.timeline.comm = [Span("D", chunk, -1, start, end) for chunk, start, end in buckets]
         self.timeline.exposed_comm = waited
@@ -234,10 +229,18 @@ class PipelineEngine:
         loss = torch.tensor(payload["loss"], dtype=payload["dtype"], device=self.device)
         return {"loss": loss} if payload["as_dict"] else loss
 
-    def eval_step(self, step: Callable[..., Any], batch: Any, extra: tuple, *, collect: bool) -> Any:
+    def eval_step(
+        self,
+        step: Callable[..., Any],
+        batch: Any,
+        extra: tuple,
+        *,
+        collect: bool,
+        failures: Optional[FailureRecords] = None,
+    ) -> Any:
         """Forward of every microbatch; with ``collect`` the step outputs (predictions) of the last
         stage, concatenated over microbatches, on every pipeline rank."""
-        outputs = self._run_schedule(step, batch, extra, training=False)
+        outputs = self._run_schedule(_Step(step, [], extra, False, 1.0, failures=failures), batch)
         run = self._finished
         payload = self.results.share_and_replay(
             lambda: {"outputs": merge_outputs([detached_cpu(o) for o in outputs]) if collect else None},
@@ -246,15 +249,15 @@ class PipelineEngine:
         )
         return to_device(payload["outputs"], self.device)
 
-    def _run_schedule(
-        self, step: Callable[..., Any], batch: Any, extra: tuple, *, training: bool, grad_scale: float = 1.0
-    ) -> list[Any]:
-        """Run ``step(microbatch, *extra)`` over the microbatches of ``batch`` through the schedule;
-        returns the last stage's per-microbatch outputs (empty elsewhere)."""
+    def _run_schedule(self, run: _Step, batch: Any) -> list[Any]:
+        """Run ``run.step(microbatch, *run.extra)`` over the microbatches of ``batch`` through the
+        schedule; returns the last stage's per-microbatch outputs (empty elsewhere)."""
         self.results.begin()
+        training = run.training
         microbatches, rows = self._split(batch, training)
         schedule = self._schedule(len(microbatches), rows, training)
-        self._run = _Step(step, microbatches, extra, training, grad_scale / len(microbatches))
+        run.microbatches, run.grad_scale = microbatches, run.grad_scale / len(microbatches)
+        self._run = run
         ids = torch.arange(len(microbatches))
         self._spans = []
         original_log = self.module.__dict__.get("log")
@@ -267,7 +270,7 @@ class PipelineEngine:
             else:
                 schedule.step(mb=ids)
         except BaseException as error:
-            stop_pipeline(error, self.pp_group, self.failures)
+            stop_pipeline(error, self.pp_group, run.failures)
             raise
         finally:
             end = time.perf_counter()
@@ -281,7 +284,7 @@ class PipelineEngine:
 
     def _split(self, batch: Any, training: bool) -> tuple[list[Any], int]:
         microbatches, size = split_microbatches(batch, self.micro_batch_size, strict=training)
-        self._check_shapes(microbatches[0])
+        self._input_shapes = check_fixed_shapes(microbatches[0], self._input_shapes)
         if training:
             check_microbatches(self.schedule_name, len(microbatches), self.pp, size * len(microbatches), size)
         return microbatches, size

@@ -54,3 +54,15 @@ def merge_outputs(outputs: list[Any]) -> Any:
     if outputs and all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outputs):
         return torch.cat(outputs)
     return outputs
+
+
+def check_fixed_shapes(microbatch: Any, first: Optional[list[tuple]]) -> list[tuple]:
+    """The per-sample shapes of ``microbatch``'s tensors, refused when they differ from the first
+    batch's (``first``; None on the first batch): stages exchange fixed-shape activations."""
+    shapes = [tuple(t.shape[1:]) for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if first is not None and shapes != first:
+        raise ValueError(
+            f"pipeline stages exchange fixed-shape activations, but this batch's tensors have per-sample shapes "
+            f"{shapes} where the first batch had {first}; pad or crop to a fixed sequence length"
+        )
+    return shapes

@@ -5,7 +5,7 @@ forward, record and plan one block per list (discovery.py); then for every block
 for column/row shards and run its own forward under the replay (replay.py), one collective at each
 region's input (f) and output (g). Split the token embedding and LM head by vocabulary (ties stay
 one Parameter). Under SP the blocks run on 1/t of the sequence, and parameters replicated inside
-them get partial gradients, listed in the report for ``GradientFinisher`` to sum over the group.
+them get partial gradients, listed in the report for ``StepGradients`` to sum over the group.
 """
 
 from __future__ import annotations

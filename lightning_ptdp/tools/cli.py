@@ -1,13 +1,10 @@
-"""The ``ptdp`` command: Lightning's CLI with the PTD-P strategy, plus tool subcommands.
+"""The ``ptdp`` command: Lightning's CLI with the PTD-P strategy, plus tool subcommands, e.g.
+``ptdp fit --config run.yaml --model=my_pkg.MyModel --trainer.strategy.tensor_parallel_size=2``.
 
-    ptdp fit --trainer.strategy.tensor_parallel_size=2 --trainer.devices=8   # also validate, test, predict
-    ptdp fit --config run.yaml --model=my_pkg.MyModel --data=my_pkg.MyData
-
-``--model`` and ``--data`` name the user's classes (the ``ptdp`` console script, ``recipes.cli``,
-defaults them to the reference GPT on the Markov corpus: the library itself knows no model);
+``--model`` and ``--data`` name the user's classes (the console script, ``recipes.cli``, defaults
+them to the reference GPT on the Markov corpus: the library itself knows no model);
 ``--trainer.strategy`` defaults to ``ptdp``. Other subcommands (plan, doctor, checkpoint) are each a
-``main(argv) -> int`` named in ``TOOL_COMMANDS``, dispatched before jsonargparse is imported.
-"""
+``main(argv) -> int`` named in ``TOOL_COMMANDS``, dispatched before jsonargparse is imported."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def one_step(tensor_parallel: bool) -> dict:
     if tensor_parallel:
         import torch.distributed as dist
 
-        from lightning_ptdp.parallel.grads import sum_partial_gradients
+        from lightning_ptdp.parallel.grad_sums import sum_partial_over_tp
         from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
         from lightning_ptdp.tensor_parallel.consolidate import full_gradients
 
@@ -70,7 +70,7 @@ def one_step(tensor_parallel: bool) -> dict:
     if not tensor_parallel:
         return {name: p.grad for name, p in net.named_parameters()}
     used = [name for name, p in net.named_parameters() if name.endswith("marked.bias") and p.grad is not None]
-    sum_partial_gradients(net, report.partial_grad_params, tp)
+    sum_partial_over_tp(net, report.partial_grad_params, tp)
     return {"used_here": used, "grads": full_gradients(net)}
 
 
@@ -86,3 +86,45 @@ def test_a_parameter_one_rank_never_uses_gets_the_single_process_gradient(dist_p
         for name, expected in ref.items():
             err = relative_error(result["grads"][name], expected, expected)
             assert err <= GRAD_REL, f"rank {rank}: gradient of {name}: relative error {err:.2e}"
+
+
+def average_by_placement() -> dict:
+    """Two placements on a toy model: the dense ones averaged by a wrapper (untouched here), the
+    weight's placement averaged by the owner itself over its own group (here: the world)."""
+    import torch.distributed as dist
+
+    from lightning_ptdp.parallel.gradients import DENSE, ReduceGroup, StepGradients
+
+    net = nn.Linear(2, 2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for param in net.parameters():
+        param.grad = torch.full_like(param, float(rank + 1))
+    owner = StepGradients(
+        net,
+        groups={
+            DENSE: ReduceGroup(group=dist.group.WORLD, size=world, rank=rank, wrapped=True),
+            "pair": ReduceGroup(group=dist.group.WORLD, size=world, rank=rank),
+        },
+        placements={"weight": "pair"},
+        on_nonfinite="ignore",
+    )
+    owner.finish(list(net.parameters()), loss=None, step=0)
+    return {"weight": net.weight.grad, "bias": net.bias.grad}
+
+
+@pytest.mark.world_size(2)
+def test_each_placement_averages_over_its_own_group(dist_pool):
+    """A new kind of parameter (experts, context-parallel ranks) is one ``ReduceGroup`` entry."""
+    weight_mean = (1.0 + 2.0) / 2  # ranks hold 1 and 2: exact in fp32
+    for rank, got in enumerate(dist_pool(2).run(average_by_placement)):
+        assert torch.equal(got["weight"], torch.full((2, 2), weight_mean))
+        assert torch.equal(got["bias"], torch.full((2,), float(rank + 1)))  # the wrapper's: left alone
+
+
+def test_a_placement_without_a_group_is_refused():
+    from lightning_ptdp.parallel.gradients import DENSE, ReduceGroup, StepGradients
+
+    with pytest.raises(ValueError, match=r"placements \['experts'\] have no ReduceGroup; groups has \['dense'\]"):
+        StepGradients(
+            nn.Linear(2, 2), groups={DENSE: ReduceGroup(group=None, size=1)}, placements={"weight": "experts"}
+        )
