@@ -121,6 +121,9 @@ class ParallelConfig:
     """t: ranks that split every layer's weights (Megatron tensor parallelism). Keep within a node."""
     pipeline_parallel_size: int = 1
     """p: pipeline stages; the model's layers are divided among them."""
+    expert_parallel_size: int = 1
+    """e: ranks that split each mixture-of-experts layer's experts (n_experts / e whole experts each),
+    carved out of the d data-parallel ranks as Megatron does; tokens reach their experts all-to-all."""
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
     """d: model replicas; "auto" takes world_size / (t * p)."""
     virtual_pipeline_size: int = 1
@@ -154,6 +157,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive_int("expert_parallel_size", self.expert_parallel_size)
         if self.data_parallel_size != "auto":
             check_positive_int("data_parallel_size", self.data_parallel_size)
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
@@ -171,6 +175,21 @@ class ParallelConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        if self.expert_parallel_size > 1:
+            others = {
+                "tensor_parallel_size": self.tensor_parallel_size > 1,
+                "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+                "zero_stage": self.zero_stage > 0,
+                "compile": self.compile is not None,
+                "activation_checkpointing": self.activation_checkpointing is not None,
+            }
+            found = [f"{name}={getattr(self, name)}" for name, on in others.items() if on]
+            if found:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size} with {' and '.join(found)} is not supported "
+                    "yet: expert parallelism composes with plain data parallelism (zero_stage=0) so far. Use "
+                    "expert_parallel_size=1 for this layout, or leave the other setting at its default"
+                )
         if self.compile is not None and self.kernels == "triton":
             raise ValueError(
                 "kernels='triton' with compile: ptdp's Triton kernels are routed by a runtime hook that inductor "

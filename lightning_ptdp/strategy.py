@@ -66,6 +66,7 @@ class PTDPStrategy(ParallelStrategy):
         *,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         virtual_pipeline_size: int = 1,
         micro_batch_size: Optional[int] = None,
@@ -114,6 +115,7 @@ class PTDPStrategy(ParallelStrategy):
         self._forward_redirection = _DDPForwardRedirection()
         self._dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
+        self._expert_mesh: Optional[DeviceMesh] = None  # (pp, edp, ep, tp) when expert_parallel_size > 1
         self._dp_group: Optional[tuple[Any, int]] = None
         self.num_nodes = 1
 
@@ -208,6 +210,7 @@ class PTDPStrategy(ParallelStrategy):
             self._failures.catch_sigterm()  # until teardown: a launcher's SIGTERM stops this rank through on_exception
         self._dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        self._expert_mesh = self._dims.build_expert_mesh(self.root_device.type) if self._dims.ep > 1 else None
         self._dp_group = None  # (group, size), looked up on the first reduce
         log.info(
             "rank %d: mesh coordinates %s of %s",
@@ -246,6 +249,7 @@ class PTDPStrategy(ParallelStrategy):
             device=self.root_device,
             pretrained=self.pretrained,
             on_nonfinite=self.options.on_nonfinite,
+            expert_mesh=self._expert_mesh,
         )
         self.model = parallel.module
         if parallel.gradients.clips_globally:  # Lightning's clipping hook, by the norm of the whole model
@@ -265,6 +269,11 @@ class PTDPStrategy(ParallelStrategy):
     def pipeline(self) -> Optional[PipelineEngine]:
         """This rank's pipeline engine (its chunks, the last step's measured timeline); None if p = 1."""
         return self._parallelized.pipeline if self._parallelized is not None else None
+
+    @property
+    def expert_report(self) -> Any:
+        """The split MoE layers and their exchange stats (callbacks.ExpertLoad); None if e = 1."""
+        return self._parallelized.ep_report if self._parallelized is not None else None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

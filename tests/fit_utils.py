@@ -31,9 +31,11 @@ class LossRecorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if not self.first_grads:
+            from lightning_ptdp.expert_parallel import gather_experts
             from lightning_ptdp.tensor_parallel.consolidate import full_gradients
 
-            self.first_grads = {name: g.detach().cpu().clone() for name, g in full_gradients(pl_module).items()}
+            grads = gather_experts(pl_module, full_gradients(pl_module))  # split experts whole again
+            self.first_grads = {name: g.detach().cpu().clone() for name, g in grads.items()}
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

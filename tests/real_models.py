@@ -230,6 +230,43 @@ def more_hf(family: str) -> nn.Module:
     )
 
 
+# Mixture-of-experts families, each with its experts stacked as [n_experts, ...] tensors whose forward
+# takes top-k routing per token: 4 experts, 2 per token, no token dropping. Qwen2-MoE adds a dense
+# shared expert behind a sigmoid gate; Qwen3-MoE per-head q/k norms; OLMoE q/k norms over all heads.
+MOE_HF = {
+    "hf_mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, router_jitter_noise=0.0)),
+    "hf_qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=4, moe_intermediate_size=FFN, shared_expert_intermediate_size=FFN, decoder_sparse_step=1),
+    ),
+    "hf_qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, moe_intermediate_size=FFN, head_dim=HIDDEN // HEADS, decoder_sparse_step=1),
+    ),
+    # transformers' default experts implementation is grouped_mm; OLMoE runs the eager loop instead
+    "hf_olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, experts_implementation="eager")),
+}
+
+
+def moe_hf(family: str, layers: int = 2) -> nn.Module:
+    config_cls, model_cls, extra = MOE_HF[family]
+    return _hf(
+        config_cls,
+        model_cls,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ,
+        num_experts_per_tok=2,
+        **extra,
+    )
+
+
 FAMILY_NAMES = {
     "hf_llama": "transformers LlamaForCausalLM",
     "hf_llama_tied": "transformers Llama, tied embeddings",
@@ -242,6 +279,10 @@ FAMILY_NAMES = {
     "gpt": "this repository's recipe GPT",
     "nanogpt": "a nanoGPT-style model (fused c_attn, tied head)",
     "llama": "a Llama-style model (GQA, RMSNorm, SwiGLU)",
+    "hf_mixtral": "transformers MixtralForCausalLM (4 experts, top-2)",
+    "hf_qwen2_moe": "transformers Qwen2MoeForCausalLM (shared expert)",
+    "hf_qwen3_moe": "transformers Qwen3MoeForCausalLM",
+    "hf_olmoe": "transformers OlmoeForCausalLM",
 }
 
 REAL_FAMILIES = {
@@ -255,4 +296,5 @@ REAL_FAMILIES = {
     "titan_llama3": titan_llama3,
     "hf_llama_from": hf_llama_from,
     **{family: functools.partial(more_hf, family) for family in MORE_HF},
+    **{family: functools.partial(moe_hf, family) for family in MOE_HF},
 }

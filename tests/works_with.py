@@ -17,19 +17,35 @@ STAMP = (
     "3 steps with the Trainer equal to one process (fp32, losses and gradients 1e-5 relative), each rank "
     "holding only its share. Regenerate with `python .ci/works_with.py` after the matrix changes."
 )
+MOE_STAMP = (
+    "Mixture-of-experts families, `tests/distributed/test_expert_parallel.py`, the same check: e ranks of the d "
+    "data-parallel ones split the experts (dN-eM), each holding n_experts / e of them; '-' is not run yet."
+)
 
 
 def render() -> str:
-    """The block between the markers, markers included."""
+    """The block between the markers, markers included: the dense matrix, then the MoE one."""
+    from tests.distributed.test_expert_parallel import CASES
+    from tests.distributed.test_expert_parallel import LAYOUTS as MOE_LAYOUTS
     from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
-    from tests.real_models import FAMILY_NAMES
+    from tests.real_models import FAMILY_NAMES, MOE_HF
 
     rows = [
         "| model | " + " | ".join(LAYOUTS) + " |",
         "|---|" + "---|" * len(LAYOUTS),
         *(f"| {FAMILY_NAMES[family]} | " + " | ".join("ok" for _ in LAYOUTS) + " |" for family in MATRIX_FAMILIES),
     ]
-    return "\n".join([BEGIN, STAMP, "", *rows, END])
+    moe = [
+        "| mixture of experts | " + " | ".join(MOE_LAYOUTS) + " |",
+        "|---|" + "---|" * len(MOE_LAYOUTS),
+        *(
+            f"| {FAMILY_NAMES[family]} | "
+            + " | ".join("ok" if (family, layout) in CASES else "-" for layout in MOE_LAYOUTS)
+            + " |"
+            for family in sorted(MOE_HF)
+        ),
+    ]
+    return "\n".join([BEGIN, STAMP, "", *rows, "", MOE_STAMP, "", *moe, END])
 
 
 def readme_block(text: str) -> str:

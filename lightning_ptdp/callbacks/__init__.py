@@ -1,12 +1,14 @@
 """Lightning callbacks for PTD-P training: throughput/MFU, straggler detection, pipeline timeline,
-replica consistency."""
+replica consistency, expert load."""
 
 from lightning_ptdp.callbacks.consistency import ReplicaConsistency, ReplicaDivergence
+from lightning_ptdp.callbacks.experts import ExpertLoad
 from lightning_ptdp.callbacks.straggler import StragglerDetector, StragglerWarning, find_stragglers
 from lightning_ptdp.callbacks.throughput import PTDPThroughput
 from lightning_ptdp.callbacks.timeline import PipelineTimeline
 
 __all__ = [
+    "ExpertLoad",
     "PTDPThroughput",
     "PipelineTimeline",
     "ReplicaConsistency",

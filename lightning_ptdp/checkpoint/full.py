@@ -1,12 +1,9 @@
-"""The full checkpoint format: unsharded tensors in the original model's keys and shapes.
-
-Loads on one device with plain ``load_state_dict`` and on any layout. TP: shards gathered into the
-original tensors, cut again for the new t on load (``consolidate``). ZeRO (FSDP2): torch's
-distributed-checkpoint state-dict helpers gather to rank 0 and scatter back, optimizer state
-included. PP: each stage's entries gathered over the pipeline group (a weight tied across stages
-under each of its names); on load each stage takes what it holds. Every function here is a
-collective over the ranks that hold shards: call it on all of them.
-"""
+"""The full checkpoint format: unsharded tensors in the original model's keys and shapes, loading
+with plain ``load_state_dict`` and on any layout. TP: shards gathered, cut again for the new t on
+load (``consolidate``). ZeRO (FSDP2): torch's state-dict helpers gather to rank 0 and scatter back,
+optimizer state included. EP: experts gathered over the ep group, cut on load. PP: each stage's
+entries gathered over the pipeline group (a tied weight under each of its names); on load each
+stage takes what it holds. Every function is a collective over the ranks holding shards."""
 
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.core.comm import detached_cpu, tensor_shape
+from lightning_ptdp.expert_parallel import cut_experts, gather_expert_optimizer_state, gather_experts
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 from lightning_ptdp.tensor_parallel.state_dict_hooks import run_load_pre_hooks, run_save_hooks
 
@@ -38,6 +36,7 @@ def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
 def model_state(module: nn.Module, *, tensor_parallel: bool, fsdp: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
     state = _stage_model_state(module, tensor_parallel=tensor_parallel, fsdp=fsdp, every_rank=pp_group is not None)
+    state = gather_experts(module, state)
     state = _gather_stages(state, pp_group) if pp_group is not None else state
     return run_save_hooks(module, state)  # hooks taken off sharded modules, now on whole tensors
 
@@ -103,6 +102,7 @@ def load_model_state(
     module: nn.Module, state: dict[str, Any], *, tensor_parallel: bool, fsdp: bool, strict: bool, pipeline: bool = False
 ) -> None:
     state = run_load_pre_hooks(module, state, strict)  # e.g. wq/wk/wv merged back into a fused wqkv
+    state = cut_experts(module, state)
     if strict:
         check_fits(module, state, pipeline=pipeline, tensor_parallel=tensor_parallel)
     if pipeline:  # this stage's entries only
@@ -137,6 +137,7 @@ def optimizer_state(
     state = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
     if tensor_parallel:  # on the device, before any CPU copy (TP peers own the same parameters)
         state = map_optimizer_state_by_name(module, state, to_full=True)
+    state = gather_expert_optimizer_state(module, state)
     if dp_group is not None:  # to dp rank 0 alone: the ranks that write (rank 0) are there
         state = _gather_optimizer_parts(state, dp_group, to_first=True)
     return _gather_optimizer_parts(state, pp_group) if pp_group is not None else state
@@ -219,6 +220,7 @@ def load_optimizer_state(
         state = stage_optimizer_state(module, optimizer, state, aliases or {})
     if tensor_parallel:
         state = map_optimizer_state_by_name(module, state, to_full=False)
+    state = {**state, "state": cut_experts(module, state["state"])}
     if owned_only:
         load_named_optimizer_state(module, optimizer, state)
     else:

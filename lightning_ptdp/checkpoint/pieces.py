@@ -1,12 +1,11 @@
 """Where this rank's data of each tensor sits inside the single-process model's tensor.
 
-A parameter may be cut twice: by tensor parallelism (plain local tensors; ``ShardLayout`` /
-``VocabShard`` say which rows or columns) and then by ZeRO (an FSDP2 DTensor sharded by rows over
-dp). ``pieces`` maps what this rank holds back to original coordinates as a few rectangles: one per
-q/k/v block of a fused projection, split again where a ZeRO row range crosses a block edge;
-vocabulary padding belongs to no piece. Checkpoints (dcp_save.py), initialisation and pretrained
-reads use these pieces, so a file saved at one (t, p, d, zero) loads on any other.
-"""
+A parameter may be cut by tensor parallelism (``ShardLayout`` / ``VocabShard`` say which rows or
+columns) or expert parallelism (whole experts: rows of dim 0), then by ZeRO (an FSDP2 DTensor
+sharded by rows over dp). ``pieces`` maps what this rank holds back to original coordinates as a
+few rectangles (one per q/k/v block of a fused projection, split where a ZeRO row range crosses a
+block edge; vocabulary padding belongs to none). Checkpoints, initialisation and pretrained reads
+use them, so a file saved at one (t, p, d, e, zero) loads on any other."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.expert_parallel import ExpertShard
 from lightning_ptdp.tensor_parallel.explicit_plan import shard_dim
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -37,7 +37,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class TPCut:
-    """How tensor parallelism cut one parameter: along ``dim`` to ``full_size`` originally."""
+    """How tensor (or expert) parallelism cut one parameter: along ``dim`` to ``full_size`` originally."""
 
     dim: int
     full_size: int
@@ -60,7 +60,11 @@ class Pieces:
 
 
 def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
-    """The cut of ``layer.<attr>`` if ``layer`` is one of our tensor-parallel layers, else None."""
+    """The cut of ``layer.<attr>`` if ``layer`` is one of our tensor-parallel layers or a split
+    experts module, else None."""
+    experts: Optional[ExpertShard] = layer.__dict__.get("_ptdp_experts")
+    if experts is not None:
+        return TPCut(0, experts.num_experts, (Segment(0, experts.local, experts.first),))
     if isinstance(layer, (VocabParallelEmbedding, VocabParallelHead)):
         shard = layer.shard
         return TPCut(0, shard.vocab_size, (Segment(0, shard.valid, shard.start),) if shard.valid else ())
@@ -74,7 +78,7 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
 
 
 def tp_cuts(model: nn.Module) -> dict[str, TPCut]:
-    """Parameter name -> its TP cut, for every parameter our TP layers hold."""
+    """Parameter name -> its cut, for every parameter our TP layers and split experts hold."""
     cuts = {}
     for path, module in model.named_modules(remove_duplicate=False):  # a module reached by two paths: both
         for attr, _ in module.named_parameters(recurse=False):

@@ -42,10 +42,18 @@ class ParallelDims:
     """Tensor-parallel degree t."""
     world_size: int
     """Number of processes (devices x nodes)."""
+    ep: int = 1
+    """Expert-parallel degree e: consecutive dp ranks that split the experts (e divides d)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "world_size"):
+        for name in ("pp", "dp", "tp", "world_size", "ep"):
             check_positive_int(name, getattr(self, name))
+        if self.dp % self.ep:
+            fits = ", ".join(str(e) for e in range(1, self.dp + 1) if self.dp % e == 0)
+            raise ValueError(
+                f"expert_parallel_size={self.ep} does not divide data_parallel_size={self.dp}: the expert-parallel "
+                f"ranks are carved out of the data-parallel ones. Choose expert_parallel_size in {fits}"
+            )
         if self.pp * self.dp * self.tp != self.world_size:
             raise ValueError(
                 f"tensor_parallel_size({self.tp}) * pipeline_parallel_size({self.pp}) * "
@@ -68,7 +76,7 @@ class ParallelDims:
                     f"Sizes that fit {world_size} processes: {_factor_suggestions(world_size)}"
                 )
             dp = world_size // (tp * pp)
-        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size)
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, ep=config.expert_parallel_size)
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -86,12 +94,21 @@ class ParallelDims:
             d=self.dp,
             v=config.virtual_pipeline_size,
             zero=config.zero_stage,
+            e=self.ep,
             world_size=self.world_size,
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the 3D mesh (a collective over the world: every rank must call it)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The same ranks as (pp, edp, ep, tp), dp = edp x ep with ep the faster: an expert group is e
+        consecutive dp ranks (Megatron's order; within a node when t x e fits one), and edp links
+        the d / e ranks that hold the same experts (a collective over the world)."""
+        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        ranks = torch.arange(self.world_size).reshape(shape)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
 _AT_EXIT = {"registered": False, "failed": False}

@@ -103,6 +103,7 @@ def global_grad_norm(
     dp_group: Any = None,
     pp_group: Any = None,
     exclude: frozenset[int] = frozenset(),
+    split: Optional[tuple[Any, frozenset[int]]] = None,
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a single process would compute it.
 
@@ -110,7 +111,8 @@ def global_grad_norm(
     row biases, position embeddings) once; KV heads replicated over r ranks 1/r from each copy.
     Under ZeRO each dp rank holds a slice of every gradient (summed over ``dp_group``); under
     pipeline parallelism each stage its own layers (summed over ``pp_group``), a weight tied
-    across stages counted on one of them (the others pass its id in ``exclude``).
+    across stages counted on one of them (the others pass its id in ``exclude``). ``split``: (group,
+    ids) of parameters whose ranks in ``group`` each hold different parts (split experts, summed there).
     """
     weight = {}
     for layer in model.modules():
@@ -121,12 +123,16 @@ def global_grad_norm(
                 weight[id(param)] = None if replicated_bias else 1.0 / replication
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
+    parts = torch.zeros((), dtype=torch.float64)
+    split_group, split_ids = split or (None, frozenset())
     for param in parameters:
         if param.grad is None or id(param) in exclude:
             continue
         square = local_tensor(param.grad.detach()).double().pow(2).sum().cpu()
         share = weight.get(id(param))
-        if share is None:
+        if id(param) in split_ids:
+            parts += square
+        elif share is None:
             replicated += square
         else:
             sharded += square * share
@@ -134,7 +140,10 @@ def global_grad_norm(
     if tp is not None:
         sharded = sharded.to(device)
         dist.all_reduce(sharded, group=tp.group)
-    total = (sharded.cpu() + replicated).to(device)
+    if split_group is not None:
+        parts = parts.to(device)
+        dist.all_reduce(parts, group=split_group)
+    total = (sharded.cpu() + replicated + parts.cpu()).to(device)
     for group in (dp_group, pp_group):
         if group is not None:
             dist.all_reduce(total, group=group)
@@ -149,9 +158,10 @@ def clip_grad_norm(
     dp_group: Any = None,
     pp_group: Any = None,
     exclude: frozenset[int] = frozenset(),
+    split: Optional[tuple[Any, frozenset[int]]] = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole parallel model."""
-    total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude)
+    total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude, split)
     scale = max_norm / (float(total) + 1e-6)
     if scale < 1.0:
         for param in parameters:

@@ -22,6 +22,8 @@ from lightning_ptdp.tensor_parallel.collectives import TPGroup
 
 DENSE = "dense"
 """The placement of every parameter no other entry claims: one replica per data-parallel rank."""
+EXPERTS = "experts"
+"""Split experts: one replica per expert-data-parallel rank (d / e of them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +34,15 @@ class ReduceGroup:
     size: int
     rank: int = 0
     """This rank's index in the group."""
+    divisor: Optional[int] = None
+    """The mean divides the sum by this (default: ``size``). Experts: d, not their d / e replicas,
+    since each expert's gradient already sums the losses of its e expert-parallel ranks' tokens."""
     wrapped: bool = False
     """DDP or FSDP averages them already (the dense parameters without a pipeline, and under ZeRO 2/3)."""
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (self.divisor or self.size)
 
 
 class StepGradients:
@@ -66,13 +75,14 @@ class StepGradients:
         overlap: bool = True,
         on_nonfinite: str = "raise",
         device: torch.device = torch.device("cpu"),
+        expert_group: Any = None,
     ) -> None:
         unknown = sorted(set((placements or {}).values()) - set(groups))
         if DENSE not in groups or unknown:
             raise ValueError(f"placements {unknown or [DENSE]} have no ReduceGroup; groups has {sorted(groups)}")
         self.model, self.groups, self.tp, self.partial = model, groups, tp, list(partial)
         self.split, self.pp_group, self.fsdp, self.overlap = split, pp_group, fsdp, overlap
-        self.on_nonfinite, self.device = on_nonfinite, device
+        self.on_nonfinite, self.device, self.expert_group = on_nonfinite, device, expert_group
         named = dict(model.named_parameters())
         self._placement = {id(named[name]): where for name, where in (placements or {}).items()}
         self._params: list[nn.Parameter] = []
@@ -88,18 +98,19 @@ class StepGradients:
         return self._placement.get(id(param), DENSE)
 
     def _unaveraged(self, params: Sequence[nn.Parameter]) -> dict[str, list[nn.Parameter]]:
-        """``params`` by placement, only those whose group has more than one rank and no wrapper."""
+        """``params`` by placement, only those whose mean no wrapper takes and that is not the value itself."""
         out: dict[str, list[nn.Parameter]] = {}
         for param in params:
             where = self.placement_of(param)
-            if not self.groups[where].wrapped and self.groups[where].size > 1:
+            group = self.groups[where]
+            if not group.wrapped and (group.size > 1 or group.scale != 1.0):
                 out.setdefault(where, []).append(param)
         return out
 
     @property
     def clips_globally(self) -> bool:
         """Whether a rank holds only part of the model (then Lightning's own clipping is per rank)."""
-        return self.tp is not None or self.split is not None
+        return self.tp is not None or self.split is not None or self.expert_group is not None
 
     # ------------------------------------------------------------------ during the pipeline schedule
     def begin(self) -> None:
@@ -137,7 +148,7 @@ class StepGradients:
     def _start_means(self, chunk: int, params: Sequence[nn.Parameter]) -> None:
         for where, same in self._unaveraged(params).items():
             group = self.groups[where]
-            self._buckets.append((chunk, PendingAllReduce(same, group.group, 1.0 / group.size)))
+            self._buckets.append((chunk, PendingAllReduce(same, group.group, group.scale)))
 
     def end(self, ok: bool) -> tuple[list[tuple[int, float, float]], float]:
         """After the schedule: wait for the means (or forget them when the step failed: the process
@@ -178,7 +189,7 @@ class StepGradients:
             sum_partial_over_tp(self.model, self.partial, self.tp)
         if self.split is None:  # under PP the schedule averaged them (``end``)
             for where, same in self._unaveraged(params).items():
-                all_reduce_grads(same, self.groups[where].group, 1.0 / self.groups[where].size)
+                all_reduce_grads(same, self.groups[where].group, self.groups[where].scale)
         if self.on_nonfinite != "ignore":
             apply_policy(self.on_nonfinite, nonfinite_ranks(loss, params), step, params)
 
@@ -186,4 +197,6 @@ class StepGradients:
         """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
         exclude = self.split.norm_exclude() if self.split is not None else frozenset()
         dp_group = self.groups[DENSE].group if self.fsdp else None
-        return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude)
+        experts = frozenset(id(p) for p in params if self.placement_of(p) == EXPERTS)
+        split = (self.expert_group, experts) if self.expert_group is not None else None
+        return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude, split)

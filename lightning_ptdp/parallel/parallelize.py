@@ -1,7 +1,7 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
-``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 2 kernels,
-2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
+``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 1b expert
+parallel, 2 kernels, 2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
 this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
 the pipeline engine, the step's gradient owner ``StepGradients`` and the ``ShardingView``
 checkpoints need.
@@ -21,9 +21,10 @@ from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
+from lightning_ptdp.expert_parallel import EPGroup, EPReport, apply_expert_parallel
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
-from lightning_ptdp.parallel.gradients import DENSE, ReduceGroup, StepGradients
+from lightning_ptdp.parallel.gradients import DENSE, EXPERTS, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.pretrained import Pretrained, load_pretrained
 from lightning_ptdp.parallel.recompute import apply_activation_checkpointing
@@ -45,6 +46,7 @@ class Parallelized:
     """The model itself (the LightningModule), never a wrapper."""
     tp_group: Optional[TPGroup] = None
     tp_report: Optional[TPReport] = None
+    ep_report: Optional[EPReport] = None
     pipeline: Optional[PipelineEngine] = None
     fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
@@ -84,11 +86,14 @@ def parallelize(
     device: torch.device = torch.device("cpu"),
     pretrained: Optional[Pretrained] = None,
     on_nonfinite: str = "raise",
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> Parallelized:
     """Apply the steps in this fixed order:
 
     1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
                         pipeline split drops the other stages' parameters.
+    1b. expert parallel split each MoE layer's experts over the ep ranks (``expert_mesh``), found
+                        by a probe forward while every rank still holds them all.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                         sees its own heads and bias shard.
     2b. compile         (compile=...) wrap each block's forward in torch.compile, over TP and kernels;
@@ -122,6 +127,12 @@ def parallelize(
             if "_ptdp_tp" not in module.__dict__:
                 module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, probe, tp_plan)
             result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
+        if dims.ep > 1:
+            if "_ptdp_ep" not in module.__dict__:
+                ep_mesh = expert_mesh["ep"]
+                group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
+                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, probe)
+            result.ep_report = module.__dict__["_ptdp_ep"]
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile
         report = apply_kernels(module, "torch" if config.compile is not None else config.kernels)
         log.info("kernels: %s", report.summary())
@@ -165,10 +176,11 @@ def parallelize(
         check_zero_supported(module, config, dims)
         result.module = apply_fsdp(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
     elif training and dims.pp == 1:
-        result.module = apply_data_parallel(module, mesh["dp"])
+        experts = result.ep_report.expert_params if result.ep_report else ()
+        result.module = apply_data_parallel(module, mesh["dp"], ignore=experts)
     if training and config.zero_stage == 1 and dims.dp > 1:
         result.optimizer_state_group = mesh["dp"].get_group()
-    result.gradients = step_gradients(module, result, config, dims, mesh, on_nonfinite, device)
+    result.gradients = step_gradients(module, result, config, dims, mesh, expert_mesh, on_nonfinite, device)
     return result
 
 
@@ -178,20 +190,30 @@ def step_gradients(
     config: ParallelConfig,
     dims: ParallelDims,
     mesh: DeviceMesh,
+    expert_mesh: Optional[DeviceMesh],
     on_nonfinite: str,
     device: torch.device,
 ) -> StepGradients:
     """The owner of each step's gradients. Each placement's reduce group is one entry: the dense
     parameters average over dp, through DDP or FSDP where those wrap the model (without a pipeline,
-    or under ZeRO 2/3), else through the owner itself, chunk by chunk during the pipeline's backward."""
+    or under ZeRO 2/3), else through the owner itself, chunk by chunk during the pipeline's backward.
+    Split experts average over the d / e ranks holding the same experts, always through the owner."""
     dp = mesh["dp"]
     dense = ReduceGroup(
         group=dp.get_group(), size=dims.dp, rank=dp.get_local_rank(), wrapped=config.fsdp or dims.pp == 1
     )
+    groups, placements = {DENSE: dense}, {}
+    if result.ep_report is not None:
+        edp = expert_mesh["edp"]
+        groups[EXPERTS] = ReduceGroup(
+            group=edp.get_group(), size=edp.size(), rank=edp.get_local_rank(), divisor=dims.dp
+        )
+        placements = {name: EXPERTS for name in result.ep_report.expert_params}
     pipeline = result.pipeline
     return StepGradients(
         module,
-        groups={DENSE: dense},
+        groups=groups,
+        placements=placements,
         tp=result.tp_group,
         partial=result.tp_report.partial_grad_params if result.tp_report else [],
         split=pipeline.split if pipeline is not None else None,
@@ -200,6 +222,7 @@ def step_gradients(
         overlap=config.overlap_grad_reduce,
         on_nonfinite=on_nonfinite,
         device=device,
+        expert_group=expert_mesh["ep"].get_group() if result.ep_report is not None else None,
     )
 
 

@@ -1,7 +1,7 @@
 """The code base's shape, held by tests: one home per concern, imports only downward, short modules.
 
 Layers, lowest first (docs/architecture.md draws them). A module imports from its own layer or
-below; the three parallelism axes (tensor_parallel, pipeline, data_parallel) never import each
+below; the parallelism axes (tensor_parallel, pipeline, data_parallel, expert_parallel) never import each
 other: what they share lives in layer 0.
 """
 
@@ -20,10 +20,11 @@ LAYERS: dict[str, int] = {
     "faults": 0,
     "testing": 0,
     "flops": 0,  # deprecated path of core.flops
-    # 1: the three axes, side by side
+    # 1: the parallelism axes, side by side
     "tensor_parallel": 1,
     "pipeline": 1,
     "data_parallel": 1,
+    "expert_parallel": 1,
     # 2: what combines an axis with state: kernels, checkpoints
     "kernels": 2,
     "checkpoint": 2,
@@ -38,7 +39,7 @@ LAYERS: dict[str, int] = {
     "planner": 5,
     "": 5,
 }
-AXES = {"tensor_parallel", "pipeline", "data_parallel"}
+AXES = {"tensor_parallel", "pipeline", "data_parallel", "expert_parallel"}
 MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 500, 8
 OUTSIDE_MARKERS = ("DESIGN" + ".md", ".." + "/shared")  # split so this file does not match itself
 

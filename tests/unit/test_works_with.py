@@ -10,6 +10,14 @@ def test_readme_holds_the_rendered_table():
 def test_every_matrix_cell_is_a_row_entry():
     from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
 
-    rows = [line for line in render().splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    dense = render().split("Mixture-of-experts families")[0]
+    rows = [line for line in dense.splitlines() if line.startswith("| ") and not line.startswith("| model")]
     assert len(rows) == len(MATRIX_FAMILIES)
     assert all(row.count(" ok ") == len(LAYOUTS) for row in rows)
+
+
+def test_every_moe_case_is_an_ok_cell():
+    from tests.distributed.test_expert_parallel import CASES
+
+    moe = render().split("Mixture-of-experts families")[1]
+    assert sum(line.count(" ok ") for line in moe.splitlines() if line.startswith("| transformers")) == len(CASES)

@@ -1,0 +1,28 @@
+"""Expert parallelism: the experts of every mixture-of-experts layer split over ranks carved out of
+the data-parallel ones, tokens exchanged all-to-all; found from the model, like TP."""
+
+from lightning_ptdp.expert_parallel.apply import (
+    EPReport,
+    ExpertShard,
+    apply_expert_parallel,
+    cut_experts,
+    expert_shards,
+    gather_expert_optimizer_state,
+    gather_experts,
+)
+from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, find_experts
+from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats
+
+__all__ = [
+    "EPGroup",
+    "EPReport",
+    "ExchangeStats",
+    "ExpertDiscoveryError",
+    "ExpertShard",
+    "apply_expert_parallel",
+    "cut_experts",
+    "expert_shards",
+    "find_experts",
+    "gather_expert_optimizer_state",
+    "gather_experts",
+]

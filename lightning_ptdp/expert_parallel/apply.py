@@ -1,0 +1,180 @@
+"""Expert parallelism: each MoE layer's experts split over the ep group, n_experts / e whole experts
+per rank, tokens exchanged all-to-all (exchange.py). Found from the model (discovery.py); the rest
+of the model keeps its layout. Also the full (unsplit) tensors of the experts, for checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_ptdp.core.comm import divisors
+from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, ExpertsSite, find_experts
+from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, exchange
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """What one experts module holds after the split: experts [first, first + local) of ``num_experts``."""
+
+    num_experts: int
+    local: int
+    first: int
+    ep: EPGroup
+
+
+@dataclass
+class EPReport:
+    """What ``apply_expert_parallel`` did: the split experts modules by name, and the exchange stats."""
+
+    sites: dict[str, ExpertShard] = field(default_factory=dict)
+    expert_params: list[str] = field(default_factory=list)
+    """Qualified names of the split parameters: their gradients average over the expert-dp group."""
+    stats: ExchangeStats = field(default_factory=ExchangeStats)
+
+    def summary(self) -> str:
+        shards = list(self.sites.values())
+        if not shards:
+            return "expert parallel: no MoE layer"
+        first = shards[0]
+        return (
+            f"expert parallel: {len(shards)} MoE layers, {first.local} of {first.num_experts} experts per rank "
+            f"over {first.ep.size} ranks"
+        )
+
+
+def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any]) -> EPReport:
+    """Split every MoE layer's experts over ``ep``: found by one probe forward (every rank still
+    holds all experts), then each rank keeps its n/e and its experts' forward exchanges tokens."""
+    sites = find_experts(model, probe)
+    if not sites:
+        raise ExpertDiscoveryError(
+            f"expert_parallel_size={ep.size}, but the model has no mixture-of-experts layer that can be split: no "
+            "module holds its experts' weights stacked as [n_experts, ...] tensors (a ModuleList of expert MLPs is "
+            "not supported yet). Use expert_parallel_size=1"
+        )
+    uneven = sorted({s.num_experts for s in sites if s.num_experts % ep.size})
+    if uneven:
+        fits = sorted(set.intersection(*(set(divisors(s.num_experts)) for s in sites)))
+        raise ExpertDiscoveryError(
+            f"expert_parallel_size={ep.size} does not divide the {uneven[0]} experts of '{sites[0].name}'; each rank "
+            f"holds whole experts: choose expert_parallel_size in {fits} (dividing the data-parallel size too)"
+        )
+    report = EPReport()
+    for site in sites:
+        shard = _split(site, ep)
+        _install(site, shard, report.stats)
+        report.sites[site.name] = shard
+        report.expert_params += [f"{site.name}.{n}" for n, _ in site.module.named_parameters(recurse=False)]
+    log.info(report.summary())
+    return report
+
+
+def _split(site: ExpertsSite, ep: EPGroup) -> ExpertShard:
+    module, n = site.module, site.num_experts
+    local = n // ep.size
+    first = ep.rank * local
+    for name, param in list(module.named_parameters(recurse=False)):
+        kept = param.detach()[first : first + local].clone()
+        setattr(module, name, nn.Parameter(kept, requires_grad=param.requires_grad))
+    for attr, value in list(vars(module).items()):  # n_experts the forward reads (one_hot, histc): now its own
+        if isinstance(value, int) and not isinstance(value, bool) and value == n and "expert" in attr:
+            setattr(module, attr, local)
+    shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
+    module.__dict__["_ptdp_experts"] = shard
+    return shard
+
+
+def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> None:
+    """The module's own forward, run on the rows this rank's experts received."""
+    module = site.module
+    original = type(module).forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def compute(rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for slot, value in ((site.hidden, rows), (site.indices, ids), (site.weights, ones)):
+                slot.put(call_args, call_kwargs, value)
+            return original(self, *call_args, **call_kwargs)
+
+        return exchange(
+            site.hidden.get(args, kwargs),
+            site.indices.get(args, kwargs),
+            site.weights.get(args, kwargs),
+            num_experts=shard.num_experts,
+            ep=shard.ep,
+            compute=compute,
+            stats=stats if self.training else None,
+            name=site.name,
+        )
+
+    module.forward = types.MethodType(forward, module)
+
+
+def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
+    """The split experts modules of ``model`` by qualified name."""
+    return {name: m.__dict__["_ptdp_experts"] for name, m in model.named_modules() if "_ptdp_experts" in m.__dict__}
+
+
+def _split_names(model: nn.Module, names: Any) -> dict[str, ExpertShard]:
+    """The names among ``names`` that are parameters of a split experts module, with its shard."""
+    shards = expert_shards(model)
+    out = {}
+    for name in names:
+        prefix, _, attr = name.rpartition(".")
+        if prefix in shards and "." not in attr:
+            out[name] = shards[prefix]
+    return out
+
+
+def _gather(piece: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    piece = piece.detach().contiguous()
+    parts = [torch.empty_like(piece) for _ in range(shard.ep.size)]
+    dist.all_gather(parts, piece, group=shard.ep.group)
+    return torch.cat(parts)
+
+
+def gather_experts(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (parameter name -> this rank's tensor, or gradient) with every split expert
+    tensor whole again, experts in order: a collective over each ep group, names in sorted order."""
+    out = dict(tensors)
+    for name, shard in sorted(_split_names(model, tensors).items()):
+        out[name] = _gather(tensors[name], shard)
+    return out
+
+
+def gather_expert_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name with the split experts' state tensors whole."""
+    per_param = dict(state["state"])
+    for name, shard in sorted(_split_names(model, per_param).items()):
+        per_param[name] = {
+            key: _gather(value, shard)
+            if torch.is_tensor(value) and value.dim() and value.shape[0] == shard.local
+            else value
+            for key, value in per_param[name].items()
+        }
+    return {**state, "state": per_param}
+
+
+def cut_experts(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A whole-model state (weights, or an optimizer's per-parameter entries) with every split
+    expert tensor cut to this rank's experts."""
+
+    def cut(value: Any, shard: ExpertShard) -> Any:
+        if isinstance(value, dict):
+            return {key: cut(v, shard) for key, v in value.items()}
+        if torch.is_tensor(value) and value.dim() and value.shape[0] == shard.num_experts:
+            return value[shard.first : shard.first + shard.local]
+        return value
+
+    out = dict(state)
+    for name, shard in _split_names(model, state).items():
+        out[name] = cut(state[name], shard)
+    return out

@@ -1,0 +1,91 @@
+"""The all-to-all token exchange of expert parallelism: each (token, chosen expert) row goes to the
+rank holding that expert, is computed there, and comes back (Megatron's dispatch and combine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with uneven splits, differentiable: its backward is the same
+    exchange with the splits swapped. (Our own: torch.distributed.nn's is deprecated and the
+    functional collectives' autograd form is private.)"""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """The ranks that split one MoE layer's experts between them (carved out of the dp ranks)."""
+
+    group: Any
+    size: int
+    rank: int
+
+
+@dataclass
+class ExchangeStats:
+    """What this rank's exchanges moved since the last ``reset``: the rows it routed to each expert,
+    by layer, and the bytes it sent to other ranks in the forward (dispatch and combine; the
+    backward sends as much again)."""
+
+    tokens_per_expert: dict[str, torch.Tensor] = field(default_factory=dict)
+    bytes_sent: int = 0
+
+    def reset(self) -> None:
+        self.tokens_per_expert, self.bytes_sent = {}, 0
+
+
+def exchange(
+    hidden: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    num_experts: int,
+    ep: EPGroup,
+    compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    stats: ExchangeStats | None = None,
+    name: str = "",
+) -> torch.Tensor:
+    """One MoE layer's experts over the ep group. ``hidden`` [N, H], ``indices`` [N, k] global
+    expert ids, ``weights`` [N, k]. ``compute(rows, local_ids [R, 1], ones [R, 1])`` runs this
+    rank's experts on the rows it received. Returns [N, H]: each token's weighted sum over its k
+    experts, as the experts' own forward computes it in one process."""
+    local = num_experts // ep.size
+    k = indices.shape[1]
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # rows grouped by expert, so by the rank holding it
+    token = order // k
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    received_per_expert = torch.empty_like(per_expert)
+    dist.all_to_all_single(received_per_expert, per_expert, group=ep.group)  # my experts' counts from each rank
+    send = per_expert.view(ep.size, local).sum(1).tolist()
+    received = received_per_expert.view(ep.size, local)
+    receive = received.sum(1).tolist()
+    rows = AllToAll.apply(hidden[token], receive, send, ep.group)  # [R, H]
+    local_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep.size), received.reshape(-1))
+    ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
+    computed = compute(rows, local_ids.unsqueeze(1), ones)  # [R, H]
+    back = AllToAll.apply(computed, send, receive, ep.group)  # [N * k, H], in ``order``
+    if stats is not None:
+        stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert.detach().cpu()
+        off_rank = sum(send) - send[ep.rank] + sum(receive) - receive[ep.rank]  # dispatched, then combined
+        stats.bytes_sent += off_rank * hidden.shape[1] * hidden.element_size()
+    weighted = back * weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))

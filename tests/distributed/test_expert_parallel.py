@@ -1,0 +1,159 @@
+"""Expert parallelism against one process: transformers MoE families trained with their experts
+split over e ranks of the data-parallel ones give the single process's losses, first gradients and
+final weights, each rank holding only n_experts / e experts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.real_models import MOE_HF
+
+LOSS_RTOL = 1e-5  # fp32, the same arithmetic up to summation order (test_real_models.py)
+GRAD_REL = 1e-5
+UPDATE_REL = 1e-3  # weights relative to their update under Adam (test_real_models.py)
+STEPS = 3
+EXPERT = ".experts."
+
+LAYOUTS = {
+    "d2-e2": ({"expert_parallel_size": 2}, 2),
+    "d4-e2": ({"expert_parallel_size": 2}, 4),
+    "d4-e4": ({"expert_parallel_size": 4}, 4),
+}
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def _reference(family: str, trainer_kwargs: dict | None = None) -> dict:
+    from tests.fit_utils import fit_and_record
+
+    key = (family, tuple(sorted((trainer_kwargs or {}).items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = fit_and_record(family, steps=STEPS, trainer_kwargs=trainer_kwargs)
+    return _REFERENCES[key]
+
+
+def _check(results: list[dict], ref: dict, e: int) -> None:
+    from tests.fit_utils import assert_ranks_match_reference
+
+    assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    full = {name: n for name, (n, _) in ref["held"].items()}
+    experts = sum(n for name, n in full.items() if EXPERT in name)
+    assert experts > 0.5 * sum(full.values())  # the experts are most of the model: the split matters
+    for result in results:
+        held = {name: n for name, (n, _) in result["held"].items()}
+        assert held.keys() == full.keys()
+        assert sum(n for name, n in held.items() if EXPERT in name) == experts // e  # whole experts, 1/e
+        assert all(held[name] == n for name, n in full.items() if EXPERT not in name)  # the rest as it was
+
+
+CASES = [(family, layout) for family in sorted(MOE_HF) for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize(
+    "family, layout", [pytest.param(f, lay, marks=pytest.mark.world_size(LAYOUTS[lay][1])) for f, lay in CASES]
+)
+def test_expert_parallel_matches_single_process(dist_pool, family, layout):
+    from tests.fit_utils import fit_and_record
+
+    strategy_kwargs, devices = LAYOUTS[layout]
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS
+    )
+    _check(results, _reference(family), strategy_kwargs["expert_parallel_size"])
+
+
+@pytest.mark.world_size(2)
+def test_gradient_clipping_takes_the_norm_over_every_expert(dist_pool):
+    """A clip small enough to act on every step: the norm must include the other ranks' experts."""
+    from tests.fit_utils import fit_and_record
+
+    clip = {"gradient_clip_val": 0.05}
+    results = dist_pool(2).run(
+        fit_and_record,
+        "hf_mixtral",
+        strategy_kwargs={"expert_parallel_size": 2},
+        devices=2,
+        steps=STEPS,
+        trainer_kwargs=clip,
+    )
+    _check(results, _reference("hf_mixtral", clip), 2)
+
+
+def fit_with_expert_load() -> dict:
+    import lightning.pytorch as L
+
+    from lightning_ptdp.callbacks import ExpertLoad
+    from tests.fit_utils import fit_and_record
+
+    load = ExpertLoad()
+    logged: list[dict] = []
+
+    class Logged(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            logged.append(dict(load.metrics))
+
+    fit_and_record(
+        "hf_mixtral", strategy_kwargs={"expert_parallel_size": 2}, devices=2, steps=2, callbacks=[load, Logged()]
+    )
+    return {"history": [{k: v.tolist() for k, v in step.items()} for step in load.history], "logged": logged}
+
+
+@pytest.mark.world_size(2)
+def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool):
+    routed = 8 * 32 * 2  # global batch x sequence x top-2: every (token, expert) row, counted once
+    hidden, fp32 = 32, 4
+    local_rows = routed // 2  # one rank's rows; the most it can send off-rank in a forward, then take back
+    for result in dist_pool(2).run(fit_with_expert_load):
+        assert len(result["history"]) == 2 and len(result["logged"]) == 2
+        for step, logged in zip(result["history"], result["logged"]):
+            assert len(step) == 2 and all(sum(counts) == routed for counts in step.values())
+            worst = max(max(c) / (sum(c) / len(c)) for c in step.values())
+            assert logged["moe/imbalance"] == pytest.approx(worst) and worst >= 1.0
+            assert 0 < logged["moe/all_to_all_bytes"] <= 2 * len(step) * 2 * local_rows * hidden * fp32
+
+
+STEPS_PER_EPOCH = 4
+
+
+def run_moe_epochs(devices: int, e: int, epochs: int, save: str | None, resume: str | None, fmt: str = "sharded"):
+    """Mixtral for ``epochs`` epochs at d=devices, e; the per-step losses (the global-batch mean)."""
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from recipes.data import MarkovDataModule
+    from tests.fit_utils import LossRecorder, quiet_trainer
+    from tests.models import build_model
+
+    L.seed_everything(0, verbose=False)
+    model = build_model("hf_mixtral")
+    tokens = STEPS_PER_EPOCH * 8 * 33 + 1
+    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=8 // devices, train_tokens=tokens, val_tokens=100)
+    strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
+    trainer.fit(model, data, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return recorder.losses
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt):
+    """Saved at d2 e2 (each rank writing its experts), resumed at e2, at e1 (every rank holding all
+    experts) and at d4 e4: the losses continue as if uninterrupted (fp32: within LOSS_RTOL)."""
+    from lightning_ptdp.checkpoint.command import consolidate
+
+    path = str(tmp_path / "moe.ckpt")
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None)[0]
+    first = dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, fmt)[0]
+    assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    if fmt == "sharded":
+        saved = consolidate(path)  # put together with no process group: every expert, and its Adam moments
+        name = "net.model.model.layers.0.mlp.experts.gate_up_proj"
+        assert saved["state_dict"][name].shape[0] == 4
+        assert saved["optimizer_states"][0]["state"][name]["exp_avg"].shape == saved["state_dict"][name].shape
+    for devices, e in ((2, 2), (2, 1)):
+        resumed = dist_pool(2).run(run_moe_epochs, devices, e, 2, None, path, fmt)[0]
+        assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
+    resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt)[0]
+    assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)

@@ -1,0 +1,93 @@
+"""Expert parallelism's refusals, each before any step, and its discovery on models that are not
+MoE-shaped: no process group (the distributed equivalence is tests/distributed/test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_ptdp import ParallelConfig
+from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.expert_parallel import EPGroup, ExpertDiscoveryError, apply_expert_parallel, find_experts
+
+
+class StackedExperts(nn.Module):
+    """Experts stacked as [n, ...], called with tokens-per-expert counts (not top-k per token)."""
+
+    def __init__(self, n: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, hidden, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows @ w for rows, w in zip(x.split(counts.tolist()), self.w)])
+
+
+class CountsMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = StackedExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, torch.tensor([2, 2, 0, 0]))
+
+
+def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
+    config = ParallelConfig(expert_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide data_parallel_size=4.*in 1, 2, 4"):
+        ParallelDims.from_config(config, world_size=4)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=0 must be >= 1"):
+        ParallelConfig(expert_parallel_size=0)
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+        ({"zero_stage": 3}, "zero_stage=3"),
+        ({"activation_checkpointing": "full"}, "activation_checkpointing=full"),
+    ],
+)
+def test_layouts_expert_parallelism_does_not_compose_with_yet_are_refused(other, named):
+    with pytest.raises(ValueError, match=rf"expert_parallel_size=2 with {named} is not supported yet"):
+        ParallelConfig(expert_parallel_size=2, **other)
+
+
+def test_a_model_without_moe_layers_is_refused():
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(ExpertDiscoveryError, match=r"expert_parallel_size=2, but the model has no mixture-of-experts"):
+        apply_expert_parallel(net, EPGroup(None, 2, 0), lambda: net(torch.randn(2, 8)))
+
+
+def test_routing_that_is_not_top_k_per_token_is_refused_naming_the_module():
+    net = CountsMoE()
+    with pytest.raises(ExpertDiscoveryError, match=r"'experts' .*called with \(float32\[4, 8\], int64\[4\]\).*top-k"):
+        find_experts(net, lambda: net(torch.randn(4, 8)))
+
+
+def test_experts_the_probe_never_called_are_refused():
+    net = CountsMoE()
+    with pytest.raises(ExpertDiscoveryError, match=r"'experts' \(4 experts stacked\) was not called by the probe"):
+        find_experts(net, lambda: None)
+
+
+def test_expert_parallel_size_must_divide_the_experts():
+    from tests.real_models import moe_hf
+
+    net = moe_hf("hf_mixtral")
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(
+        ExpertDiscoveryError, match=r"expert_parallel_size=3 does not divide the 4 experts .*in \[1, 2, 4\]"
+    ):
+        apply_expert_parallel(net, EPGroup(None, 3, 0), lambda: net(ids))
+
+
+def test_stacked_experts_are_found_in_every_transformers_moe_family():
+    from tests.real_models import MOE_HF, moe_hf
+
+    for family in MOE_HF:
+        net = moe_hf(family)
+        sites = find_experts(net, lambda: net(torch.randint(0, 64, (2, 8))))
+        assert [s.name for s in sites] == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], family
+        assert all((s.num_experts, s.top_k) == (4, 2) for s in sites), family
