@@ -177,8 +177,7 @@ class ParallelConfig:
     def _check_combinations(self) -> None:
         if self.expert_parallel_size > 1:
             others = {
-                "tensor_parallel_size": self.tensor_parallel_size > 1,
-                "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+                "sequence_parallel": self.sequence_parallel,
                 "zero_stage": self.zero_stage > 0,
                 "compile": self.compile is not None,
                 "activation_checkpointing": self.activation_checkpointing is not None,
@@ -187,7 +186,7 @@ class ParallelConfig:
             if found:
                 raise ValueError(
                     f"expert_parallel_size={self.expert_parallel_size} with {' and '.join(found)} is not supported "
-                    "yet: expert parallelism composes with plain data parallelism (zero_stage=0) so far. Use "
+                    "yet: expert parallelism composes with tensor and pipeline parallelism and zero_stage=0 so far. Use "
                     "expert_parallel_size=1 for this layout, or leave the other setting at its default"
                 )
         if self.compile is not None and self.kernels == "triton":

@@ -134,6 +134,54 @@ class LlamaBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Plain PyTorch mixture of experts: a router Linear, a ModuleList of SwiGLU experts, softmax then
+    top-2 with the weights renormalised; an expert no token chose is skipped (not called)."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden, ffn) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (B*T, C)
+        weights, chosen = torch.topk(self.gate(x).softmax(dim=-1), self.top_k)  # (B*T, k) each
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == index)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
+
+
+class MoELlamaBlock(LlamaBlock):
+    """The Llama block with its MLP replaced by ``MoEFeedForward`` (4 experts, top-2)."""
+
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__(cfg)
+        del self.w1, self.w2, self.w3
+        self.moe = MoEFeedForward(cfg.hidden_size, 2 * cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.moe(self.ffn_norm(x))
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ZooConfig) -> None:
         super().__init__()
@@ -257,6 +305,10 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return CausalLM(NanoGPT(cfg))
     if family == "llama":
         return CausalLM(Llama(cfg))
+    if family == "moe_llama":
+        net = Llama(cfg)
+        net.layers = nn.ModuleList(MoELlamaBlock(cfg) for _ in range(cfg.num_layers))
+        return CausalLM(net)
     if family == "flat_llama":
         return FlatLlama(cfg)
     if family in ("nanogpt_dict", "nanogpt_dict_tied"):

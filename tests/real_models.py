@@ -101,7 +101,7 @@ def _litgpt(**kwargs) -> nn.Module:
     from litgpt import GPT, Config
 
     shape = dict(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=HIDDEN)
-    return GPT(Config(**shape, **kwargs))
+    return GPT(Config(**{**shape, **kwargs}))
 
 
 def litgpt_llama() -> nn.Module:
@@ -113,6 +113,23 @@ def litgpt_llama() -> nn.Module:
         bias=False,
         rotary_percentage=1.0,
         parallel_residual=False,
+    )
+
+
+def litgpt_moe(layers: int = 2) -> nn.Module:
+    """litgpt's LLaMAMoE: a router Linear and a ModuleList of LLaMAMLP experts (4, top-2)."""
+    return _litgpt(
+        n_query_groups=KV_HEADS,
+        intermediate_size=FFN,
+        mlp_class_name="LLaMAMoE",
+        n_expert=4,
+        n_expert_per_token=2,
+        moe_intermediate_size=FFN,
+        norm_class_name="RMSNorm",
+        bias=False,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        n_layer=layers,
     )
 
 
@@ -283,7 +300,11 @@ FAMILY_NAMES = {
     "hf_qwen2_moe": "transformers Qwen2MoeForCausalLM (shared expert)",
     "hf_qwen3_moe": "transformers Qwen3MoeForCausalLM",
     "hf_olmoe": "transformers OlmoeForCausalLM",
+    "litgpt_moe": "litgpt GPT, LLaMAMoE (ModuleList of experts)",
+    "moe_llama": "a plain PyTorch MoE (ModuleList, empty experts skipped)",
 }
+# every mixture-of-experts family, for the expert-parallel matrix
+MOE_FAMILIES = (*MOE_HF, "litgpt_moe", "moe_llama")
 
 REAL_FAMILIES = {
     "hf_llama": hf_llama,
@@ -297,4 +318,5 @@ REAL_FAMILIES = {
     "hf_llama_from": hf_llama_from,
     **{family: functools.partial(more_hf, family) for family in MORE_HF},
     **{family: functools.partial(moe_hf, family) for family in MOE_HF},
+    "litgpt_moe": litgpt_moe,
 }

@@ -27,6 +27,7 @@ from lightning_ptdp.checkpoint.full import describe_mismatch, load_named_optimiz
 from lightning_ptdp.checkpoint.pieces import Pieces, tp_cuts
 from lightning_ptdp.checkpoint.rng import set_rng_state
 from lightning_ptdp.core.comm import raise_on_every_rank
+from lightning_ptdp.expert_parallel import cut_experts
 
 LOADED_IN_PLACE = "ptdp_loaded_in_place"
 
@@ -77,6 +78,7 @@ def _model_targets(
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(MODEL)
     }
+    saved = cut_experts(module, saved)  # another rank's experts of a ModuleList are not expected here
     expected = {k[len(MODEL) :]: _shape(v) for k, v in model.items()}
     if not strict:
         expected = {k: v for k, v in expected.items() if k in saved}

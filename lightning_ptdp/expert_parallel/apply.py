@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_ptdp.core.comm import divisors
+from lightning_ptdp.core.comm import detached_cpu, divisors
 from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, ExpertsSite, find_experts
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, exchange
+from lightning_ptdp.expert_parallel.expert_list import install_expert_list
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,21 @@ class EPReport:
 def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any]) -> EPReport:
     """Split every MoE layer's experts over ``ep``: found by one probe forward (every rank still
     holds all experts), then each rank keeps its n/e and its experts' forward exchanges tokens."""
-    sites = find_experts(model, probe)
-    if not sites:
+    sites, lists = find_experts(model, probe)
+    every = [*sites, *lists]
+    if not every:
         raise ExpertDiscoveryError(
             f"expert_parallel_size={ep.size}, but the model has no mixture-of-experts layer that can be split: no "
-            "module holds its experts' weights stacked as [n_experts, ...] tensors (a ModuleList of expert MLPs is "
-            "not supported yet). Use expert_parallel_size=1"
+            "module holds its experts' weights stacked as [n_experts, ...] tensors, and none holds a ModuleList of "
+            "experts beside a router Linear with one output per expert. Use expert_parallel_size=1"
         )
-    uneven = sorted({s.num_experts for s in sites if s.num_experts % ep.size})
+    uneven = [s for s in every if s.num_experts % ep.size]
     if uneven:
-        fits = sorted(set.intersection(*(set(divisors(s.num_experts)) for s in sites)))
+        fits = sorted(set.intersection(*(set(divisors(s.num_experts)) for s in every)))
         raise ExpertDiscoveryError(
-            f"expert_parallel_size={ep.size} does not divide the {uneven[0]} experts of '{sites[0].name}'; each rank "
-            f"holds whole experts: choose expert_parallel_size in {fits} (dividing the data-parallel size too)"
+            f"expert_parallel_size={ep.size} does not divide the {uneven[0].num_experts} experts of "
+            f"'{uneven[0].name}'; each rank holds whole experts: choose expert_parallel_size in {fits} (dividing the "
+            "data-parallel size too)"
         )
     report = EPReport()
     for site in sites:
@@ -73,6 +76,15 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
         _install(site, shard, report.stats)
         report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" for n, _ in site.module.named_parameters(recurse=False)]
+    for site in lists:
+        kept = install_expert_list(site, ep, report.stats)
+        report.sites[site.name] = ExpertShard(
+            num_experts=site.num_experts,
+            local=site.num_experts // ep.size,
+            first=ep.rank * site.num_experts // ep.size,
+            ep=ep,
+        )
+        report.expert_params += [f"{site.name}.{n}" if site.name else n for n in kept]
     log.info(report.summary())
     return report
 
@@ -134,6 +146,36 @@ def _split_names(model: nn.Module, names: Any) -> dict[str, ExpertShard]:
     return out
 
 
+def _list_layers(model: nn.Module) -> dict[str, tuple]:
+    """ModuleList MoE layers by qualified name: (experts attribute, first, local, n, ep group)."""
+    return {n: m.__dict__["_ptdp_expert_list"] for n, m in model.named_modules() if "_ptdp_expert_list" in m.__dict__}
+
+
+def _list_expert(model: nn.Module, names: Any) -> dict[str, tuple[int, tuple]]:
+    """The names among ``names`` under a ModuleList MoE layer's experts: (expert index, its layer)."""
+    out = {}
+    for prefix, layer in _list_layers(model).items():
+        head = f"{prefix}.{layer[0]}." if prefix else f"{layer[0]}."
+        for name in names:
+            if name.startswith(head) and name[len(head) :].split(".")[0].isdigit():
+                out[name] = (int(name[len(head) :].split(".")[0]), layer)
+    return out
+
+
+def _gather_lists(model: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
+    """``entries`` with the other ranks' experts of every ModuleList MoE layer added (each rank
+    holds only its own experts' keys): one object all-gather per layer, over its ep group."""
+    out = dict(entries)
+    found = _list_expert(model, entries)
+    for prefix, layer in sorted(_list_layers(model).items()):
+        mine = {name: entries[name] for name, (_, owner) in found.items() if owner is layer}
+        parts: list[Any] = [None] * layer[4].size
+        dist.all_gather_object(parts, detached_cpu(mine), group=layer[4].group)
+        for part in parts:
+            out.update({name: value for name, value in part.items() if name not in mine})
+    return out
+
+
 def _gather(piece: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     piece = piece.detach().contiguous()
     parts = [torch.empty_like(piece) for _ in range(shard.ep.size)]
@@ -147,7 +189,7 @@ def gather_experts(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
     out = dict(tensors)
     for name, shard in sorted(_split_names(model, tensors).items()):
         out[name] = _gather(tensors[name], shard)
-    return out
+    return _gather_lists(model, out)
 
 
 def gather_expert_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +202,7 @@ def gather_expert_optimizer_state(model: nn.Module, state: dict[str, Any]) -> di
             else value
             for key, value in per_param[name].items()
         }
-    return {**state, "state": per_param}
+    return {**state, "state": _gather_lists(model, per_param)}
 
 
 def cut_experts(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
@@ -177,4 +219,7 @@ def cut_experts(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     out = dict(state)
     for name, shard in _split_names(model, state).items():
         out[name] = cut(state[name], shard)
+    for name, (index, (_, first, local, _, _)) in _list_expert(model, state).items():
+        if not first <= index < first + local:
+            del out[name]  # another rank's expert
     return out

@@ -1,10 +1,8 @@
-"""Finding a model's mixture-of-experts layers from the model itself, with no plan.
-
-An experts module holds every expert's weights stacked, ``[n_experts, ...]`` (transformers'
-Mixtral, Qwen2/Qwen3-MoE and OLMoE ``*Experts``, torchtitan's ``GroupedExperts``), and its forward
-takes the routing. One probe forward records how each is called: the hidden rows ``[N, H]``, the
-chosen experts ``[N, k]`` (integers) and their weights ``[N, k]``, i.e. top-k routing per token.
-"""
+"""Finding a model's mixture-of-experts layers from the model itself, with no plan, in either
+layout: an experts module holding every expert's weights stacked ``[n_experts, ...]`` whose forward
+takes top-k routing per token (hidden rows [N, H], chosen experts [N, k], weights [N, k]: transformers'
+Mixtral, Qwen2/3-MoE, OLMoE), or a layer with a router Linear and a ModuleList of expert MLPs, each
+called on its rows (litgpt's LLaMAMoE). One probe forward records how each is called."""
 
 from __future__ import annotations
 
@@ -103,13 +101,60 @@ def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict) -> Exp
     return ExpertsSite(name, None, num_experts, k, hidden[0], indices[0], weights[0])  # type: ignore[arg-type]
 
 
-def find_experts(model: nn.Module, probe: Callable[[], Any]) -> list[ExpertsSite]:
-    """Every stacked-experts module of ``model``, with the routing convention one probe forward
-    shows. Refused: a candidate the probe never called, or one called without per-token top-k."""
+@dataclass(frozen=True)
+class ExpertListSite:
+    """An MoE layer (``name``) holding its experts as ``module.<experts_attr>``, a ModuleList."""
+
+    name: str
+    module: nn.Module
+    experts_attr: str
+    num_experts: int
+
+
+def expert_list_candidates(model: nn.Module) -> list[ExpertListSite]:
+    """Modules holding a ModuleList of >= 2 experts of one class, each with parameters, and a
+    router: a Linear child with one output per expert."""
+    found = []
+    for name, module in model.named_modules():
+        for attr, child in module.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) < 2:
+                continue
+            kinds = {type(expert) for expert in child}
+            if len(kinds) != 1 or not all(any(True for _ in expert.parameters()) for expert in child):
+                continue
+            routers = [c for c in module.children() if isinstance(c, nn.Linear) and c.out_features == len(child)]
+            if routers:
+                found.append(ExpertListSite(name, module, attr, len(child)))
+    return found
+
+
+def check_calls(site: ExpertListSite, calls: list[tuple[int, tuple, dict, Any]]) -> None:
+    """Each expert call must take one tensor of rows and return rows of the same shape."""
+    if not calls:
+        raise ExpertDiscoveryError(
+            f"the experts of '{site.name}' ({site.num_experts} in '{site.experts_attr}') were not called by the probe "
+            "forward, so their calls are unknown; expert parallelism needs every MoE layer to run in an ordinary step"
+        )
+    for index, args, kwargs, out in calls:
+        rows = args[0] if len(args) == 1 and not kwargs else None
+        if not (torch.is_tensor(rows) and torch.is_tensor(out) and out.shape == rows.shape and rows.dim() == 2):
+            raise ExpertDiscoveryError(
+                f"expert {index} of '{site.name}' was called with {len(args)} positional and {sorted(kwargs)} keyword "
+                "arguments; expert parallelism over a ModuleList of experts needs each expert called on the rows "
+                "routed to it, [N, H] -> [N, H] (as litgpt's LLaMAMoE calls them)"
+            )
+
+
+def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[ExpertsSite], list[ExpertListSite]]:
+    """Every stacked-experts module and every ModuleList MoE layer of ``model``, with how one probe
+    forward calls them. Refused: a candidate the probe never called, or one called otherwise than
+    the layout's convention (top-k per token; an expert on its rows)."""
     candidates = {name: (module, n) for name, module in model.named_modules() if (n := stacked_experts(module))}
-    if not candidates:
-        return []
+    lists = expert_list_candidates(model)
+    if not candidates and not lists:
+        return [], []
     calls: dict[str, tuple[tuple, dict]] = {}
+    list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in lists}
     hooks = []
     for name, (module, _) in candidates.items():
 
@@ -117,6 +162,13 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> list[ExpertsSite
             calls.setdefault(name, (args, kwargs))
 
         hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    for site in lists:
+        for index, expert in enumerate(getattr(site.module, site.experts_attr)):
+
+            def note(_m: nn.Module, args: tuple, kwargs: dict, out: Any, name: str = site.name, i: int = index) -> None:
+                list_calls[name].append((i, args, kwargs, out))
+
+            hooks.append(expert.register_forward_hook(note, with_kwargs=True))
     try:
         with torch.no_grad():
             probe()
@@ -132,4 +184,6 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> list[ExpertsSite
             )
         found = classify_call(name, n, *calls[name])
         sites.append(ExpertsSite(name, module, n, found.top_k, found.hidden, found.indices, found.weights))
-    return sites
+    for site in lists:
+        check_calls(site, list_calls[site.name])
+    return sites, lists

@@ -84,7 +84,8 @@ class StepGradients:
         self.split, self.pp_group, self.fsdp, self.overlap = split, pp_group, fsdp, overlap
         self.on_nonfinite, self.device, self.expert_group = on_nonfinite, device, expert_group
         named = dict(model.named_parameters())
-        self._placement = {id(named[name]): where for name, where in (placements or {}).items()}
+        # a placement for each parameter this rank holds (the pipeline split dropped other stages')
+        self._placement = {id(named[name]): where for name, where in (placements or {}).items() if name in named}
         self._params: list[nn.Parameter] = []
         self._before: list[Optional[torch.Tensor]] = []
         self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []

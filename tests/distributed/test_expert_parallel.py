@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.real_models import MOE_HF
+from tests.real_models import MOE_FAMILIES
 
 LOSS_RTOL = 1e-5  # fp32, the same arithmetic up to summation order (test_real_models.py)
 GRAD_REL = 1e-5
@@ -18,6 +18,11 @@ LAYOUTS = {
     "d2-e2": ({"expert_parallel_size": 2}, 2),
     "d4-e2": ({"expert_parallel_size": 2}, 4),
     "d4-e4": ({"expert_parallel_size": 4}, 4),
+    "t2-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2}, 4),
+    "p2-d2-e2": (
+        {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"},
+        4,
+    ),
 }
 _REFERENCES: dict[tuple, dict] = {}
 
@@ -31,21 +36,32 @@ def _reference(family: str, trainer_kwargs: dict | None = None) -> dict:
     return _REFERENCES[key]
 
 
-def _check(results: list[dict], ref: dict, e: int) -> None:
+def _check(results: list[dict], ref: dict, strategy_kwargs: dict) -> None:
+    """Equal to one process, and each rank holds 1/e of the experts (whole experts: rows of stacked
+    tensors, or n/e modules of a ModuleList), the experts being most of the model; under PP each
+    stage its own layers' experts."""
     from tests.fit_utils import assert_ranks_match_reference
 
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    e, p = strategy_kwargs["expert_parallel_size"], strategy_kwargs.get("pipeline_parallel_size", 1)
     full = {name: n for name, (n, _) in ref["held"].items()}
     experts = sum(n for name, n in full.items() if EXPERT in name)
     assert experts > 0.5 * sum(full.values())  # the experts are most of the model: the split matters
     for result in results:
         held = {name: n for name, (n, _) in result["held"].items()}
-        assert held.keys() == full.keys()
-        assert sum(n for name, n in held.items() if EXPERT in name) == experts // e  # whole experts, 1/e
-        assert all(held[name] == n for name, n in full.items() if EXPERT not in name)  # the rest as it was
+        assert sum(n for name, n in held.items() if EXPERT in name) == experts // (e * p)
+        assert all(held[name] <= full[name] for name in held)
 
 
-CASES = [(family, layout) for family in sorted(MOE_HF) for layout in LAYOUTS]
+# TP discovery does not split these blocks yet: a shared-expert gate (Qwen2-MoE), q/k norms over all
+# heads (OLMoE, refused as for OLMo-2), experts in a ModuleList fed by the residual stream (litgpt, plain)
+NO_TP_YET = ("hf_olmoe", "hf_qwen2_moe", "litgpt_moe", "moe_llama")
+CASES = [
+    (family, layout)
+    for family in sorted(MOE_FAMILIES)
+    for layout in LAYOUTS
+    if family not in NO_TP_YET or "t2" not in layout
+]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +74,7 @@ def test_expert_parallel_matches_single_process(dist_pool, family, layout):
     results = dist_pool(devices).run(
         fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS
     )
-    _check(results, _reference(family), strategy_kwargs["expert_parallel_size"])
+    _check(results, _reference(family), strategy_kwargs)
 
 
 @pytest.mark.world_size(2)
@@ -75,7 +91,7 @@ def test_gradient_clipping_takes_the_norm_over_every_expert(dist_pool):
         steps=STEPS,
         trainer_kwargs=clip,
     )
-    _check(results, _reference("hf_mixtral", clip), 2)
+    _check(results, _reference("hf_mixtral", clip), {"expert_parallel_size": 2})
 
 
 def fit_with_expert_load() -> dict:
@@ -114,8 +130,10 @@ def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool):
 STEPS_PER_EPOCH = 4
 
 
-def run_moe_epochs(devices: int, e: int, epochs: int, save: str | None, resume: str | None, fmt: str = "sharded"):
-    """Mixtral for ``epochs`` epochs at d=devices, e; the per-step losses (the global-batch mean)."""
+def run_moe_epochs(
+    devices: int, e: int, epochs: int, save: str | None, resume: str | None, fmt: str = "sharded", family: str = ""
+):
+    """``family`` for ``epochs`` epochs at d=devices, e; the per-step losses (the global-batch mean)."""
     import lightning as L
 
     from lightning_ptdp import PTDPStrategy
@@ -124,7 +142,7 @@ def run_moe_epochs(devices: int, e: int, epochs: int, save: str | None, resume: 
     from tests.models import build_model
 
     L.seed_everything(0, verbose=False)
-    model = build_model("hf_mixtral")
+    model = build_model(family)
     tokens = STEPS_PER_EPOCH * 8 * 33 + 1
     data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=8 // devices, train_tokens=tokens, val_tokens=100)
     strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt)
@@ -138,22 +156,28 @@ def run_moe_epochs(devices: int, e: int, epochs: int, save: str | None, resume: 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt):
-    """Saved at d2 e2 (each rank writing its experts), resumed at e2, at e1 (every rank holding all
-    experts) and at d4 e4: the losses continue as if uninterrupted (fp32: within LOSS_RTOL)."""
+@pytest.mark.parametrize("family", ["hf_mixtral", "moe_llama"])
+def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
+    """Saved at d2 e2 (each rank writing its experts: rows of stacked tensors, or its modules of a
+    ModuleList), resumed at e2, at e1 (every rank holding all experts) and at d4 e4: the losses
+    continue as if uninterrupted (fp32: within LOSS_RTOL)."""
     from lightning_ptdp.checkpoint.command import consolidate
 
     path = str(tmp_path / "moe.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None)[0]
-    first = dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, fmt)[0]
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family=family)[0]
+    first = dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, fmt, family)[0]
     assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     if fmt == "sharded":
         saved = consolidate(path)  # put together with no process group: every expert, and its Adam moments
-        name = "net.model.model.layers.0.mlp.experts.gate_up_proj"
-        assert saved["state_dict"][name].shape[0] == 4
+        names = {
+            "hf_mixtral": "net.model.model.layers.0.mlp.experts.gate_up_proj",
+            "moe_llama": "net.layers.0.moe.experts.3.w1.weight",
+        }
+        name = names[family]
+        assert family != "hf_mixtral" or saved["state_dict"][name].shape[0] == 4
         assert saved["optimizer_states"][0]["state"][name]["exp_avg"].shape == saved["state_dict"][name].shape
     for devices, e in ((2, 2), (2, 1)):
-        resumed = dist_pool(2).run(run_moe_epochs, devices, e, 2, None, path, fmt)[0]
+        resumed = dist_pool(2).run(run_moe_epochs, devices, e, 2, None, path, fmt, family)[0]
         assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
-    resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt)[0]
+    resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt, family)[0]
     assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)

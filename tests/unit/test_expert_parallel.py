@@ -43,8 +43,7 @@ def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
 @pytest.mark.parametrize(
     "other, named",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+        ({"tensor_parallel_size": 2, "sequence_parallel": True}, "sequence_parallel=True"),
         ({"zero_stage": 3}, "zero_stage=3"),
         ({"activation_checkpointing": "full"}, "activation_checkpointing=full"),
     ],
@@ -88,6 +87,36 @@ def test_stacked_experts_are_found_in_every_transformers_moe_family():
 
     for family in MOE_HF:
         net = moe_hf(family)
-        sites = find_experts(net, lambda: net(torch.randint(0, 64, (2, 8))))
-        assert [s.name for s in sites] == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], family
+        sites, lists = find_experts(net, lambda: net(torch.randint(0, 64, (2, 8))))
+        assert lists == [] and [s.name for s in sites] == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], (
+            family
+        )
         assert all((s.num_experts, s.top_k) == (4, 2) for s in sites), family
+
+
+class KeywordExperts(nn.Module):
+    """A router and a ModuleList of experts, each called with a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 2)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(expert(input=x) for expert in self.experts)
+
+
+def test_a_module_list_of_experts_is_found_beside_its_router():
+    from tests.models import MoEFeedForward
+
+    net = MoEFeedForward(8, 16)
+    sites, lists = find_experts(net, lambda: net(torch.randn(3, 8)))
+    assert sites == [] and [(s.name, s.experts_attr, s.num_experts) for s in lists] == [("", "experts", 4)]
+    plain = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))  # no router Linear with one output per expert
+    assert find_experts(plain, lambda: None) == ([], [])
+
+
+def test_module_list_experts_called_otherwise_than_on_their_rows_are_refused():
+    net = KeywordExperts()
+    with pytest.raises(ExpertDiscoveryError, match=r"expert 0 of '' was called with 0 positional and \['input'\]"):
+        find_experts(net, lambda: net(torch.randn(3, 8)))
