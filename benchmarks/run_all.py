@@ -90,6 +90,18 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
         },
         4,
     ),
+    "experts": (
+        "benchmarks.bench_experts",
+        {"rounds": 3},
+        {
+            "rounds": 1,
+            "steps": 4,
+            "warmup": 2,
+            "model": {"hidden_size": 32, "intermediate_size": 64, "num_local_experts": 4},
+            "shape": {"vocab_size": 64, "seq_length": 16, "batch": 2},
+        },
+        4,
+    ),
     "compile": (
         "benchmarks.bench_compile",
         {"rounds": 3, "steps": 20, "warmup": 5},

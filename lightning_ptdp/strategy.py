@@ -252,11 +252,7 @@ class PTDPStrategy(ParallelStrategy):
             expert_mesh=self._expert_mesh,
         )
         self.model = parallel.module
-        if parallel.gradients.clips_globally:  # Lightning's clipping hook, by the norm of the whole model
-            plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = lambda optimizer, clip_val: parallel.gradients.clip(
-                list(plugin.main_params(optimizer)), float(clip_val)
-            )
+        parallel.gradients.take_over_clipping(self.precision_plugin)
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = parallel.shard_optimizer_states(self.optimizers, self.lr_scheduler_configs)
@@ -279,6 +275,8 @@ class PTDPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under PP: the whole batch through the pipeline schedule (forward and backward of every
         microbatch); returns the mean loss on every rank. Otherwise Lightning's own step."""
+        if self.expert_report is not None:  # this step's exchange stats, which callbacks.ExpertLoad reads
+            self.expert_report.stats.reset()
         engine = self.pipeline
         if engine is None:
             return super().training_step(*args, **kwargs)

@@ -31,11 +31,6 @@ class ExpertLoad(pl.Callback):
         report = getattr(trainer.strategy, "expert_report", None)
         return report.stats if report is not None else None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        stats = self._stats(trainer)
-        if stats is not None:
-            stats.reset()
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:

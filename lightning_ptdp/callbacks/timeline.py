@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_ptdp.callbacks.png import Canvas
 
 _COMM = (150, 80, 190)  # data-parallel gradient buckets, a strip under the compute
+_EXCHANGE = (20, 150, 160)  # expert parallelism's all-to-all token exchanges (forward), a strip above it
 _COLORS = {
     "F": [(66, 110, 200), (120, 160, 235)],
     "B": [(60, 160, 90), (130, 205, 150)],
@@ -58,6 +59,8 @@ class PipelineTimeline(pl.Callback):
         strategy = trainer.strategy
         coords = strategy.parallel_dims.coordinates(trainer.global_rank)
         timeline = engine.timeline
+        experts = getattr(strategy, "expert_report", None)
+        exchanges = [("A", -1, -1, start, end) for start, end in experts.stats.spans] if experts else []
         mine = {
             "rank": trainer.global_rank,
             **coords,
@@ -71,6 +74,10 @@ class PipelineTimeline(pl.Callback):
             "comm": [
                 (s.kind, s.stage, s.microbatch, s.start + timeline.wall_offset, s.end + timeline.wall_offset)
                 for s in timeline.comm
+            ]
+            + [
+                (kind, stage, mb, start + timeline.wall_offset, end + timeline.wall_offset)
+                for kind, stage, mb, start, end in exchanges
             ],
             "exposed_comm": timeline.exposed_comm,
         }
@@ -123,18 +130,19 @@ def draw(rows: list[dict], title: str) -> bytes:
             label = f"{kind}{microbatch}"
             if x1 - x0 >= 4 * 2 * len(label) + 4:
                 canvas.text(x0 + 3, y + 12, label, color=(255, 255, 255), scale=2)
-        for _, _, _, start, end in record.get("comm", []):
+        for kind, _, _, start, end in record.get("comm", []):
             x0, x1 = (
                 _LEFT + int((start - t0) * scale),
                 _LEFT + max(int((end - t0) * scale), int((start - t0) * scale) + 1),
             )
-            canvas.rect(
-                min(x0, _WIDTH - 2), y + _ROW - 7, min(x1, _WIDTH - 1), y + _ROW - 4, _COMM
-            )  # past the step: cut
+            top = y + 4 if kind == "A" else y + _ROW - 7  # exchanges above, dp buckets below
+            color = _EXCHANGE if kind == "A" else _COMM
+            canvas.rect(min(x0, _WIDTH - 2), top, min(x1, _WIDTH - 1), top + 3, color)  # past the step: cut
     canvas.text(
         _LEFT,
         _TOP + _ROW * len(rows) + 4,
-        "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle  purple strip: dp gradients",
+        "F forward  B backward (I input, W weight)  lighter: later chunk  grey: idle  purple strip: dp gradients"
+        "  teal strip: expert all-to-all",
         scale=1,
     )
     return canvas.png(title)
@@ -181,11 +189,11 @@ def chrome_trace(records: list[dict], title: str) -> dict:
         for kind, stage, _, start, end in record.get("comm", []):
             events.append(
                 {
-                    "name": f"dp grads (chunk {stage})",
+                    "name": "all-to-all" if kind == "A" else f"dp grads (chunk {stage})",
                     "cat": "comm",
                     "ph": "X",
                     "pid": record["rank"],
-                    "tid": "dp comm",
+                    "tid": "ep comm" if kind == "A" else "dp comm",
                     "ts": (start - t0) * 1e6,
                     "dur": (end - start) * 1e6,
                 }

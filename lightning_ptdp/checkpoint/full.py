@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.core.comm import detached_cpu, tensor_shape
-from lightning_ptdp.expert_parallel import cut_experts, gather_expert_optimizer_state, gather_experts
+from lightning_ptdp.expert_parallel import cut_experts, gather_expert_optimizer_state, gather_experts, has_split_experts
 from lightning_ptdp.tensor_parallel.consolidate import full_state_dict, map_optimizer_state_by_name, shard_state_dict
 from lightning_ptdp.tensor_parallel.state_dict_hooks import run_load_pre_hooks, run_save_hooks
 
@@ -35,7 +35,8 @@ def _gather_stages(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
 
 def model_state(module: nn.Module, *, tensor_parallel: bool, fsdp: bool, pp_group: Any = None) -> dict[str, Any]:
     """Unsharded weights (under ZeRO alone only rank 0 receives them)."""
-    state = _stage_model_state(module, tensor_parallel=tensor_parallel, fsdp=fsdp, every_rank=pp_group is not None)
+    every_rank = pp_group is not None or has_split_experts(module)  # gathered further: every rank needs its part
+    state = _stage_model_state(module, tensor_parallel=tensor_parallel, fsdp=fsdp, every_rank=every_rank)
     state = gather_experts(module, state)
     state = _gather_stages(state, pp_group) if pp_group is not None else state
     return run_save_hooks(module, state)  # hooks taken off sharded modules, now on whole tensors
@@ -133,7 +134,7 @@ def optimizer_state(
     the parameters they own (gathered first, so TP and PP see whole states as at stage 0)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    rank0_only = fsdp and not tensor_parallel and pp_group is None
+    rank0_only = fsdp and not tensor_parallel and pp_group is None and not has_split_experts(module)
     state = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=rank0_only))
     if tensor_parallel:  # on the device, before any CPU copy (TP peers own the same parameters)
         state = map_optimizer_state_by_name(module, state, to_full=True)

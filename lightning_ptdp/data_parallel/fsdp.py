@@ -7,18 +7,30 @@ distributed optimizer does); stage 3 reshards them after forward. Stage 1 is not
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.core.blocks import find_block_lists, outer_modules
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline: bool = False) -> nn.Module:
+def apply_fsdp(
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    pipeline: bool = False,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: Optional[DeviceMesh] = None,
+) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place.
 
     Under pipeline parallelism the model's forward is cut short on every stage but the last, so
     no module enclosing the blocks completes a forward: the modules outside the blocks (embedding,
-    final norm, head) become FSDP units of their own instead of one root around them."""
+    final norm, head) become FSDP units of their own instead of one root around them. ``experts``
+    (split by expert parallelism, different on each ep rank) are units of their own first, over
+    ``expert_mesh``, the ranks holding the same experts (FSDP averages their gradients there; the
+    step's gradient owner rescales that mean to the whole dp size's)."""
     from torch.distributed.fsdp import fully_shard
 
     # Lightning calls training_step, not the LightningModule's __call__, so the FSDP roots must be
@@ -30,6 +42,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, pipeline
             "(FSDP shards submodules that the forward calls); move direct nn.Parameters into a submodule"
         )
     reshard = zero_stage == 3
+    for unit in experts:  # before the blocks: a block's unit leaves parameters already sharded alone
+        fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard)
     blocks = [block for _, found in find_block_lists(module) for block in found]
     units: dict[str, nn.Module] = {}
     tied: list[list[nn.Module]] = []

@@ -9,6 +9,7 @@ from lightning_ptdp.expert_parallel.apply import (
     expert_shards,
     gather_expert_optimizer_state,
     gather_experts,
+    has_split_experts,
 )
 from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, find_experts
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats
@@ -25,4 +26,5 @@ __all__ = [
     "find_experts",
     "gather_expert_optimizer_state",
     "gather_experts",
+    "has_split_experts",
 ]

@@ -38,6 +38,8 @@ class EPReport:
     sites: dict[str, ExpertShard] = field(default_factory=dict)
     expert_params: list[str] = field(default_factory=list)
     """Qualified names of the split parameters: their gradients average over the expert-dp group."""
+    expert_modules: list[nn.Module] = field(default_factory=list)
+    """The modules holding them (stacked experts; each kept expert of a ModuleList): ZeRO's units."""
     stats: ExchangeStats = field(default_factory=ExchangeStats)
 
     def summary(self) -> str:
@@ -76,6 +78,7 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
         _install(site, shard, report.stats)
         report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" for n, _ in site.module.named_parameters(recurse=False)]
+        report.expert_modules.append(site.module)
     for site in lists:
         kept = install_expert_list(site, ep, report.stats)
         report.sites[site.name] = ExpertShard(
@@ -85,6 +88,8 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
             ep=ep,
         )
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n in kept]
+        shard = report.sites[site.name]
+        report.expert_modules += list(getattr(site.module, site.experts_attr))[shard.first : shard.first + shard.local]
     log.info(report.summary())
     return report
 
@@ -128,6 +133,11 @@ def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> Non
         )
 
     module.forward = types.MethodType(forward, module)
+
+
+def has_split_experts(model: nn.Module) -> bool:
+    """Whether expert parallelism split some of ``model``'s experts (checkpoints gather on every rank)."""
+    return any("_ptdp_experts" in m.__dict__ or "_ptdp_expert_list" in m.__dict__ for m in model.modules())
 
 
 def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:

@@ -3,6 +3,7 @@ rank holding that expert, is computed there, and comes back (Megatron's dispatch
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,9 +48,19 @@ class ExchangeStats:
 
     tokens_per_expert: dict[str, torch.Tensor] = field(default_factory=dict)
     bytes_sent: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each forward exchange (dispatch, combine), ``time.perf_counter`` seconds."""
 
     def reset(self) -> None:
-        self.tokens_per_expert, self.bytes_sent = {}, 0
+        self.tokens_per_expert, self.bytes_sent, self.spans = {}, 0, []
+
+    def timed_all_to_all(
+        self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        out = AllToAll.apply(rows, out_splits, in_splits, group)
+        self.spans.append((start, time.perf_counter()))
+        return out
 
 
 def exchange(
@@ -78,11 +89,12 @@ def exchange(
     send = per_expert.view(ep.size, local).sum(1).tolist()
     received = received_per_expert.view(ep.size, local)
     receive = received.sum(1).tolist()
-    rows = AllToAll.apply(hidden[token], receive, send, ep.group)  # [R, H]
+    all_to_all = stats.timed_all_to_all if stats is not None else AllToAll.apply
+    rows = all_to_all(hidden[token], receive, send, ep.group)  # [R, H]
     local_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep.size), received.reshape(-1))
     ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
     computed = compute(rows, local_ids.unsqueeze(1), ones)  # [R, H]
-    back = AllToAll.apply(computed, send, receive, ep.group)  # [N * k, H], in ``order``
+    back = all_to_all(computed, send, receive, ep.group)  # [N * k, H], in ``order``
     if stats is not None:
         stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert.detach().cpu()
         off_rank = sum(send) - send[ep.rank] + sum(receive) - receive[ep.rank]  # dispatched, then combined

@@ -126,7 +126,8 @@ def _exchange(
     received_per_expert = received.cpu().view(ep.size, local)
     send = per_expert.view(ep.size, local).sum(1).tolist()
     receive = received_per_expert.sum(1).tolist()
-    arrived = AllToAll.apply(rows, receive, send, ep.group)  # by source rank, then by expert
+    all_to_all = stats.timed_all_to_all if stats is not None else AllToAll.apply
+    arrived = all_to_all(rows, receive, send, ep.group)  # by source rank, then by expert
     by_source = arrived.split(receive)
     pieces = [part.split(received_per_expert[s].tolist()) for s, part in enumerate(by_source)]
     computed = []
@@ -134,7 +135,7 @@ def _exchange(
         mine = torch.cat([pieces[s][j] for s in range(ep.size)])
         computed.append(expert(mine).split([pieces[s][j].shape[0] for s in range(ep.size)]))
     back_rows = torch.cat([computed[j][s] for s in range(ep.size) for j in range(local)])
-    back = AllToAll.apply(back_rows, send, receive, ep.group)  # by expert, in ``order``
+    back = all_to_all(back_rows, send, receive, ep.group)  # by expert, in ``order``
     if stats is not None:
         stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert
         off_rank = sum(send) - send[ep.rank] + sum(receive) - receive[ep.rank]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.comm import PendingAllReduce, all_reduce_grads
+from lightning_ptdp.core.comm import PendingAllReduce, all_reduce_grads, local_tensor
 from lightning_ptdp.faults.nonfinite import apply_policy, nonfinite_ranks
 from lightning_ptdp.parallel.grad_buckets import LastBackwardBuckets
 from lightning_ptdp.parallel.grad_sums import clip_grad_norm, sum_partial_over_tp, sum_tied_over_pp
@@ -191,13 +191,33 @@ class StepGradients:
         if self.split is None:  # under PP the schedule averaged them (``end``)
             for where, same in self._unaveraged(params).items():
                 all_reduce_grads(same, self.groups[where].group, self.groups[where].scale)
+        self._rescale_wrapped(params)
         if self.on_nonfinite != "ignore":
             apply_policy(self.on_nonfinite, nonfinite_ranks(loss, params), step, params)
+
+    def take_over_clipping(self, plugin: Any) -> None:
+        """Lightning's ``clip_grad_by_norm`` on the precision ``plugin`` becomes ``clip`` where a rank
+        holds only part of the model (Lightning's own would take the norm of that part)."""
+        if self.clips_globally:
+            plugin.clip_grad_by_norm = lambda optimizer, value: self.clip(
+                list(plugin.main_params(optimizer)), float(value)
+            )
+
+    def _rescale_wrapped(self, params: list[nn.Parameter]) -> None:
+        """A wrapper's mean divides by its group's size; a placement whose sum needs another divisor
+        (FSDP's experts: d, not d / e) is rescaled here. (Not FSDP's own divide factor: it needs
+        ReduceOp.PREMUL_SUM, which gloo lacks.)"""
+        for where, group in self.groups.items():
+            if group.wrapped and group.divisor not in (None, group.size):
+                for param in params:
+                    if param.grad is not None and self.placement_of(param) == where:
+                        local_tensor(param.grad).mul_(group.size / group.divisor)
 
     def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
         exclude = self.split.norm_exclude() if self.split is not None else frozenset()
         dp_group = self.groups[DENSE].group if self.fsdp else None
         experts = frozenset(id(p) for p in params if self.placement_of(p) == EXPERTS)
-        split = (self.expert_group, experts) if self.expert_group is not None else None
+        # split experts' squares sum over the ep group; under FSDP every square already sums over dp
+        split = (self.expert_group, experts) if self.expert_group is not None and not self.fsdp else None
         return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude, split)

@@ -174,7 +174,9 @@ def parallelize(
             materialize_shards(module, device, result.pipeline)
     if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
-        result.module = apply_fsdp(module, mesh["dp"], config.zero_stage, pipeline=dims.pp > 1)
+        experts = result.ep_report.expert_modules if result.ep_report else []
+        edp = expert_mesh["edp"] if experts else None
+        result.module = apply_fsdp(module, mesh["dp"], config.zero_stage, dims.pp > 1, experts, edp)
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
         result.module = apply_data_parallel(module, mesh["dp"], ignore=experts)
@@ -206,7 +208,7 @@ def step_gradients(
     if result.ep_report is not None:
         edp = expert_mesh["edp"]
         groups[EXPERTS] = ReduceGroup(
-            group=edp.get_group(), size=edp.size(), rank=edp.get_local_rank(), divisor=dims.dp
+            group=edp.get_group(), size=edp.size(), rank=edp.get_local_rank(), divisor=dims.dp, wrapped=config.fsdp
         )
         placements = {name: EXPERTS for name in result.ep_report.expert_params}
     pipeline = result.pipeline

@@ -19,6 +19,10 @@ LAYOUTS = {
     "d4-e2": ({"expert_parallel_size": 2}, 4),
     "d4-e4": ({"expert_parallel_size": 4}, 4),
     "t2-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2}, 4),
+    "d2-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 2),
+    "d4-e2-zero2": ({"expert_parallel_size": 2, "zero_stage": 2}, 4),
+    "d4-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 4),
+    "d2-e2-recompute": ({"expert_parallel_size": 2, "activation_checkpointing": "full"}, 2),
     "p2-d2-e2": (
         {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"},
         4,
@@ -36,7 +40,7 @@ def _reference(family: str, trainer_kwargs: dict | None = None) -> dict:
     return _REFERENCES[key]
 
 
-def _check(results: list[dict], ref: dict, strategy_kwargs: dict) -> None:
+def _check(results: list[dict], ref: dict, strategy_kwargs: dict, devices: int) -> None:
     """Equal to one process, and each rank holds 1/e of the experts (whole experts: rows of stacked
     tensors, or n/e modules of a ModuleList), the experts being most of the model; under PP each
     stage its own layers' experts."""
@@ -44,12 +48,15 @@ def _check(results: list[dict], ref: dict, strategy_kwargs: dict) -> None:
 
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     e, p = strategy_kwargs["expert_parallel_size"], strategy_kwargs.get("pipeline_parallel_size", 1)
+    zero = strategy_kwargs.get("zero_stage", 0)
     full = {name: n for name, (n, _) in ref["held"].items()}
     experts = sum(n for name, n in full.items() if EXPERT in name)
     assert experts > 0.5 * sum(full.values())  # the experts are most of the model: the split matters
     for result in results:
         held = {name: n for name, (n, _) in result["held"].items()}
-        assert sum(n for name, n in held.items() if EXPERT in name) == experts // (e * p)
+        # ZeRO 2-3 (FSDP2: sharded at rest) also split each rank's experts over the d / e ranks holding them
+        z = devices // (e * p * strategy_kwargs.get("tensor_parallel_size", 1)) if zero >= 2 else 1
+        assert sum(n for name, n in held.items() if EXPERT in name) == experts // (e * p * z)
         assert all(held[name] <= full[name] for name in held)
 
 
@@ -74,7 +81,7 @@ def test_expert_parallel_matches_single_process(dist_pool, family, layout):
     results = dist_pool(devices).run(
         fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS
     )
-    _check(results, _reference(family), strategy_kwargs)
+    _check(results, _reference(family), strategy_kwargs, devices)
 
 
 @pytest.mark.world_size(2)
@@ -91,7 +98,7 @@ def test_gradient_clipping_takes_the_norm_over_every_expert(dist_pool):
         steps=STEPS,
         trainer_kwargs=clip,
     )
-    _check(results, _reference("hf_mixtral", clip), {"expert_parallel_size": 2})
+    _check(results, _reference("hf_mixtral", clip), {"expert_parallel_size": 2}, 2)
 
 
 def fit_with_expert_load() -> dict:
@@ -181,3 +188,35 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
         assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
     resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt, family)[0]
     assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+def fit_with_timeline(dirpath: str) -> dict:
+    """Mixtral at p2 d2 e2, m=2 (1F1B): the timeline of the second training step on rank 0."""
+    import json
+    from pathlib import Path
+
+    from lightning_ptdp.callbacks import PipelineTimeline
+    from lightning_ptdp.callbacks.png import read_png
+    from tests.fit_utils import fit_and_record
+
+    callback = PipelineTimeline(step=1, dirpath=dirpath)
+    fit_and_record("hf_mixtral", strategy_kwargs=LAYOUTS["p2-d2-e2"][0], devices=4, steps=2, callbacks=[callback])
+    if not callback.paths:
+        return {}
+    _, _, _, rows = read_png(Path(dirpath, "pipeline_step1.png").read_bytes())
+    return {"trace": json.loads(Path(dirpath, "pipeline_step1.json").read_text()), "rows": rows}
+
+
+@pytest.mark.world_size(4)
+def test_pipeline_timeline_shows_the_all_to_all(dist_pool, tmp_path):
+    from lightning_ptdp.callbacks.timeline import _EXCHANGE, _ROW, _TOP
+
+    first = dist_pool(4).run(fit_with_timeline, str(tmp_path))[0]
+    events = [e for e in first["trace"]["traceEvents"] if e["ph"] == "X" and e["tid"] == "ep comm"]
+    # every rank: its stage's one MoE layer, 2 microbatches, a dispatch and a combine each (forward)
+    assert sorted({e["pid"] for e in events}) == [0, 1, 2, 3]
+    assert all(sum(e["pid"] == rank for e in events) == 4 for rank in range(4))
+    assert all(e["name"] == "all-to-all" for e in events)
+    for pp in range(2):  # the strip above each pipeline rank's row
+        row = first["rows"][_TOP + pp * _ROW + 5]
+        assert _EXCHANGE in {tuple(row[i : i + 3]) for i in range(0, len(row), 3)}, pp
