@@ -7,14 +7,19 @@ from __future__ import annotations
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.core.comm import detached_cpu, divisors
-from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, ExpertsSite, find_experts
+from lightning_ptdp.expert_parallel.discovery import (
+    ExpertDiscoveryError,
+    ExpertsSite,
+    ep_plan_cross_check,
+    find_experts,
+)
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, exchange
 from lightning_ptdp.expert_parallel.expert_list import install_expert_list
 
@@ -41,6 +46,8 @@ class EPReport:
     expert_modules: list[nn.Module] = field(default_factory=list)
     """The modules holding them (stacked experts; each kept expert of a ModuleList): ZeRO's units."""
     stats: ExchangeStats = field(default_factory=ExchangeStats)
+    plan_check: Optional[str] = None
+    """transformers' ``base_model_ep_plan`` against what discovery found (logged), when the model has one."""
 
     def summary(self) -> str:
         shards = list(self.sites.values())
@@ -91,6 +98,10 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
         shard = report.sites[site.name]
         report.expert_modules += list(getattr(site.module, site.experts_attr))[shard.first : shard.first + shard.local]
     log.info(report.summary())
+    checked = ep_plan_cross_check(model, [*(s.name for s in sites), *(s.name for s in lists)])
+    if checked:
+        log.info(checked)
+    report.plan_check = checked
     return report
 
 

@@ -6,6 +6,7 @@ called on its rows (litgpt's LLaMAMoE). One probe forward records how each is ca
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -187,3 +188,25 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
     for site in lists:
         check_calls(site, list_calls[site.name])
     return sites, lists
+
+
+def ep_plan_cross_check(model: nn.Module, found: list[str]) -> Optional[str]:
+    """What transformers' own ``base_model_ep_plan`` says next to what discovery found, as a log
+    line, or None when no submodule carries such a plan. Only compared, never used."""
+    for prefix, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_ep_plan", None)
+        base = getattr(module, "base_model", None)
+        if not plan or base is None:
+            continue
+        base_name = next((n for n, m in model.named_modules() if m is base), prefix)
+        head = f"{base_name}." if base_name else ""
+        patterns = [key for key, style in plan.items() if "experts" in style or key.endswith("experts")]
+        local = [name[len(head) :] for name in found if name.startswith(head)]
+        planned = [n for n, _ in base.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if sorted(planned) == sorted(local):
+            return f"expert parallel: transformers' base_model_ep_plan names the same {len(local)} experts modules"
+        return (
+            f"expert parallel: transformers' base_model_ep_plan names {sorted(planned)}, discovery found "
+            f"{sorted(local)} (discovery's are split; the plan is only compared)"
+        )
+    return None

@@ -119,3 +119,18 @@ def test_module_list_experts_called_otherwise_than_on_their_rows_are_refused():
     net = KeywordExperts()
     with pytest.raises(ExpertDiscoveryError, match=r"expert 0 of '' was called with 0 positional and \['input'\]"):
         find_experts(net, lambda: net(torch.randn(3, 8)))
+
+
+def test_transformers_ep_plan_is_a_logged_cross_check():
+    from lightning_ptdp.expert_parallel.discovery import ep_plan_cross_check
+    from tests.models import MoEFeedForward
+    from tests.real_models import moe_hf
+
+    net = moe_hf("hf_mixtral")
+    sites, _ = find_experts(net, lambda: net(torch.randint(0, 64, (2, 8))))
+    names = [s.name for s in sites]
+    assert ep_plan_cross_check(net, names) == (
+        "expert parallel: transformers' base_model_ep_plan names the same 2 experts modules"
+    )
+    assert "discovery found ['layers.0.mlp.experts']" in ep_plan_cross_check(net, names[:1])
+    assert ep_plan_cross_check(MoEFeedForward(8, 16), [""]) is None  # no transformers plan: nothing to compare
