@@ -19,6 +19,7 @@ LAYOUTS = {
     "d4-e2": ({"expert_parallel_size": 2}, 4),
     "d4-e4": ({"expert_parallel_size": 4}, 4),
     "t2-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2}, 4),
+    "t2-sp-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, 4),
     "d2-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 2),
     "d4-e2-zero2": ({"expert_parallel_size": 2, "zero_stage": 2}, 4),
     "d4-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 4),

@@ -43,7 +43,7 @@ def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
 @pytest.mark.parametrize(
     "other, named",
     [
-        ({"tensor_parallel_size": 2, "sequence_parallel": True}, "sequence_parallel=True"),
+        ({"compile": True}, "compile"),
         ({"zero_stage": 1}, "zero_stage=1"),
     ],
 )
