@@ -59,6 +59,9 @@ class StepGradients:
        TP leaves partial (over tp), average what no wrapper and no schedule averaged (over each
        placement's group), then check on all ranks that the loss and gradients are finite;
     5. ``clip``: Lightning's norm clipping by the norm of the whole model, not of this rank's part.
+
+    ``placements`` maps parameter names to a key of ``groups`` (others are ``DENSE``);
+    ``expert_group``: the ranks holding different experts, over which ``clip`` sums their squares.
     """
 
     def __init__(
