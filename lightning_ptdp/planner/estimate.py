@@ -71,7 +71,7 @@ def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple
     scores x V, three passes (four under full recompute); on its GPT, exactly its Eq. 3."""
     b, s, l, h, vocab = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
     logits = 6 * b * s * h * vocab
-    forward = 2 * b * s * model.layer_matrix_parameters + 4 * b * s * s * h
+    forward = 2 * b * s * model.active_layer_matrix_parameters + 4 * b * s * s * h
     layers = l * forward * (4 if recompute == "full" else 3)
     if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
         layers += 4 * b * s**2 * h * l
@@ -84,7 +84,8 @@ def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
     sbh = s * b * h
     norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
     # bias + GeLU read and write the f/t-wide activation; SwiGLU reads two of them and writes one
-    activation = (6 if model.gated_mlp else 4) * s * b * model.ffn_size / t
+    width = model.ffn_size * (model.experts_per_token or 1) + model.shared_ffn_size  # what a token runs through
+    activation = (6 if model.gated_mlp else 4) * s * b * width / t
     softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
     return norms_residual + activation + softmax
 
@@ -96,7 +97,9 @@ def _layer_seconds(
     """(compute, TP communication) of one transformer layer for one microbatch, forward + backward."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     tokens, head = b * s, h // a
-    f, up = model.ffn_size, model.ffn_size * (2 if model.gated_mlp else 1)
+    # a mixture of experts as one MLP k times as wide (each token's k experts; same FLOPs and bytes)
+    f = model.ffn_size * (model.experts_per_token or 1) + model.shared_ffn_size
+    up = f * (2 if model.gated_mlp else 1)
     linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t), (tokens, up / t, h), (tokens, h, f / t)]
     attention = [(s, s, head), (s, head, s)]  # QK^T and scores x V, b*a/t of each
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))

@@ -32,13 +32,28 @@ class ModelSize:
     biases: bool = True
     learned_positions: bool = True
     tied_embeddings: bool = True
+    num_experts: int | None = None
+    """Mixture of experts: MLPs per layer, each ``ffn_hidden_size`` wide, behind a router Linear;
+    None: one dense MLP."""
+    experts_per_token: int | None = None
+    """k: the experts each token runs (top-k routing); needed with ``num_experts``."""
+    shared_ffn_size: int = 0
+    """A dense shared expert's width beside the routed ones (Qwen2-MoE); 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
             check_positive(f"ModelSize.{name}", getattr(self, name))
-        for name in ("num_kv_heads", "ffn_hidden_size"):
+        for name in ("num_kv_heads", "ffn_hidden_size", "num_experts", "experts_per_token"):
             if getattr(self, name) is not None:
                 check_positive(f"ModelSize.{name}", getattr(self, name))
+        if (self.num_experts is None) != (self.experts_per_token is None) or (
+            self.num_experts is not None and self.experts_per_token > self.num_experts
+        ):
+            raise ValueError(
+                f"ModelSize.num_experts={self.num_experts} and experts_per_token={self.experts_per_token}: a "
+                "mixture of experts needs both, with experts_per_token <= num_experts (top-k routing); a dense "
+                "model leaves both None"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"ModelSize.hidden_size={self.hidden_size} is not divisible by "
@@ -68,16 +83,21 @@ class ModelSize:
             and self.biases
             and self.learned_positions
             and self.tied_embeddings
+            and self.num_experts is None
         )
 
     def describe(self) -> str:
         """One line: the shape and the parameter count."""
         heads = f"{self.num_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.num_heads else "")
         mlp = f"ffn {self.ffn_size}{' gated' if self.gated_mlp else ''}"
+        if self.num_experts is not None:
+            mlp += f" x {self.num_experts} experts, top-{self.experts_per_token}"
+            mlp += f" (+ shared {self.shared_ffn_size})" if self.shared_ffn_size else ""
         head = "tied" if self.tied_embeddings else "untied"
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {heads}, {mlp}, vocab {self.vocab_size}, "
             f"seq {self.seq_length}, {head} head: {self.parameters / 1e9:.2f}B parameters"
+            + (f" ({self.active_parameters / 1e9:.2f}B active per token)" if self.num_experts else "")
         )
 
     def tensor_parallel_reason(self, t: int) -> str | None:
@@ -99,11 +119,24 @@ class ModelSize:
         """Output width of the query, key and value projections together."""
         return self.hidden_size + 2 * self.kv_heads * (self.hidden_size // self.num_heads)
 
+    def _mlp(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * width
+
+    def _layer_matrices(self, mlps: int) -> int:
+        h = self.hidden_size
+        router = h * self.num_experts if self.num_experts else 0
+        return h * self.qkv_width + h * h + mlps * self._mlp(self.ffn_size) + self._mlp(self.shared_ffn_size) + router
+
     @property
     def layer_matrix_parameters(self) -> int:
-        """Weights of one layer's matmuls: QKV, attention output, the MLP's two (or three) matrices."""
-        h = self.hidden_size
-        return h * self.qkv_width + h * h + (3 if self.gated_mlp else 2) * h * self.ffn_size
+        """Weights of one layer's matmuls: QKV, attention output, the MLP's two (or three) matrices
+        (every expert's, the router's and a shared expert's in a mixture of experts)."""
+        return self._layer_matrices(self.num_experts or 1)
+
+    @property
+    def active_layer_matrix_parameters(self) -> int:
+        """The matmul weights one token runs through in a layer: in a mixture of experts its k experts."""
+        return self._layer_matrices(self.experts_per_token or 1)
 
     @property
     def parameters(self) -> int:
@@ -117,12 +150,17 @@ class ModelSize:
         return self.num_layers * layer + embeddings + positions
 
     @property
+    def active_parameters(self) -> int:
+        """Parameters one token uses (a mixture of experts: its k experts' of each layer's)."""
+        return self.parameters - self.num_layers * (self.layer_matrix_parameters - self.active_layer_matrix_parameters)
+
+    @property
     def split_activation_sbh(self) -> float:
         """Activation bytes per layer that tensor parallelism splits, in units of s*b*h (24 for the
         paper's GPT: Q, K, V 6, attention-output input 2, GeLU input 8, second-MLP input 8); a
         SwiGLU keeps its gate and up outputs (4f) and the second matmul's input (2f)."""
         h = self.hidden_size
-        mlp = (6 if self.gated_mlp else 4) * self.ffn_size
+        mlp = (6 if self.gated_mlp else 4) * (self.ffn_size * (self.experts_per_token or 1) + self.shared_ffn_size)
         return (2 * self.qkv_width + 2 * h + mlp) / h
 
     @classmethod
@@ -211,11 +249,23 @@ def _from_hf_config(cls: type[ModelSize], config: dict, seq_length: int | None) 
     model_type = str(config.get("model_type", "")).lower()
     gated = activation in _GATED_ACTIVATIONS or model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma")
     context = first("max_position_embeddings", "n_positions", "n_ctx", default=2048)
+    experts = first("num_local_experts", "num_experts", "n_routed_experts")
+    moe = {}
+    if experts:  # Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek keys; the experts' own width where it differs
+        moe = dict(
+            num_experts=experts,
+            experts_per_token=first("num_experts_per_tok", "moe_topk", default=2),
+            shared_ffn_size=first("shared_expert_intermediate_size", default=0),
+        )
+        gated = True
     return cls(
+        **moe,
         **values,
         seq_length=seq_length or min(int(context), 4096),
         num_kv_heads=first("num_key_value_heads"),
-        ffn_hidden_size=first("intermediate_size", "n_inner", "ffn_dim"),
+        ffn_hidden_size=first("moe_intermediate_size", "intermediate_size", "n_inner", "ffn_dim")
+        if experts
+        else first("intermediate_size", "n_inner", "ffn_dim"),
         gated_mlp=gated,
         biases=bool(first("attention_bias", "mlp_bias", "use_bias", default=not gated)),
         learned_positions=model_type in ("gpt2", "gpt_bigcode", "opt") or "n_positions" in config,

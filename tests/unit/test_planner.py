@@ -738,3 +738,49 @@ def test_a_config_without_the_shape_keys_is_refused_with_what_is_missing():
         ValueError, match=r"config.json has no num_layers \(num_hidden_layers or n_layer or num_layers\)"
     ):
         ModelSize.from_hf_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})
+
+
+# Mixtral-8x7B's config.json (mistralai/Mixtral-8x7B-v0.1), the keys the planner reads
+MIXTRAL_8X7B = {
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_runs_k_of_them():
+    from lightning_ptdp.planner.estimate import executed_flops
+
+    mixtral = ModelSize.from_hf_config(MIXTRAL_8X7B)
+    # Mistral's published sizes: 46.7B parameters, 12.9B active per token (both less the final norm)
+    assert mixtral.parameters == 46_702_788_608 and mixtral.active_parameters == 12_879_921_152
+    h, f, l = 4096, 14336, 32
+    attention = h * (h + 2 * 8 * 128) + h * h
+    assert mixtral.layer_matrix_parameters == attention + 8 * 3 * h * f + h * 8  # experts and router stored
+    b, s = 8, mixtral.seq_length  # FLOPs: each token through its 2 experts and the router
+    assert executed_flops(mixtral, b, None)[0] == 3 * l * (
+        2 * b * s * (attention + 2 * 3 * h * f + h * 8) + 4 * b * s * s * h
+    )
+    assert "x 8 experts, top-2" in mixtral.describe() and "12.88B active per token" in mixtral.describe()
+    with pytest.raises(ValueError, match=r"num_experts=8 and experts_per_token=9: a mixture of experts needs both"):
+        replace(mixtral, experts_per_token=9)
+    with pytest.raises(ValueError, match=r"num_experts=8 and experts_per_token=None"):
+        replace(mixtral, experts_per_token=None)
+
+
+def test_plan_takes_a_mixture_of_experts_config(tmp_path, capsys):
+    from lightning_ptdp.planner import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL_8X7B))
+    assert main([str(path), "--gpus", "64", "--global-batch-size", "512", "--top", "3"]) == 0
+    assert "46.70B parameters (12.88B active per token)" in capsys.readouterr().out
