@@ -232,19 +232,24 @@ MORE_HF = {
 }
 
 
-def more_hf(family: str) -> nn.Module:
-    config_cls, model_cls, extra = MORE_HF[family]
+def _zoo_hf(config_cls: str, model_cls: str, layers: int = LAYERS, **extra) -> nn.Module:
+    """A transformers family at the zoo's shape (vocab, hidden, heads, MLP width, context)."""
     return _hf(
         config_cls,
         model_cls,
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=HEADS,
         max_position_embeddings=SEQ,
         **extra,
     )
+
+
+def more_hf(family: str) -> nn.Module:
+    config_cls, model_cls, extra = MORE_HF[family]
+    return _zoo_hf(config_cls, model_cls, **extra)
 
 
 # Mixture-of-experts families, each with its experts stacked as [n_experts, ...] tensors whose forward
@@ -269,19 +274,7 @@ MOE_HF = {
 
 def moe_hf(family: str, layers: int = 2) -> nn.Module:
     config_cls, model_cls, extra = MOE_HF[family]
-    return _hf(
-        config_cls,
-        model_cls,
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=SEQ,
-        num_experts_per_tok=2,
-        **extra,
-    )
+    return _zoo_hf(config_cls, model_cls, layers, num_key_value_heads=KV_HEADS, num_experts_per_tok=2, **extra)
 
 
 FAMILY_NAMES = {
