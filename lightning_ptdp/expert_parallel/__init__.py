@@ -3,7 +3,6 @@ the data-parallel ones, tokens exchanged all-to-all; found from the model, like 
 
 from lightning_ptdp.expert_parallel.apply import (
     EPReport,
-    ExpertShard,
     apply_expert_parallel,
     cut_experts,
     expert_shards,
@@ -12,7 +11,7 @@ from lightning_ptdp.expert_parallel.apply import (
     has_split_experts,
 )
 from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, find_experts
-from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats
+from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard
 
 __all__ = [
     "EPGroup",

@@ -20,20 +20,10 @@ from lightning_ptdp.expert_parallel.discovery import (
     ep_plan_cross_check,
     find_experts,
 )
-from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, exchange
+from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard, exchange
 from lightning_ptdp.expert_parallel.expert_list import install_expert_list
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """What one experts module holds after the split: experts [first, first + local) of ``num_experts``."""
-
-    num_experts: int
-    local: int
-    first: int
-    ep: EPGroup
 
 
 @dataclass
@@ -87,15 +77,9 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
         report.expert_params += [f"{site.name}.{n}" for n, _ in site.module.named_parameters(recurse=False)]
         report.expert_modules.append(site.module)
     for site in lists:
-        kept = install_expert_list(site, ep, report.stats)
-        report.sites[site.name] = ExpertShard(
-            num_experts=site.num_experts,
-            local=site.num_experts // ep.size,
-            first=ep.rank * site.num_experts // ep.size,
-            ep=ep,
-        )
+        shard, kept = install_expert_list(site, ep, report.stats)
+        report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n in kept]
-        shard = report.sites[site.name]
         report.expert_modules += list(getattr(site.module, site.experts_attr))[shard.first : shard.first + shard.local]
     log.info(report.summary())
     checked = ep_plan_cross_check(model, [*(s.name for s in sites), *(s.name for s in lists)])
@@ -167,12 +151,12 @@ def _split_names(model: nn.Module, names: Any) -> dict[str, ExpertShard]:
     return out
 
 
-def _list_layers(model: nn.Module) -> dict[str, tuple]:
-    """ModuleList MoE layers by qualified name: (experts attribute, first, local, n, ep group)."""
+def _list_layers(model: nn.Module) -> dict[str, tuple[str, ExpertShard]]:
+    """ModuleList MoE layers by qualified name: (their experts attribute, what this rank kept)."""
     return {n: m.__dict__["_ptdp_expert_list"] for n, m in model.named_modules() if "_ptdp_expert_list" in m.__dict__}
 
 
-def _list_expert(model: nn.Module, names: Any) -> dict[str, tuple[int, tuple]]:
+def _list_expert(model: nn.Module, names: Any) -> dict[str, tuple[int, tuple[str, ExpertShard]]]:
     """The names among ``names`` under a ModuleList MoE layer's experts: (expert index, its layer)."""
     out = {}
     for prefix, layer in _list_layers(model).items():
@@ -190,8 +174,9 @@ def _gather_lists(model: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
     found = _list_expert(model, entries)
     for prefix, layer in sorted(_list_layers(model).items()):
         mine = {name: entries[name] for name, (_, owner) in found.items() if owner is layer}
-        parts: list[Any] = [None] * layer[4].size
-        dist.all_gather_object(parts, detached_cpu(mine), group=layer[4].group)
+        ep = layer[1].ep
+        parts: list[Any] = [None] * ep.size
+        dist.all_gather_object(parts, detached_cpu(mine), group=ep.group)
         for part in parts:
             out.update({name: value for name, value in part.items() if name not in mine})
     return out
@@ -240,7 +225,7 @@ def cut_experts(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     out = dict(state)
     for name, shard in _split_names(model, state).items():
         out[name] = cut(state[name], shard)
-    for name, (index, (_, first, local, _, _)) in _list_expert(model, state).items():
-        if not first <= index < first + local:
+    for name, (index, (_, shard)) in _list_expert(model, state).items():
+        if not shard.first <= index < shard.first + shard.local:
             del out[name]  # another rank's expert
     return out

@@ -40,6 +40,16 @@ class EPGroup:
     rank: int
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """What one experts module holds after the split: experts [first, first + local) of ``num_experts``."""
+
+    num_experts: int
+    local: int
+    first: int
+    ep: EPGroup
+
+
 @dataclass
 class ExchangeStats:
     """What this rank's exchanges moved since the last ``reset``: the rows it routed to each expert,

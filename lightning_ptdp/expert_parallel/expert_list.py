@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.expert_parallel.discovery import ExpertListSite
-from lightning_ptdp.expert_parallel.exchange import AllToAll, EPGroup, ExchangeStats
+from lightning_ptdp.expert_parallel.exchange import AllToAll, EPGroup, ExchangeStats, ExpertShard
 
 
 class _Stub(nn.Module):
@@ -56,9 +56,9 @@ class _Calls:
         return self.answers[self.position - 1]
 
 
-def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats) -> list[str]:
+def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats) -> tuple[ExpertShard, list[str]]:
     """Keep this rank's experts, stub the others, make the layer's forward exchange its calls.
-    Returns the kept experts' parameter names, relative to the layer."""
+    Returns what this rank kept and the kept experts' parameter names, relative to the layer."""
     module, n = site.module, site.num_experts
     local = n // ep.size
     first = ep.rank * local
@@ -97,8 +97,9 @@ def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats)
             current["calls"] = None
 
     module.forward = types.MethodType(forward, module)
-    module.__dict__["_ptdp_expert_list"] = (site.experts_attr, first, local, n, ep)
-    return [
+    shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
+    module.__dict__["_ptdp_expert_list"] = (site.experts_attr, shard)
+    return shard, [
         f"{site.experts_attr}.{i}.{p}" for i in range(first, first + local) for p, _ in experts[i].named_parameters()
     ]
 
