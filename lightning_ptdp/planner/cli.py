@@ -17,6 +17,7 @@ from lightning_ptdp.planner.search import plan
 LAYOUT_KEYS = {
     "t": "tensor_parallel_size",
     "p": "pipeline_parallel_size",
+    "e": "expert_parallel_size",
     "v": "virtual_pipeline_size",
     "b": "micro_batch_size",
     "recompute": "activation_checkpointing",
@@ -44,7 +45,7 @@ def parse_layout(text: str) -> dict:
     missing = [k for k in ("t", "p") if LAYOUT_KEYS[k] not in out]
     if missing:
         raise ValueError(
-            f"--layout needs {' and '.join(missing)} (t and p; v, b and recompute are optional), "
+            f"--layout needs {' and '.join(missing)} (t and p; e, v, b and recompute are optional), "
             f"e.g. --layout t=8,p=64,v=1,b=1"
         )
     return out

@@ -85,6 +85,21 @@ class Cluster:
     def num_nodes(self) -> int:
         return max(1, self.num_gpus // self.gpus_per_node)
 
+    @classmethod
+    def h100(cls, num_gpus: int, **overrides: object) -> Cluster:
+        """DGX H100 nodes: 8 x 80 GB H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 132 SMs; data
+        sheet), NVLink 4 at NCCL's ``SM90_NVLINK_BW`` (20.6 GB/s) x 18 links, one 400 Gb/s NDR HCA
+        per GPU. ``gemm_efficiency`` stays the A100 fit: nothing measured on H100 has refitted it."""
+        sheet: dict = dict(
+            gpu_memory_bytes=80 * GB,
+            peak_flops=989e12,
+            hbm_bandwidth=3.35e12,
+            num_sms=132,
+            intra_node_bandwidth=20.6 * 18 * GB,
+            inter_node_bandwidth=50 * GB,
+        )
+        return cls(num_gpus=num_gpus, **{**sheet, **overrides})
+
 
 # ------------------------------------------------------------------------------------------ compute
 def wave_efficiency(rows: float, cols: float, cluster: Cluster, batch: int = 1) -> float:
@@ -158,6 +173,18 @@ def all_gather_seconds(nbytes: float, ranks: int, members_per_node: int, cluster
     hop = cluster.network_hop_latency if nodes > 1 else cluster.nvlink_hop_latency
     bandwidth = group_bandwidth(members_per_node, nodes > 1, cluster)
     return RING_BASE_LATENCY + (ranks - 1) * hop + (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def all_to_all_seconds(nbytes: float, ranks: int, members_per_node: int, cluster: Cluster) -> float:
+    """All-to-all of ``nbytes`` per rank, 1/ranks of it to each member (NCCL: grouped sends, every
+    peer at once): the share for members in the node over NVLink, the rest over the GPU's own HCA,
+    concurrently; one hop of latency."""
+    if ranks == 1:
+        return 0.0
+    share = nbytes / ranks
+    inside, outside = (members_per_node - 1) * share, (ranks - members_per_node) * share
+    hop = cluster.network_hop_latency if outside else cluster.nvlink_hop_latency
+    return RING_BASE_LATENCY + hop + max(inside / cluster.intra_node_bandwidth, outside / cluster.inter_node_bandwidth)
 
 
 def send_seconds(nbytes: float, across_nodes: bool, cluster: Cluster) -> float:

@@ -1,11 +1,10 @@
 """Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
 
-    step = m * (stage compute + TP collectives + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
+    step = m * (stage compute + TP + EP all-to-alls + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
 
-Ranks are ordered as in Megatron (t innermost, then d, then p); nothing overlaps (Megatron 2021).
-Each term (GEMMs at their shapes, memory-bound kernels by bytes, 4 or 6 TP all-reduces per layer,
-P2P with or without scatter/gather, the bubble, DP, Adam, the memory limit) is in its function
-below; docs/architecture.md ("The planner") lists them with their sources.
+Ranks are ordered as in Megatron (t innermost, then d, then p; e consecutive dp ranks share the
+experts); nothing overlaps (Megatron 2021). Each term is in its function below;
+docs/architecture.md ("The planner") lists them with their sources.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from lightning_ptdp.planner.cost import (
     Cluster,
     all_gather_seconds,
     all_reduce_seconds,
+    all_to_all_seconds,
     gemm_pass_seconds,
     memory_seconds,
     send_seconds,
@@ -37,11 +37,12 @@ SCHEDULES = ("interleaved_1f1b", "1f1b", "gpipe")
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """One layout's estimate; times in seconds per training step, memory in bytes per GPU.
-    ``step_time_s`` is the sum of the six ``*_s`` terms."""
+    ``step_time_s`` is the sum of the seven ``*_s`` terms."""
 
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
+    expert_parallel_size: int
     virtual_pipeline_size: int
     micro_batch_size: int
     activation_checkpointing: str | None
@@ -54,6 +55,8 @@ class Layout:
     step_time_s: float
     compute_s: float
     tensor_parallel_comm_s: float
+    expert_parallel_comm_s: float
+    """The all-to-all token exchanges of expert parallelism (0 at e = 1)."""
     pipeline_comm_s: float
     bubble_s: float
     data_parallel_comm_s: float
@@ -78,45 +81,76 @@ def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple
     return layers, logits
 
 
+def expert_rows(model: ModelSize, t: int, b: int, sp: bool) -> float:
+    """(token, expert) rows one rank's MoE layer routes per microbatch: k per token it holds. The
+    experts are not split by TP: under SP each TP rank routes its s/t tokens, without SP every TP
+    rank routes (and computes) the whole sequence again. 0 for a dense model."""
+    return (model.experts_per_token or 0) * b * model.seq_length / (t if sp else 1)
+
+
 def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
     """Bytes the memory-bound kernels of one layer's forward stream (backward: twice as many)."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     sbh = s * b * h
     norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
     # bias + GeLU read and write the f/t-wide activation; SwiGLU reads two of them and writes one
-    width = model.ffn_size * (model.experts_per_token or 1) + model.shared_ffn_size  # what a token runs through
-    activation = (6 if model.gated_mlp else 4) * s * b * width / t
+    per_width = 6 if model.gated_mlp else 4
+    activation = per_width * s * b * model.dense_ffn_size / t
+    rows = expert_rows(model, t, b, sp)  # each routed row: the activation, and a permute in and out (8h)
+    experts = rows * (per_width * model.ffn_size + 8 * h)
     softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
-    return norms_residual + activation + softmax
+    return norms_residual + activation + experts + softmax
+
+
+def _expert_gemms(model: ModelSize, t: int, b: int, sp: bool, e: int, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) of the routed experts and the router: routing balanced, each of a rank's
+    n/e experts runs e/n of the rows (a grouped GEMM of n/e; larger e, fuller GEMMs)."""
+    if not model.num_experts:
+        return 0.0, 0.0
+    h, f, n = model.hidden_size, model.ffn_size, model.num_experts
+    rows = expert_rows(model, t, b, sp) * e / n
+    up = f * (2 if model.gated_mlp else 1)
+    shapes = [(rows, up, h), (rows, h, f)]
+    passes = [gemm_pass_seconds(*shape, cluster, batch=n // e) for shape in shapes]
+    passes.append(gemm_pass_seconds(b * model.seq_length / (t if sp else 1), n, h, cluster))  # the router
+    forward, backward = map(sum, zip(*passes))
+    return forward, backward
 
 
 @lru_cache(maxsize=4096)
 def _layer_seconds(
-    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster
-) -> tuple[float, float]:
-    """(compute, TP communication) of one transformer layer for one microbatch, forward + backward."""
+    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster, e: int = 1
+) -> tuple[float, float, float]:
+    """(compute, TP communication, EP all-to-alls) of one layer for one microbatch, forward + backward."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     tokens, head = b * s, h // a
-    # a mixture of experts as one MLP k times as wide (each token's k experts; same FLOPs and bytes)
-    f = model.ffn_size * (model.experts_per_token or 1) + model.shared_ffn_size
+    f = model.dense_ffn_size  # the MLP, or a mixture of experts' shared expert (0: none)
     up = f * (2 if model.gated_mlp else 1)
-    linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t), (tokens, up / t, h), (tokens, h, f / t)]
+    linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t)]
+    linear += [(tokens, up / t, h), (tokens, h, f / t)] if f else []
     attention = [(s, s, head), (s, head, s)]  # QK^T and scores x V, b*a/t of each
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
     core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
+    experts_f, experts_b = _expert_gemms(model, t, b, sp, e, cluster)
+    linear_f, linear_b = linear_f + experts_f, linear_b + experts_b
     sbh = s * b * h
     streamed = layer_memory_bytes(model, t, b, sp)
     softmax = 9 * a * s * s * b / t
     forward = linear_f + core_f + memory_seconds(streamed, cluster)
     backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
     again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
+    # dispatch and combine, forward and backward (full recompute: the forward's again); e
+    # consecutive dp ranks, t apart: gpus_per_node / t of them share a node
+    exchanges = 6 if recompute == "full" else 4
+    ep_members = max(1, min(e, cluster.gpus_per_node // t))
+    ep = exchanges * all_to_all_seconds(BF16 * h * expert_rows(model, t, b, sp), e, ep_members, cluster)
     if t == 1:
-        return forward + backward + again, 0.0
+        return forward + backward + again, 0.0, ep
     collectives = (6 if recompute == "full" else 4) + (1 if sp else 0)
     within = cluster.gpus_per_node % t == 0
     per_node = t if within else gcd(t, cluster.gpus_per_node)
     communication = collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster)
-    return forward + backward + again, communication
+    return forward + backward + again, communication, ep
 
 
 def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster) -> float:
@@ -139,18 +173,25 @@ def memory_bytes(
     sp: bool,
     zero_stage: int,
     schedule: str,
+    e: int = 1,
 ) -> float:
-    """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits."""
+    """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits.
+    The routed experts' state is split over e and p (not t), ZeRO-sharded over the d/e ranks sharing them."""
     shape_args = (model.seq_length, b, model.hidden_size, model.num_heads, t, sp and t > 1)
     split = {"split_sbh": model.split_activation_sbh}
-    state = model_state_bytes_per_rank(model.parameters, t, p, d, zero_stage)
+    dense, experts = model.parameters - model.expert_parameters, model.expert_parameters
+    state = model_state_bytes_per_rank(dense, t, p, d, zero_stage)
+    state += model_state_bytes_per_rank(experts, e, p, d // e, zero_stage) if experts else 0.0
     if schedule == "gpipe":
         in_flight = m  # every microbatch's forward before any backward
     else:  # 1F1B keeps min(p, m); interleaving adds (p-1)/(p*v) of it (Narayanan et al., Section 2.2)
         in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    activations = activation_bytes_per_layer(*shape_args, recompute, **split) * model.num_layers / p * in_flight
+    # the routed rows' activations: whole on each TP rank without SP (expert_rows)
+    routed = model.expert_activation_sbh * model.seq_length * b * model.hidden_size / (t if sp else 1)
+    kept = activation_bytes_per_layer(*shape_args, recompute, **split) + (routed if recompute != "full" else 0)
+    activations = kept * model.num_layers / p * in_flight
     if recompute == "full":  # the layer being recomputed holds all its activations at once
-        activations += activation_bytes_per_layer(*shape_args, None, **split)
+        activations += activation_bytes_per_layer(*shape_args, None, **split) + routed
     logits = b * model.seq_length * model.vocab_size / t * 4
     return state + activations + logits
 
@@ -169,14 +210,16 @@ def cost(
     zero_stage: int = 0,
     schedule: str = "interleaved_1f1b",
     scatter_gather: bool = True,
+    e: int = 1,
 ) -> Layout:
     """The estimate of an already-validated layout (``estimate`` checks the arguments first)."""
     d = cluster.num_gpus // (t * p)
     m = batch // (b * d)
-    layer, tp_layer = _layer_seconds(model, t, b, recompute, sp, cluster)
+    layer, tp_layer, ep_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e)
     layers_per_stage = model.num_layers / p
     compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)
     tp_mb = layers_per_stage * tp_layer
+    ep_mb = layers_per_stage * ep_layer
     pp_mb = embedding = 0.0
     across = cluster.num_gpus > cluster.gpus_per_node  # the pipeline's slowest hop sets its pace
     if p > 1:
@@ -188,20 +231,24 @@ def cost(
         pp_mb = v * 2 * hop  # activations forward, gradients back, per chunk
         embedding = all_reduce_seconds(BF16 * model.vocab_size * model.hidden_size / t, 2, 1 if across else 2, cluster)
     bubble_fraction = (p - 1) / (v * m)
-    bubble = (p - 1) / v * (compute_mb + tp_mb + pp_mb)
-    params = model.parameters / (t * p)
-    dp = 0.0
-    if d > 1:
-        spans = t * d > cluster.gpus_per_node
-        per_node = min(d, max(1, cluster.gpus_per_node // t)) if spans else d
-        dp = (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, d, per_node, cluster)
-    optimizer = memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (d if zero_stage else 1), cluster)
-    step = m * (compute_mb + tp_mb + pp_mb) + embedding + bubble + dp + optimizer
+    bubble = (p - 1) / v * (compute_mb + tp_mb + ep_mb + pp_mb)
+    # dense parameters split over t*p, reduced over d; the routed experts over e*p, reduced over d/e
+    groups = [((model.parameters - model.expert_parameters) / (t * p), d, t)]
+    groups += [(model.expert_parameters / (e * p), d // e, t * e)] if model.expert_parameters else []
+    dp = optimizer = 0.0
+    for params, ranks, stride in groups:
+        if ranks > 1:
+            spans = stride * ranks > cluster.gpus_per_node
+            per_node = min(ranks, max(1, cluster.gpus_per_node // stride)) if spans else ranks
+            dp += (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, ranks, per_node, cluster)
+        optimizer += memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (ranks if zero_stage else 1), cluster)
+    step = m * (compute_mb + tp_mb + ep_mb + pp_mb) + embedding + bubble + dp + optimizer
     layer_flops, logit_flops = executed_flops(model, batch, recompute)
     return Layout(
         tensor_parallel_size=t,
         pipeline_parallel_size=p,
         data_parallel_size=d,
+        expert_parallel_size=e,
         virtual_pipeline_size=v,
         micro_batch_size=b,
         activation_checkpointing=recompute,
@@ -214,12 +261,13 @@ def cost(
         step_time_s=step,
         compute_s=m * compute_mb,
         tensor_parallel_comm_s=m * tp_mb,
+        expert_parallel_comm_s=m * ep_mb,
         pipeline_comm_s=m * pp_mb + embedding,
         bubble_s=bubble,
         data_parallel_comm_s=dp,
         optimizer_s=optimizer,
         bubble_fraction=bubble_fraction,
-        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule),
+        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e),
         tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
     )
 
@@ -231,6 +279,7 @@ def estimate(
     *,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    expert_parallel_size: int = 1,
     virtual_pipeline_size: int = 1,
     micro_batch_size: int = 1,
     activation_checkpointing: str | None = "full",
@@ -244,10 +293,12 @@ def estimate(
     d is ``cluster.num_gpus / (t * p)``. A ValueError names the value, the rule it breaks and a fix."""
     size = model_size(model)
     t, p, v, b = tensor_parallel_size, pipeline_parallel_size, virtual_pipeline_size, micro_batch_size
+    e = expert_parallel_size
     for name, value in (
         ("global_batch_size", global_batch_size),
         ("tensor_parallel_size", t),
         ("pipeline_parallel_size", p),
+        ("expert_parallel_size", e),
         ("virtual_pipeline_size", v),
         ("micro_batch_size", b),
     ):
@@ -280,6 +331,9 @@ def estimate(
             f"(got p={p}, pipeline_schedule={pipeline_schedule!r}); use virtual_pipeline_size=1"
         )
     d = cluster.num_gpus // (t * p)
+    reason = expert_parallel_reason(size, d, e)
+    if reason:
+        raise ValueError(reason)
     if global_batch_size % (b * d):
         raise ValueError(
             f"micro_batch_size * data_parallel_size = {b} * {d} = {b * d} must divide "
@@ -306,6 +360,7 @@ def estimate(
         zero_stage=zero_stage,
         schedule=pipeline_schedule,
         scatter_gather=scatter_gather,
+        e=e,
     )
     limit = cluster.gpu_memory_bytes * memory_fraction
     if layout.memory_bytes_per_gpu > limit:
@@ -316,6 +371,25 @@ def estimate(
             f"or use zero_stage=1..3"
         )
     return layout
+
+
+def expert_parallel_reason(model: ModelSize, d: int, e: int) -> str | None:
+    """Why e-way expert parallelism cannot split this model at d data-parallel ranks (None when it can)."""
+    if e == 1:
+        return None
+    if not model.num_experts:
+        return (
+            f"expert_parallel_size={e} needs a mixture of experts, but the model is dense (num_experts=None); "
+            "use expert_parallel_size=1"
+        )
+    if model.num_experts % e or d % e:
+        fits = [k for k in range(1, d + 1) if d % k == 0 and model.num_experts % k == 0]
+        return (
+            f"expert_parallel_size={e} must divide num_experts={model.num_experts} and the data-parallel size "
+            f"d={d} (each rank holds whole experts; expert ranks are carved out of the dp ones); choose one of "
+            f"{', '.join(map(str, fits))}"
+        )
+    return None
 
 
 def check_options(recompute: object, sequence_parallel: object, zero_stage: object, memory_fraction: object) -> None:

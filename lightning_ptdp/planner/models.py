@@ -1,4 +1,5 @@
-"""Model shapes the planner knows by name: the rows of Table 1 of Narayanan et al. 2021 and GPT-3 175B."""
+"""Model shapes the planner knows by name: the rows of Table 1 of Narayanan et al. 2021, GPT-3 175B
+and Mixtral-8x7B."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ class ModelSize:
     def tensor_parallel_reason(self, t: int) -> str | None:
         """Why t-way tensor parallelism cannot split this model (None when it can)."""
         sizes = {"num_heads": self.num_heads, "num_kv_heads": self.kv_heads, "hidden_size": self.hidden_size}
-        sizes["ffn_hidden_size"] = self.ffn_size
+        if self.dense_ffn_size:  # tensor parallelism splits the dense MLP (or shared expert), not routed experts
+            sizes["shared_ffn_size" if self.num_experts else "ffn_hidden_size"] = self.dense_ffn_size
         bad = {name: n for name, n in sizes.items() if n % t}
         if not bad:
             return None
@@ -155,13 +157,31 @@ class ModelSize:
         return self.parameters - self.num_layers * (self.layer_matrix_parameters - self.active_layer_matrix_parameters)
 
     @property
+    def expert_parameters(self) -> int:
+        """The routed experts' weights (every layer's, every expert's): what expert parallelism splits."""
+        return self.num_layers * (self.num_experts or 0) * self._mlp(self.ffn_size) if self.num_experts else 0
+
+    @property
+    def dense_ffn_size(self) -> int:
+        """The width of the MLP tensor parallelism splits: the whole MLP, or a shared expert's."""
+        return self.shared_ffn_size if self.num_experts else self.ffn_size
+
+    @property
     def split_activation_sbh(self) -> float:
         """Activation bytes per layer that tensor parallelism splits, in units of s*b*h (24 for the
         paper's GPT: Q, K, V 6, attention-output input 2, GeLU input 8, second-MLP input 8); a
         SwiGLU keeps its gate and up outputs (4f) and the second matmul's input (2f)."""
         h = self.hidden_size
-        mlp = (6 if self.gated_mlp else 4) * (self.ffn_size * (self.experts_per_token or 1) + self.shared_ffn_size)
-        return (2 * self.qkv_width + 2 * h + mlp) / h
+        return (2 * self.qkv_width + 2 * h + (6 if self.gated_mlp else 4) * self.dense_ffn_size) / h
+
+    @property
+    def expert_activation_sbh(self) -> float:
+        """Activation bytes per layer of the routed experts, in units of s*b*h: each token's k rows
+        in (2h each), and the MLP's (4f, or 6f gated); kept whole by tensor parallelism (0: dense)."""
+        if not self.num_experts:
+            return 0.0
+        per_row = 2 * self.hidden_size + (6 if self.gated_mlp else 4) * self.ffn_size
+        return self.experts_per_token * per_row / self.hidden_size
 
     @classmethod
     def from_hf_config(cls, config: dict | str, *, seq_length: int | None = None) -> ModelSize:
@@ -211,12 +231,33 @@ TABLE_1: dict[str, PaperConfiguration] = {
 GPT3_175B = ModelSize(num_layers=96, hidden_size=12288, num_heads=96)
 """GPT-3 175B with the paper's vocabulary (51,200) and context (2,048): 174.6B parameters by Eq. 2."""
 
-MODELS: dict[str, ModelSize] = {**{name: row.model for name, row in TABLE_1.items()}, "gpt3_175b": GPT3_175B}
+MIXTRAL_8X7B = ModelSize(
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    vocab_size=32_000,
+    seq_length=4_096,
+    num_kv_heads=8,
+    ffn_hidden_size=14_336,
+    gated_mlp=True,
+    biases=False,
+    learned_positions=False,
+    tied_embeddings=False,
+    num_experts=8,
+    experts_per_token=2,
+)
+"""Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1's config.json) at 4,096 tokens: 46.70B parameters, 12.88B active."""
+
+MODELS: dict[str, ModelSize] = {
+    **{name: row.model for name, row in TABLE_1.items()},
+    "gpt3_175b": GPT3_175B,
+    "mixtral_8x7b": MIXTRAL_8X7B,
+}
 """Every name ``model_size`` (hence ``plan``, ``estimate`` and ``ptdp plan``) accepts."""
 
 
 def model_size(model: str | ModelSize) -> ModelSize:
-    """A ``ModelSize`` as is, or the sizes of a known name ("gpt_1.7b" ... "gpt_1t", "gpt3_175b")."""
+    """A ``ModelSize`` as is, or the sizes of a known name ("gpt_1.7b" ... "gpt_1t", "gpt3_175b", "mixtral_8x7b")."""
     if isinstance(model, ModelSize):
         return model
     key = str(model).strip().lower().replace("-", "_")

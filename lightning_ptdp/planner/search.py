@@ -7,7 +7,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from lightning_ptdp.planner.cost import GB, Cluster
-from lightning_ptdp.planner.estimate import RECOMPUTE_CHOICES, Layout, check_options, cost
+from lightning_ptdp.planner.estimate import (
+    RECOMPUTE_CHOICES,
+    Layout,
+    check_options,
+    cost,
+    expert_parallel_reason,
+)
 from lightning_ptdp.planner.models import TABLE_1, ModelSize, check_positive, model_size
 
 FIT_ROWS = ("gpt_1.7b", "gpt_1t")
@@ -19,7 +25,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _shapes(model: ModelSize, num_gpus: int, batch: int, max_b: int) -> Iterator[tuple[int, ...]]:
-    """Every (t, p, v, b) obeying the divisibility rules (and m % p == 0 to interleave)."""
+    """Every (t, p, v, b, e) obeying the divisibility rules (and m % p == 0 to interleave); e, for
+    a mixture of experts, any divisor of d that divides the expert count."""
     for t in _divisors(num_gpus):
         if model.tensor_parallel_reason(t):
             continue
@@ -31,7 +38,9 @@ def _shapes(model: ModelSize, num_gpus: int, batch: int, max_b: int) -> Iterator
                 m = batch // (b * d)
                 for v in _divisors(model.num_layers // p) if p > 1 else [1]:
                     if v == 1 or m % p == 0:
-                        yield t, p, v, b
+                        for e in _divisors(d):
+                            if not expert_parallel_reason(model, d, e):
+                                yield t, p, v, b, e
 
 
 def reason(x: Layout, cluster: Cluster, limit: float) -> str:
@@ -39,9 +48,10 @@ def reason(x: Layout, cluster: Cluster, limit: float) -> str:
     t, per_node = x.tensor_parallel_size, cluster.gpus_per_node
     where = "within a node" if per_node % t == 0 else "across nodes"
     tp = "no TP" if t == 1 else f"TP {where} (t={t}, {per_node} GPUs/node)"
+    ep = f"EP {x.expert_parallel_comm_s:.2f}s, " if x.expert_parallel_size > 1 else ""
     return (
         f"{tp}; bubble (p-1)/(v*m)={x.bubble_fraction:.3f} (m={x.num_microbatches}); "
-        f"compute {x.compute_s:.2f}s, comm/step TP {x.tensor_parallel_comm_s:.2f}s, PP {x.pipeline_comm_s:.2f}s, "
+        f"compute {x.compute_s:.2f}s, comm/step TP {x.tensor_parallel_comm_s:.2f}s, {ep}PP {x.pipeline_comm_s:.2f}s, "
         f"DP {x.data_parallel_comm_s:.2f}s; recompute={x.activation_checkpointing}; "
         f"{x.memory_bytes_per_gpu / GB:.1f} of {limit / GB:.1f} GB usable"
     )
@@ -94,8 +104,9 @@ def plan(
             sp=sequence_parallel,
             zero_stage=zero_stage,
             scatter_gather=scatter_gather,
+            e=e,
         )
-        for t, p, v, b in shapes
+        for t, p, v, b, e in shapes
         for recompute in recompute_modes
     ]
     fitting = [c for c in candidates if c.memory_bytes_per_gpu <= limit]
@@ -111,7 +122,13 @@ def plan(
         )
     ranked = sorted(
         fitting,
-        key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size, c.memory_bytes_per_gpu, c.virtual_pipeline_size),
+        key=lambda c: (
+            round(c.step_time_s, 6),
+            -c.micro_batch_size,
+            c.memory_bytes_per_gpu,
+            c.virtual_pipeline_size,
+            c.expert_parallel_size,
+        ),
     )
     return [replace(x, reason=reason(x, cluster, limit)) for x in ranked]
 

@@ -480,7 +480,7 @@ def test_format_plan_shows_the_table_the_reason_and_the_arguments():
     layouts = plan("gpt_76.1b", cluster, 1792)
     text = format_plan(layouts, cluster, limit=3)
     lines = text.splitlines()
-    assert lines[0].split()[:6] == ["rank", "t", "p", "d", "v", "b"]
+    assert lines[0].split()[:7] == ["rank", "t", "p", "d", "e", "v", "b"]
     assert [line.split()[0] for line in lines[1:4]] == ["1", "2", "3"]
     assert f"best: {layouts[0].reason}" in text
     assert layout_arguments(layouts[0], cluster).python() in text
@@ -628,7 +628,7 @@ def test_ptdp_plan_layout_prints_that_layouts_estimate(capsys):
     assert main(["gpt_1t", "--gpus", "3072", "--global-batch-size", "3072", "--layout", "t=8,p=64,v=1,b=1"]) == 0
     out = capsys.readouterr().out
     x = estimate("gpt_1t", Cluster(num_gpus=3072), 3072, tensor_parallel_size=8, pipeline_parallel_size=64)
-    assert out.startswith("t=8 p=64 d=6 v=1 b=1 m=512 recompute=full")
+    assert out.startswith("t=8 p=64 d=6 e=1 v=1 b=1 m=512 recompute=full")
     assert f"estimated {x.tflops_per_gpu:.1f} TFLOP/s per GPU, step {x.step_time_s:.3f} s" in out
     assert "pipeline bubble" in out and "Trainer(strategy=PTDPStrategy(tensor_parallel_size=8" in out
 
@@ -636,9 +636,9 @@ def test_ptdp_plan_layout_prints_that_layouts_estimate(capsys):
 @pytest.mark.parametrize(
     ("layout", "match"),
     [
-        ("t=8,q=2", r"--layout item 'q=2' is not KEY=VALUE with KEY one of t, p, v, b, recompute"),
+        ("t=8,q=2", r"--layout item 'q=2' is not KEY=VALUE with KEY one of t, p, e, v, b, recompute"),
         ("t=8,p=x", r"--layout p='x' must be a whole number"),
-        ("t=8", r"--layout needs p \(t and p; v, b and recompute are optional\)"),
+        ("t=8", r"--layout needs p \(t and p; e, v, b and recompute are optional\)"),
         ("t=8,p=5", r"tensor_parallel_size \* pipeline_parallel_size = 40 does not divide the cluster's 3072 GPUs"),
     ],
 )
@@ -784,3 +784,103 @@ def test_plan_takes_a_mixture_of_experts_config(tmp_path, capsys):
     path.write_text(json.dumps(MIXTRAL_8X7B))
     assert main([str(path), "--gpus", "64", "--global-batch-size", "512", "--top", "3"]) == 0
     assert "46.70B parameters (12.88B active per token)" in capsys.readouterr().out
+
+
+def test_the_named_mixtral_is_its_config():
+    from lightning_ptdp.planner.models import MIXTRAL_8X7B as NAMED
+
+    assert model_size("mixtral_8x7b") == NAMED == ModelSize.from_hf_config(MIXTRAL_8X7B)
+
+
+def test_expert_parallelism_splits_the_experts_state_over_e_and_leaves_the_rest():
+    from lightning_ptdp.planner.estimate import memory_bytes
+
+    mixtral = model_size("mixtral_8x7b")
+    args = dict(t=1, p=4, d=16, v=1, b=1, m=16, recompute="full", sp=False, zero_stage=0, schedule="1f1b")
+    experts = mixtral.expert_parameters
+    assert experts == 32 * 8 * 3 * 4096 * 14336  # every layer's 8 SwiGLU experts
+    for e in (2, 4, 8, 16):  # 16 bytes per parameter (Adam, mixed precision), p=4 stages
+        saved = memory_bytes(mixtral, **args) - memory_bytes(mixtral, **args, e=e)
+        assert saved == pytest.approx(16 * experts / 4 * (1 - 1 / e), rel=1e-12)
+    # ZeRO shards the experts' state over the d/e ranks sharing them, the dense state over d
+    # (ZeRO-1: the 12 optimizer bytes of a parameter over the ranks holding it: d=16, or d/e=2)
+    dense = mixtral.parameters - experts
+    saved = memory_bytes(mixtral, **args, e=8) - memory_bytes(mixtral, **{**args, "zero_stage": 1}, e=8)
+    assert saved == pytest.approx(12 * (1 - 1 / 16) * dense / 4 + 12 * (1 - 1 / 2) * experts / (8 * 4), rel=1e-12)
+
+
+def test_the_all_to_all_term_is_the_traffic_formula():
+    """Each token's hidden state goes to its k experts and comes back, forward and backward (4
+    exchanges a layer, 6 under full recompute), (e-1)/e of it off-rank, over NVLink within a node."""
+    from lightning_ptdp.planner.cost import RING_BASE_LATENCY, all_to_all_seconds
+
+    cluster = Cluster.h100(64)
+    h, k, s, layers = 4096, 2, 4096, 32
+    sent = 2 * h * k * s  # bytes a rank's MoE layer sends per microbatch (b=1), its own share included
+    for e, recompute, exchanges in ((8, "full", 6), (4, "selective", 4), (2, "selective", 4)):
+        x = estimate(
+            "mixtral_8x7b",
+            cluster,
+            64,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=8,
+            expert_parallel_size=e,
+            activation_checkpointing=recompute,
+            zero_stage=1,
+        )
+        one = RING_BASE_LATENCY + cluster.nvlink_hop_latency + (e - 1) / e * sent / cluster.intra_node_bandwidth
+        assert all_to_all_seconds(sent, e, e, cluster) == pytest.approx(one, rel=1e-12)
+        assert x.expert_parallel_comm_s == pytest.approx(x.num_microbatches * layers / 8 * exchanges * one, rel=1e-12)
+    # across nodes the off-node share goes over the GPU's own HCA, at the same time as NVLink's
+    two_nodes = all_to_all_seconds(sent, 16, 8, cluster)
+    expected = sent / 16 * max(7 / cluster.intra_node_bandwidth, 8 / cluster.inter_node_bandwidth)
+    assert two_nodes == pytest.approx(RING_BASE_LATENCY + cluster.network_hop_latency + expected)
+    assert all_to_all_seconds(sent, 1, 1, cluster) == 0.0
+
+
+def test_plan_searches_e_and_puts_the_experts_on_ep_rather_than_tp():
+    """Mixtral-8x7B on 64 H100s: every layout's e divides d and the 8 experts; the best one uses
+    expert parallelism, and at the same p, e=8 with t=1 beats e=4 with t=2 (Megatron-Core's MoE
+    guide finds the same: "EP8TP1 is better than EP4TP2 for 8x7B")."""
+    cluster = Cluster.h100(64)
+    layouts = plan("mixtral_8x7b", cluster, 256)
+    assert all(x.data_parallel_size % x.expert_parallel_size == 0 and 8 % x.expert_parallel_size == 0 for x in layouts)
+    assert {x.expert_parallel_size for x in layouts} == {1, 2, 4, 8}
+    assert layouts[0].expert_parallel_size > 1 and "EP " in layouts[0].reason
+    kwargs = dict(pipeline_parallel_size=4, activation_checkpointing="selective", virtual_pipeline_size=4, zero_stage=1)
+    ep8 = estimate("mixtral_8x7b", cluster, 256, tensor_parallel_size=1, expert_parallel_size=8, **kwargs)
+    ep4 = estimate("mixtral_8x7b", cluster, 256, tensor_parallel_size=2, expert_parallel_size=4, **kwargs)
+    assert ep8.step_time_s < ep4.step_time_s
+    assert layout_arguments(ep8, cluster).strategy["expert_parallel_size"] == 8
+    dense = plan("gpt_1.7b", Cluster(num_gpus=32), 512)
+    assert {x.expert_parallel_size for x in dense} == {1}
+
+
+@pytest.mark.parametrize(
+    "model, e, match",
+    [
+        ("mixtral_8x7b", 3, r"expert_parallel_size=3 must divide num_experts=8 and the data-parallel size d=16"),
+        ("mixtral_8x7b", 16, r"expert_parallel_size=16 must divide num_experts=8 .* choose one of 1, 2, 4, 8"),
+        ("gpt_1.7b", 2, r"expert_parallel_size=2 needs a mixture of experts, but the model is dense"),
+    ],
+)
+def test_estimate_refuses_an_expert_parallel_size_that_cannot_split(model, e, match):
+    with pytest.raises(ValueError, match=match):
+        estimate(model, Cluster.h100(64), 256, tensor_parallel_size=1, pipeline_parallel_size=4, expert_parallel_size=e)
+
+
+def test_ptdp_plan_layout_takes_e(capsys):
+    from lightning_ptdp.planner import main
+
+    argv = [
+        "mixtral_8x7b",
+        "--gpus",
+        "64",
+        "--global-batch-size",
+        "256",
+        "--layout",
+        "t=1,p=4,e=8,v=4,recompute=selective",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("t=1 p=4 d=16 e=8 v=4") and "EP all-to-alls" in out and "expert_parallel_size=8" in out
