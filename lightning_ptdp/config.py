@@ -176,19 +176,11 @@ class ParallelConfig:
 
     def _check_combinations(self) -> None:
         if self.expert_parallel_size > 1:
-            others = {
-                "zero_stage": self.zero_stage == 1,
-                "compile": self.compile is not None,
-            }
-            found = [
-                name if name == "compile" else f"{name}={getattr(self, name)}" for name, on in others.items() if on
-            ]
-            if found:
+            if self.compile is not None:
                 raise ValueError(
-                    f"expert_parallel_size={self.expert_parallel_size} with {' and '.join(found)} is not supported "
-                    "yet: expert parallelism composes with tensor (and sequence) and pipeline parallelism, recompute and "
-                    "zero_stage 0, 2 and 3 so far. Use "
-                    "expert_parallel_size=1 for this layout, or leave the other setting at its default"
+                    f"expert_parallel_size={self.expert_parallel_size} with compile is not supported yet: expert "
+                    "parallelism composes with tensor (and sequence) and pipeline parallelism, recompute and ZeRO 0-3 "
+                    "so far. Use expert_parallel_size=1 for this layout, or compile=None"
                 )
         if self.compile is not None and self.kernels == "triton":
             raise ValueError(

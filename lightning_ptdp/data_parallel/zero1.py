@@ -1,23 +1,89 @@
 """ZeRO stage 1: gradients stay whole (all-reduced over d as at stage 0), the optimizer state is
 sharded over d. torch's ZeroRedundancyOptimizer does the step: each dp rank updates the parameters
-it owns (its local optimizer holds only their state), then broadcasts them to the other replicas."""
+it owns (its local optimizer holds only their state), then broadcasts them to the other replicas.
+With expert parallelism the split experts are owned and broadcast within the d/e ranks that hold
+the same experts (``ExpertZero``)."""
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Expert parallelism under ZeRO-1: which parameters are split experts, and the d/e ranks
+    (``edp``) that hold the same experts. dp rank = edp index * e + ep index (core.dims)."""
+
+    params: frozenset[int]
+    """ids of the split experts' parameters."""
+    edp: Any
+    ep_size: int
+
+
+class ExpertZero(ZeroRedundancyOptimizer):
+    """A ZeroRedundancyOptimizer whose split experts are owned per edp index: the e dp ranks of one
+    index each own their own experts' copy of a parameter, and broadcast it over their edp group.
+    (torch's partitions and broadcasts every parameter over the one dp group: the ep ranks'
+    experts differ, so it would overwrite them; these two overrides are the whole change.)"""
+
+    def __init__(self, params: Any, *, experts: ExpertGroups, **kwargs: Any) -> None:
+        self._experts = experts  # read by the overrides, which the base constructor already calls
+        super().__init__(params, **kwargs)
+
+    def _partition_parameters(self, params_per_rank: Any = None) -> list[list[dict]]:
+        if params_per_rank is not None or self._partition_parameters_cache:
+            return super()._partition_parameters(params_per_rank)
+        e = self._experts.ep_size
+        cache: list[list[dict]] = [[] for _ in range(self.world_size)]
+        dense_sizes, expert_sizes = [0] * self.world_size, [0] * (self.world_size // e)
+        for group in self.param_groups:
+            per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+            for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):  # torch's greedy order
+                if id(param) in self._experts.params:  # one edp index: its e ranks, each holding its own experts
+                    index = expert_sizes.index(min(expert_sizes))
+                    expert_sizes[index] += param.numel()
+                    for rank in range(index * e, (index + 1) * e):
+                        per_rank[rank].append(param)
+                else:
+                    rank = dense_sizes.index(min(dense_sizes))
+                    dense_sizes[rank] += param.numel()
+                    per_rank[rank].append(param)
+            for rank, params in enumerate(per_rank):
+                cache[rank].append({**group, "params": params})
+        self._partition_parameters_cache = cache
+        return cache
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+        mine = dist.get_rank(self.process_group)
+        handles = []
+        for group in self._partition_parameters()[rank]:
+            for param in group["params"]:
+                if id(param) not in self._experts.params:
+                    source = dist.get_global_rank(self.process_group, rank)
+                    handles.append(dist.broadcast(param.data, src=source, group=self.process_group, async_op=True))
+                elif rank % self._experts.ep_size == mine % self._experts.ep_size:  # my edp group's owner
+                    source = dist.get_global_rank(self.process_group, rank)
+                    handles.append(dist.broadcast(param.data, src=source, group=self._experts.edp, async_op=True))
+        return handles
+
+
 def shard_optimizer_states(
-    optimizers: list[Any], scheduler_configs: list[Any], dp_group: Any, names: dict[int, str]
+    optimizers: list[Any],
+    scheduler_configs: list[Any],
+    dp_group: Any,
+    names: dict[int, str],
+    experts: ExpertGroups | None = None,
 ) -> list[Any]:
     """Each optimizer ``configure_optimizers`` built, as a ZeroRedundancyOptimizer over ``dp_group``
     with the same class, groups and hyperparameters; its LR schedulers drive the new one
     (``names``: parameter names by id, to check every dp rank lists the same parameters)."""
-    sharded = {id(optimizer): _shard(optimizer, dp_group, names) for optimizer in optimizers}
+    sharded = {id(optimizer): _shard(optimizer, dp_group, names, experts) for optimizer in optimizers}
     for config in scheduler_configs:
         for scheduler in [config.scheduler, *getattr(config.scheduler, "_schedulers", [])]:
             replacement = sharded.get(id(getattr(scheduler, "optimizer", None)))
@@ -30,7 +96,7 @@ def shard_optimizer_states(
     return [sharded[id(optimizer)] for optimizer in optimizers]
 
 
-def _shard(optimizer: Any, dp_group: Any, names: dict[int, str]) -> Any:
+def _shard(optimizer: Any, dp_group: Any, names: dict[int, str], experts: ExpertGroups | None) -> Any:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         if optimizer.process_group is not dp_group:
             raise ValueError(
@@ -40,17 +106,18 @@ def _shard(optimizer: Any, dp_group: Any, names: dict[int, str]) -> Any:
         return optimizer
     if not any(group["params"] for group in optimizer.param_groups):  # no optimizer (Lightning's stand-in)
         return optimizer
-    _check_same_order(optimizer, dp_group, names)
+    _check_same_order(optimizer, dp_group, names, experts.params if experts else frozenset())
     if optimizer.state:
         raise ValueError(
             f"zero_stage=1 shards the optimizer state at setup, but {type(optimizer).__name__} already holds state "
             "for some parameters; build it fresh in configure_optimizers (resume with ckpt_path= instead)"
         )
     groups = [dict(group) for group in optimizer.param_groups]  # hyperparameters as the schedulers left them
+    kwargs = dict(optimizer_class=type(optimizer), process_group=dp_group, **_constructor_defaults(optimizer))
     try:
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=type(optimizer), process_group=dp_group, **_constructor_defaults(optimizer)
-        )
+        if experts is not None:
+            return ExpertZero(groups, experts=experts, **kwargs)
+        return ZeroRedundancyOptimizer(groups, **kwargs)
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"zero_stage=1 shards the optimizer state with torch's ZeroRedundancyOptimizer, which cannot take this "
@@ -59,10 +126,15 @@ def _shard(optimizer: Any, dp_group: Any, names: dict[int, str]) -> Any:
         ) from error
 
 
-def _check_same_order(optimizer: Any, dp_group: Any, names: dict[int, str]) -> None:
+def _check_same_order(optimizer: Any, dp_group: Any, names: dict[int, str], experts: frozenset[int]) -> None:
     """torch's partition follows the order of each group's parameters: every dp rank must list
-    them alike, or ranks would broadcast different parameters to each other."""
-    mine = [[names.get(id(p), str(tuple(p.shape))) for p in group["params"]] for group in optimizer.param_groups]
+    them alike, or ranks would broadcast different parameters to each other (split experts by
+    shape: each ep rank names its own experts)."""
+
+    def key(param: torch.Tensor) -> str:
+        return f"expert {tuple(param.shape)}" if id(param) in experts else names.get(id(param), str(tuple(param.shape)))
+
+    mine = [[key(p) for p in group["params"]] for group in optimizer.param_groups]
     every: list[Any] = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(every, mine, group=dp_group)
     if any(other != every[0] for other in every):

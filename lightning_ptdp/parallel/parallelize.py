@@ -21,6 +21,7 @@ from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
+from lightning_ptdp.data_parallel.zero1 import ExpertGroups
 from lightning_ptdp.expert_parallel import EPGroup, EPReport, apply_expert_parallel
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
@@ -52,6 +53,8 @@ class Parallelized:
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
     optimizer_state_group: Any = None
     """ZeRO-1 with d > 1: the dp group each optimizer's state is sharded over."""
+    optimizer_experts: Optional[ExpertGroups] = None
+    """ZeRO-1 with expert parallelism: the split experts, sharded over their own d/e ranks."""
     gradients: StepGradients = field(init=False)
 
     def shard_optimizer_states(self, optimizers: list[Any], scheduler_configs: list[Any]) -> list[Any]:
@@ -59,7 +62,9 @@ class Parallelized:
         if self.optimizer_state_group is None:
             return optimizers
         names = {id(p): n for n, p in self.root.named_parameters()}
-        return shard_optimizer_states(optimizers, scheduler_configs, self.optimizer_state_group, names)
+        return shard_optimizer_states(
+            optimizers, scheduler_configs, self.optimizer_state_group, names, self.optimizer_experts
+        )
 
     @property
     def sharding(self) -> ShardingView:
@@ -182,6 +187,9 @@ def parallelize(
         result.module = apply_data_parallel(module, mesh["dp"], ignore=experts)
     if training and config.zero_stage == 1 and dims.dp > 1:
         result.optimizer_state_group = mesh["dp"].get_group()
+        if result.ep_report is not None:
+            split = {id(p) for n, p in module.named_parameters() if n in set(result.ep_report.expert_params)}
+            result.optimizer_experts = ExpertGroups(frozenset(split), expert_mesh["edp"].get_group(), dims.ep)
     result.gradients = step_gradients(module, result, config, dims, mesh, expert_mesh, on_nonfinite, device)
     return result
 

@@ -20,6 +20,7 @@ LAYOUTS = {
     "d4-e4": ({"expert_parallel_size": 4}, 4),
     "t2-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2}, 4),
     "t2-sp-d2-e2": ({"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, 4),
+    "d4-e2-zero1": ({"expert_parallel_size": 2, "zero_stage": 1}, 4),
     "d2-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 2),
     "d4-e2-zero2": ({"expert_parallel_size": 2, "zero_stage": 2}, 4),
     "d4-e2-zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 4),
@@ -27,6 +28,16 @@ LAYOUTS = {
     "p2-d2-e2": (
         {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"},
         4,
+    ),
+    "t2-p2-d2-e2": (
+        {
+            "expert_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "micro_batch_size": 2,
+            "pipeline_schedule": "1f1b",
+        },
+        8,
     ),
 }
 _REFERENCES: dict[tuple, dict] = {}
@@ -139,7 +150,14 @@ STEPS_PER_EPOCH = 4
 
 
 def run_moe_epochs(
-    devices: int, e: int, epochs: int, save: str | None, resume: str | None, fmt: str = "sharded", family: str = ""
+    devices: int,
+    e: int,
+    epochs: int,
+    save: str | None,
+    resume: str | None,
+    fmt: str = "sharded",
+    family: str = "",
+    zero: int = 0,
 ):
     """``family`` for ``epochs`` epochs at d=devices, e; the per-step losses (the global-batch mean)."""
     import lightning as L
@@ -153,7 +171,7 @@ def run_moe_epochs(
     model = build_model(family)
     tokens = STEPS_PER_EPOCH * 8 * 33 + 1
     data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=8 // devices, train_tokens=tokens, val_tokens=100)
-    strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt)
+    strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt, zero_stage=zero)
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
     trainer.fit(model, data, ckpt_path=resume)
@@ -189,6 +207,50 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
         assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
     resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt, family)[0]
     assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+def expert_optimizer_state(devices: int, e: int) -> dict:
+    """Mixtral at d=devices, e, ZeRO-1, one step: the Adam moments this rank holds, experts and the rest."""
+    import lightning as L
+
+    from lightning_ptdp.data_parallel.zero1 import local_optimizer
+    from tests.fit_utils import fit_and_record
+
+    held = {"experts": 0, "dense": 0}
+
+    class Count(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            local = local_optimizer(trainer.strategy.optimizers[0])
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            for group in local.param_groups:
+                for param in group["params"]:
+                    kind = "experts" if EXPERT in names[id(param)] else "dense"
+                    held[kind] += local.state[param]["exp_avg"].numel()
+
+    kwargs = {"expert_parallel_size": e, "zero_stage": 1}
+    fit_and_record("hf_mixtral", strategy_kwargs=kwargs, devices=devices, steps=1, callbacks=[Count()])
+    return held
+
+
+@pytest.mark.world_size(4)
+def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_on_another_layout(dist_pool, tmp_path):
+    """d4 e2 ZeRO-1: each rank holds Adam moments for about 1/d of the experts (its 1/e of them,
+    sharded over the d/e ranks holding them) and 1/d of the rest; saved there (sharded and full),
+    resumed at d2 e2 without ZeRO and at d4 e2 ZeRO-1, the losses continue as if uninterrupted."""
+    held = dist_pool(4).run(expert_optimizer_state, 4, 2)
+    experts, dense = sum(h["experts"] for h in held), sum(h["dense"] for h in held)
+    ref = _reference("hf_mixtral")["held"]
+    assert experts == sum(n for name, (n, _) in ref.items() if EXPERT in name)  # every expert's moments once
+    assert dense == sum(n for name, (n, _) in ref.items() if EXPERT not in name)  # every dense moment once
+    assert max(h["experts"] for h in held) <= 1.5 * experts / 4
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family="hf_mixtral")[0]
+    for fmt in ("sharded", "full"):
+        path = str(tmp_path / f"zero1-{fmt}.ckpt")
+        first = dist_pool(4).run(run_moe_epochs, 4, 2, 1, path, None, fmt, "hf_mixtral", 1)[0]
+        assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+        for devices, zero in ((4, 1), (2, 0)):
+            resumed = dist_pool(devices).run(run_moe_epochs, devices, 2, 2, None, path, fmt, "hf_mixtral", zero)[0]
+            assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (fmt, devices, zero)
 
 
 def fit_with_timeline(dirpath: str) -> dict:

@@ -40,16 +40,9 @@ def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
         ParallelConfig(expert_parallel_size=0)
 
 
-@pytest.mark.parametrize(
-    "other, named",
-    [
-        ({"compile": True}, "compile"),
-        ({"zero_stage": 1}, "zero_stage=1"),
-    ],
-)
-def test_layouts_expert_parallelism_does_not_compose_with_yet_are_refused(other, named):
-    with pytest.raises(ValueError, match=rf"expert_parallel_size=2 with {named} is not supported yet"):
-        ParallelConfig(expert_parallel_size=2, **other)
+def test_layouts_expert_parallelism_does_not_compose_with_yet_are_refused():
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with compile is not supported yet"):
+        ParallelConfig(expert_parallel_size=2, compile=True)
 
 
 def test_a_model_without_moe_layers_is_refused():
