@@ -290,10 +290,10 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         shape = dict(vocab_size=64, seq_length=32, num_layers=2, num_heads=4, hidden_size=32)
         cfg = GPTConfig(**{**shape, **overrides})
         return GPTLightningModule(cfg, OptimConfig(lr=1e-2, warmup_steps=5, max_steps=50))
-    if family == "hf_llama_deferred":
-        from tests.real_models import hf_llama_config_of
+    if family == "hf_deferred":
+        from tests.real_models import hf_config_of
 
-        return DeferredCausalLM(functools.partial(hf_llama_config_of, **overrides))
+        return DeferredCausalLM(functools.partial(hf_config_of, **overrides))
     if family in REAL_FAMILIES:
         return CausalLM(REAL_FAMILIES[family](**overrides))
     if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths

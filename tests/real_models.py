@@ -187,20 +187,20 @@ def titan_llama3() -> nn.Module:
     return model
 
 
-def hf_llama_from(path: str) -> nn.Module:
-    """A transformers Llama loaded from ``save_pretrained`` files (weights known before fit)."""
-    from transformers import LlamaForCausalLM
+def hf_from(path: str) -> nn.Module:
+    """A transformers model loaded from ``save_pretrained`` files (weights known before fit)."""
+    from transformers import AutoModelForCausalLM
 
-    return HFCausalLM(LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa"))
+    return HFCausalLM(AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa"))
 
 
-def hf_llama_config_of(path: str) -> nn.Module:
+def hf_config_of(path: str) -> nn.Module:
     """The same architecture from the folder's config alone (its weights come from the strategy)."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
-    return HFCausalLM(LlamaForCausalLM(config))
+    return HFCausalLM(AutoModelForCausalLM.from_config(config))
 
 
 # More transformers families, each with an idiom of its own: fused q | k | v cut by slicing and a
@@ -308,7 +308,7 @@ REAL_FAMILIES = {
     "litgpt_llama": litgpt_llama,
     "litgpt_pythia": litgpt_pythia,
     "titan_llama3": titan_llama3,
-    "hf_llama_from": hf_llama_from,
+    "hf_from": hf_from,
     **{family: functools.partial(more_hf, family) for family in MORE_HF},
     **{family: functools.partial(moe_hf, family) for family in MOE_HF},
     "litgpt_moe": litgpt_moe,

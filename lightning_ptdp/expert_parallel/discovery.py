@@ -154,15 +154,32 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
     lists = expert_list_candidates(model)
     if not candidates and not lists:
         return [], []
+    on_meta = [site.name for site in lists if any(p.is_meta for p in site.module.parameters())]
+    if on_meta:
+        raise ExpertDiscoveryError(
+            f"the MoE layer '{on_meta[0]}' holds its experts in a ModuleList and was built on the meta device: such a "
+            "layer picks each expert's rows by value (torch.where / nonzero), which cannot run on meta, so the probe "
+            "cannot see how it calls its experts. Build this model with real weights (each rank then keeps its "
+            "n/e experts), or use stacked [n_experts, ...] experts (transformers' MoE models) to build on meta"
+        )
     calls: dict[str, tuple[tuple, dict]] = {}
     list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in lists}
-    hooks = []
-    for name, (module, _) in candidates.items():
+    hooks, stand_ins = [], []
+    for name, (module, n) in candidates.items():
 
         def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
             calls.setdefault(name, (args, kwargs))
 
         hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            # built on meta (configure_model): the experts' own forward picks rows by value (nonzero,
+            # bincount), which meta cannot; their output is rows like the input's, all the probe needs
+            def rows_out(*args: Any, name: str = name, n: int = n, **kwargs: Any) -> torch.Tensor:
+                site = classify_call(name, n, args, kwargs)
+                return torch.zeros_like(site.hidden.get(args, kwargs))
+
+            module.forward = rows_out
+            stand_ins.append(module)
     for site in lists:
         for index, expert in enumerate(getattr(site.module, site.experts_attr)):
 
@@ -176,6 +193,8 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
     finally:
         for hook in hooks:
             hook.remove()
+        for module in stand_ins:
+            del module.forward
     sites = []
     for name, (module, n) in candidates.items():
         if name not in calls:

@@ -1,11 +1,10 @@
 """Start from pretrained weights, shard by shard: each rank reads only the slices it holds.
 
 ``PTDPStrategy(pretrained=PATH)``: a ``.safetensors`` file, a folder of them (a transformers
-checkpoint, with or without its index), or a ``torch.save``-d state_dict (read memory-mapped).
-``configure_model`` builds parameters on meta (buffers stay real, so rotary tables keep their
-values); after TP and the pipeline split each rank allocates its pieces and copies exactly those
-slices (``pieces.pieces``, the checkpoints' geometry). Keys are the parameter names less the
-longest common prefix the files lack (``net.model.`` for ``self.net``), or ``pretrained_prefix``.
+checkpoint) or a ``torch.save``-d state_dict. Parameters built on meta get storage after TP, EP and
+the pipeline split; each rank copies exactly its slices (``pieces.pieces``). Keys are the parameter
+names less the common prefix the files lack (or ``pretrained_prefix``), found through a transformers
+model's own checkpoint conversions (``FileKeys``: Mixtral's per-expert ``experts.{i}.w1`` files).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -43,6 +42,73 @@ class Pretrained:
             raise ValueError(
                 f"pretrained_prefix={self.prefix!r} must be a string such as 'net.' (or None: found from the keys)"
             )
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """A stacked experts tensor ``[n, ...]`` the files hold one tensor per expert: each of
+    ``sources`` formats with ``i``, the expert; several are concatenated along ``dim`` of an expert's
+    tensor (Mixtral's ``w1`` and ``w3`` make ``gate_up_proj``)."""
+
+    sources: tuple[str, ...]
+    dim: int
+
+
+Stored = Union[str, PerExpert]
+
+
+class FileKeys:
+    """Where a parameter's values are in the files: its own key, or what the model's transformers
+    checkpoint conversions (``transformers.conversion_mapping``) say it was saved as, read backwards:
+    plain renamings, and per-expert tensors merged into a stacked one (MergeModulelist on dim 0, then
+    at most one Concatenate). Transformers loads those files so; ptdp reads them shard by shard."""
+
+    def __init__(self, model: nn.Module, keys: set[str]) -> None:
+        self.keys = keys
+        self.renames: list[tuple[str, str]] = []  # (name in the model, name in the files)
+        self.mergers: list[tuple[str, tuple[str, ...], Optional[int]]] = []  # (target, sources, concat dim)
+        for transform in _conversions(model):
+            sources, targets = list(transform.source_patterns), list(transform.target_patterns)
+            operations = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(transform, "operations", [])]
+            if not operations and len(targets) == 1 and all(map(_plain, [*sources, *targets])):
+                self.renames += [(targets[0], source) for source in sources]
+            elif len(targets) == 1 and operations[:1] == [("MergeModulelist", 0)] and len(operations) <= 2:
+                concat = operations[1][1] if len(operations) == 2 and operations[1][0] == "Concatenate" else None
+                if len(operations) == 1 or concat:
+                    self.mergers.append((targets[0], tuple(s.replace("*", "{i}") for s in sources), concat))
+
+    def _renamed(self, key: str) -> list[str]:
+        out = [key]
+        for target, source in self.renames:
+            out += [k.replace(target, source) for k in out if target in k]
+        return out
+
+    def find(self, key: str) -> Optional[Stored]:
+        for candidate in self._renamed(key):
+            if candidate in self.keys:
+                return candidate
+        for target, sources, concat in self.mergers:
+            for candidate in self._renamed(key):
+                if candidate.endswith(target):
+                    stored = tuple(candidate[: -len(target)] + source for source in sources)
+                    if all(source.format(i=0) in self.keys for source in stored):
+                        return PerExpert(stored, (concat or 1) - 1)
+        return None
+
+
+def _plain(pattern: str) -> bool:
+    return not any(c in pattern for c in "^$\\*[](){}|?+")
+
+
+def _conversions(model: nn.Module) -> list[Any]:
+    """The checkpoint conversions of the first transformers model inside ``model`` (none without one)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return list(get_model_conversion_mapping(inner)) if inner is not None else []
 
 
 class WeightSource:
@@ -76,18 +142,31 @@ class WeightSource:
     def keys(self) -> set[str]:
         return set(self._state) if self._state is not None else set(self._files)
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def shape(self, key: Stored) -> tuple[int, ...]:
+        if isinstance(key, PerExpert):
+            n = next(i for i in range(len(self.keys()) + 1) if key.sources[0].format(i=i) not in self.keys())
+            parts = [self.shape(s.format(i=0)) for s in key.sources]
+            width = sum(part[key.dim] for part in parts)
+            return (n, *parts[0][: key.dim], width, *parts[0][key.dim + 1 :])
         return tuple(self._state[key].shape) if self._state is not None else self._shapes[key]
 
-    def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The box [offsets, offsets + shape) of tensor ``key``: only those bytes are read."""
+    def read(self, key: Stored, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box [offsets, offsets + shape) of tensor ``key``: only those bytes are read (per
+        expert: only the files of the experts in the box)."""
         box = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+        if isinstance(key, PerExpert):
+            experts = range(offsets[0], offsets[0] + shape[0])
+            whole = [torch.cat([self._whole(s.format(i=i)) for s in key.sources], key.dim) for i in experts]
+            return torch.stack(whole)[(slice(None), *box[1:])]
         if self._state is not None:
             return self._state[key][box]
         from safetensors import safe_open
 
         with safe_open(self._files[key], framework="pt") as handle:
             return handle.get_slice(key)[box] if box else handle.get_tensor(key)
+
+    def _whole(self, key: str) -> torch.Tensor:
+        return self.read(key, (0,) * len(self.shape(key)), self.shape(key))
 
 
 def _prefix(names: list[str], keys: set[str], given: Optional[str]) -> str:
@@ -114,10 +193,12 @@ def load_pretrained(
     names = {}  # id(param) -> every name it has (tied weights may be saved under one of them)
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).extend([name, *(aliases or {}).get(name, [])])
+    located = FileKeys(model, keys)
     strip = _prefix([n for ns in names.values() for n in ns], keys, prefix)
     cuts, count, missing = tp_cuts(model), 0, []
     for name, param in model.named_parameters():
-        key = next((n[len(strip) :] for n in names[id(param)] if n.startswith(strip) and n[len(strip) :] in keys), None)
+        candidates = (located.find(n[len(strip) :]) for n in names[id(param)] if n.startswith(strip))
+        key = next((k for k in candidates if k is not None), None)
         if key is None:
             missing.append(name)
             continue

@@ -55,10 +55,10 @@ def pretrained_dir(tmp_path_factory) -> str:
 def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp_path):
     from transformers import LlamaForCausalLM
 
-    ref = fit_and_record("hf_llama_from", steps=STEPS, model_overrides={"path": pretrained_dir})
+    ref = fit_and_record("hf_from", steps=STEPS, model_overrides={"path": pretrained_dir})
     loaded = dist_pool(4).run(
         fit_and_record,
-        "hf_llama_from",
+        "hf_from",
         strategy_kwargs=T2P2,
         devices=4,
         steps=STEPS,
@@ -67,7 +67,7 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
     assert_ranks_match_reference(loaded, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     streamed = dist_pool(4).run(
         fit_and_record,
-        "hf_llama_deferred",
+        "hf_deferred",
         strategy_kwargs={**T2P2, "pretrained": pretrained_dir},
         devices=4,
         steps=STEPS,
@@ -105,3 +105,55 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
     consolidated = LlamaForCausalLM.from_pretrained(folder).state_dict()
     for key, value in own.items():
         assert torch.equal(consolidated[key], value), key
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> str:
+    from tests.real_models import moe_hf
+
+    torch.manual_seed(7)
+    folder = tmp_path_factory.mktemp("mixtral")
+    moe_hf("hf_mixtral").model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.world_size(2)
+def test_pretrained_mixture_of_experts_at_d2_e2_and_back_through_from_pretrained(dist_pool, mixtral_dir, tmp_path):
+    """A transformers Mixtral built on the meta device in ``configure_model`` and started from its
+    ``save_pretrained`` files at d2 e2: each rank allocates and reads only its 2 of the 4 experts,
+    and trains as one process loading the files with ``from_pretrained``. The run's sharded
+    checkpoint, consolidated to the model's own keys, loads with ``MixtralForCausalLM.from_pretrained``."""
+    from transformers import MixtralForCausalLM
+
+    from lightning_ptdp.checkpoint.command import main as checkpoint_command
+
+    ref = fit_and_record("hf_from", steps=STEPS, model_overrides={"path": mixtral_dir})
+    streamed = dist_pool(2).run(
+        fit_and_record,
+        "hf_deferred",
+        strategy_kwargs={"expert_parallel_size": 2, "pretrained": mixtral_dir},
+        devices=2,
+        steps=STEPS,
+        model_overrides={"path": mixtral_dir},
+        callbacks=[SaveAtEnd(str(tmp_path / "run.ckpt"))],
+    )
+    assert_ranks_match_reference(streamed, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    sizes = {k: v.numel() for k, v in ref["state"].items() if k in ref["first_grads"]}
+    experts = sum(n for k, n in sizes.items() if ".experts." in k)
+    assert all(r["local_numel"] == sum(sizes.values()) - experts // 2 for r in streamed)  # half the experts each
+
+    folder = tmp_path / "from_checkpoint"
+    folder.mkdir()
+    shutil.copy(Path(mixtral_dir) / "config.json", folder)
+    args = [
+        "consolidate",
+        str(tmp_path / "run.ckpt"),
+        str(folder / "model.safetensors"),
+        "--strip-prefix",
+        "net.model.",
+    ]
+    assert checkpoint_command(args) == 0
+    consolidated = MixtralForCausalLM.from_pretrained(folder).state_dict()
+    trained = next(r["state"] for r in streamed if r["state"])
+    for key, value in trained.items():
+        assert torch.equal(consolidated[key.removeprefix("net.model.")], value), key

@@ -127,3 +127,56 @@ def test_transformers_ep_plan_is_a_logged_cross_check():
     )
     assert "discovery found ['layers.0.mlp.experts']" in ep_plan_cross_check(net, names[:1])
     assert ep_plan_cross_check(MoEFeedForward(8, 16), [""]) is None  # no transformers plan: nothing to compare
+
+
+def test_stacked_experts_built_on_meta_are_found_without_running_them():
+    """On the meta device the experts' forward (nonzero, bincount) cannot run: discovery records
+    their call and answers rows like the input, so the rest of the forward goes on."""
+    from lightning_ptdp.probe import side_effects_muted
+    from tests.real_models import moe_hf
+
+    with torch.device("meta"):
+        net = moe_hf("hf_mixtral")
+    with side_effects_muted(net):  # as the strategy's probe runs (a value read from meta is 0)
+        sites, _ = find_experts(net, lambda: net(torch.randint(0, 64, (2, 8), device="meta")))
+    assert [(s.num_experts, s.top_k) for s in sites] == [(4, 2), (4, 2)]
+    assert all("forward" not in s.module.__dict__ for s in sites)  # the stand-in is gone again
+
+
+def test_module_list_experts_built_on_meta_are_refused_with_the_reason():
+    from tests.models import MoEFeedForward
+
+    with torch.device("meta"):
+        net = MoEFeedForward(8, 16)
+    with pytest.raises(ExpertDiscoveryError, match=r"MoE layer '' holds its experts in a ModuleList and was built on"):
+        find_experts(net, lambda: net(torch.randn(3, 8, device="meta")))
+
+
+def test_pretrained_reads_per_expert_files_into_stacked_experts_only_for_its_experts(tmp_path):
+    """transformers saves Mixtral as its Hub checkpoints are: one w1/w2/w3 per expert under
+    'block_sparse_moe'. Read backwards through the model's own conversions, experts [2, 4) of the
+    stacked gate_up_proj are w1 and w3 of experts 2 and 3 concatenated, and only their files are read."""
+    from lightning_ptdp.parallel.pretrained import FileKeys, PerExpert, WeightSource
+    from tests.real_models import moe_hf
+
+    net = moe_hf("hf_mixtral").model
+    net.save_pretrained(tmp_path)
+    source = WeightSource(str(tmp_path))
+    keys = FileKeys(net, source.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in source.keys()
+    assert keys.find("model.layers.0.mlp.gate.weight") == "model.layers.0.block_sparse_moe.gate.weight"
+    assert keys.find("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    gate_up = keys.find("model.layers.0.mlp.experts.gate_up_proj")
+    head = "model.layers.0.block_sparse_moe.experts.{i}"
+    assert gate_up == PerExpert((f"{head}.w1.weight", f"{head}.w3.weight"), 0)
+    assert keys.find("model.layers.1.mlp.experts.down_proj") == PerExpert(
+        ("model.layers.1.block_sparse_moe.experts.{i}.w2.weight",), 0
+    )
+    stacked = net.model.layers[0].mlp.experts.gate_up_proj
+    assert source.shape(gate_up) == tuple(stacked.shape)
+    read: list[str] = []
+    whole = source._whole
+    source._whole = lambda key: read.append(key) or whole(key)
+    assert torch.equal(source.read(gate_up, (2, 0, 0), (2, *stacked.shape[1:])), stacked[2:4].detach())
+    assert sorted(read) == sorted(f"{head.format(i=i)}.{w}.weight" for i in (2, 3) for w in ("w1", "w3"))
+    assert keys.find("model.layers.0.mlp.experts.nothing") is None
