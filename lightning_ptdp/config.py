@@ -175,13 +175,6 @@ class ParallelConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
-        if self.expert_parallel_size > 1:
-            if self.compile is not None:
-                raise ValueError(
-                    f"expert_parallel_size={self.expert_parallel_size} with compile is not supported yet: expert "
-                    "parallelism composes with tensor (and sequence) and pipeline parallelism, recompute and ZeRO 0-3 "
-                    "so far. Use expert_parallel_size=1 for this layout, or compile=None"
-                )
         if self.compile is not None and self.kernels == "triton":
             raise ValueError(
                 "kernels='triton' with compile: ptdp's Triton kernels are routed by a runtime hook that inductor "

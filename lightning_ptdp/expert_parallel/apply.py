@@ -127,7 +127,9 @@ def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> Non
             name=site.name,
         )
 
-    module.forward = types.MethodType(forward, module)
+    # the exchange's split sizes are values (counts read back): under compile= it runs eagerly,
+    # one break in the compiled block, its rows feeding the graph again after it
+    module.forward = types.MethodType(torch.compiler.disable(forward), module)
 
 
 def has_split_experts(model: nn.Module) -> bool:

@@ -96,7 +96,7 @@ def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats)
         finally:
             current["calls"] = None
 
-    module.forward = types.MethodType(forward, module)
+    module.forward = types.MethodType(torch.compiler.disable(forward), module)  # as stacked experts' (apply.py)
     shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
     module.__dict__["_ptdp_expert_list"] = (site.experts_attr, shard)
     return shard, [

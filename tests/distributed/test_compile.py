@@ -148,3 +148,26 @@ def test_network_compiled_whole_under_pipeline_breaks_only_where_a_chunk_ends(di
     not trace): the same values, with graph breaks there and nowhere else. Compiling per block
     (``compile=``) has none."""
     _fit(dist_pool, "llama", layout, CHUNK_END_BREAK, compile_inner=True)
+
+
+# the exchange's split sizes are values read back (counts), so ptdp runs it eagerly: one break per MoE layer
+EXCHANGE_BREAK = ("Skip calling `torch.compiler.disable()`d function",)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("family", ["hf_mixtral", "moe_llama"])
+def test_expert_parallel_compiles_around_the_exchange(dist_pool, family):
+    """d2 e2 with ``compile=``: attention, norms and the router compiled, the all-to-all and the
+    experts it feeds eager; the same values as one process with every block compiled."""
+    results = dist_pool(2).run(
+        fit_and_record,
+        family,
+        strategy_kwargs={"expert_parallel_size": 2, "compile": INDUCTOR},
+        devices=2,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+    )
+    key = (family, "blocks")
+    if key not in _REFERENCES:
+        _REFERENCES[key] = fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, compile_blocks=INDUCTOR)
+    _check(results, _REFERENCES[key], 0.8, EXCHANGE_BREAK)

@@ -40,11 +40,6 @@ def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
         ParallelConfig(expert_parallel_size=0)
 
 
-def test_layouts_expert_parallelism_does_not_compose_with_yet_are_refused():
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with compile is not supported yet"):
-        ParallelConfig(expert_parallel_size=2, compile=True)
-
-
 def test_a_model_without_moe_layers_is_refused():
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     with pytest.raises(ExpertDiscoveryError, match=r"expert_parallel_size=2, but the model has no mixture-of-experts"):
