@@ -91,6 +91,7 @@ def fit_and_record(
     compile_blocks: dict | None = None,
     compile_whole: bool = False,
     compile_inner: bool = False,
+    lightning_strategy: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
@@ -101,6 +102,7 @@ def fit_and_record(
     ``compile_inner``: the LightningModule's network replaced by ``torch.compile(network)``.
     ``accumulate``: the same global batches in that many equal parts (``accumulate_grad_batches``),
     the same samples in the same order; losses are still one per optimizer step.
+    ``lightning_strategy``: one of Lightning's own strategies by name ("ddp"), as a reference.
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -123,6 +125,8 @@ def fit_and_record(
                 block.compile(**compile_blocks)
     replicas = 1
     strategy: Any = "auto"
+    if lightning_strategy is not None:
+        strategy, replicas = lightning_strategy, devices
     if strategy_kwargs is not None:
         layout = {f.name for f in dataclasses.fields(ParallelConfig)}
         config = ParallelConfig(**{k: v for k, v in strategy_kwargs.items() if k in layout})
@@ -134,7 +138,7 @@ def fit_and_record(
     datamodule = zoo_data(
         global_batch // (replicas * accumulate), (steps + 1) * global_batch * (SEQ + 1), 4 * (SEQ + 1)
     )
-    if strategy_kwargs is None:
+    if strategy_kwargs is None and lightning_strategy is None:
         use_distributed_order(datamodule, seed)
     recorder = LossRecorder()
     extra = {"accumulate_grad_batches": accumulate} if accumulate > 1 else {}

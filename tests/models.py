@@ -221,6 +221,23 @@ class CausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+class MoEWithBalancingLoss(CausalLM):
+    """A transformers MoE trained with its own load-balancing loss: cross-entropy plus the auxiliary
+    loss transformers computes from the router logits of the tokens in this forward (so it depends on
+    which tokens share a batch), at weight 1 (the configs' 0.001-0.02 would hide that in round-off)."""
+
+    balancing_weight = 1.0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        model = self.net.model
+        out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        loss = loss + self.balancing_weight * out.aux_loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class FlatLlama(CausalLM):
     """The most common Lightning layout: the LightningModule holds its blocks itself
     (``self.layers = nn.ModuleList(...)``), with no network module around them."""
@@ -294,6 +311,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         from tests.real_models import hf_config_of
 
         return DeferredCausalLM(functools.partial(hf_config_of, **overrides))
+    if family == "hf_mixtral_balanced":
+        return MoEWithBalancingLoss(REAL_FAMILIES["hf_mixtral"](**overrides))
     if family in REAL_FAMILIES:
         return CausalLM(REAL_FAMILIES[family](**overrides))
     if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths

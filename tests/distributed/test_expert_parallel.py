@@ -283,3 +283,19 @@ def test_pipeline_timeline_shows_the_all_to_all(dist_pool, tmp_path):
     for pp in range(2):  # the strip above each pipeline rank's row
         row = first["rows"][_TOP + pp * _ROW + 5]
         assert _EXCHANGE in {tuple(row[i : i + 3]) for i in range(0, len(row), 3)}, pp
+
+
+@pytest.mark.world_size(2)
+def test_a_models_own_load_balancing_loss_sees_each_ranks_tokens_as_under_ddp(dist_pool):
+    """Mixtral trained with its own auxiliary load-balancing loss (computed from the router logits of
+    the tokens in one forward): at d2 e2 each rank balances its own tokens, as Lightning's DDP at d2
+    does; the same losses, first gradients and final weights (fp32: LOSS_RTOL, GRAD_REL, UPDATE_REL)."""
+    from tests.fit_utils import fit_and_record
+
+    kwargs = dict(devices=2, steps=STEPS)
+    ddp = dist_pool(2).run(fit_and_record, "hf_mixtral_balanced", lightning_strategy="ddp", **kwargs)
+    ep = dist_pool(2).run(fit_and_record, "hf_mixtral_balanced", strategy_kwargs={"expert_parallel_size": 2}, **kwargs)
+    single = _reference("hf_mixtral_balanced")
+    apart = max(abs(a / b - 1) for a, b in zip(ddp[0]["losses"], single["losses"]))
+    assert apart > 10 * LOSS_RTOL  # the balancing term sees the batch: a global one would fail the check below
+    _check(ep, ddp[0], {"expert_parallel_size": 2}, 2)
