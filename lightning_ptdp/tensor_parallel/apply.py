@@ -262,6 +262,7 @@ def apply_tensor_parallel(
             for region in plan.regions:
                 for name in (*region.columns, region.row):
                     report.entries.append((_join(path, f"{i}.{name}"), region.style(name), _layout_text(block, name)))
+            report.entries += [(_join(path, f"{i}.{name}"), "replicated", WHOLE) for name in plan.replicated]
         if sequence_parallel:  # every replicated parameter in the blocks gets a partial gradient
             _enter_sequence_parallel(blocks, tp, report)
         else:  # only those applied to this rank's heads (per-head q/k norms)
@@ -273,6 +274,9 @@ def apply_tensor_parallel(
     _shard_vocabulary(model, tp, inside, report)
     report.entries = cross_check(model, report.entries)
     return report
+
+
+WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
 
 
 def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -336,5 +340,6 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                 what = "heads" if unit_size > 1 else "units"
                 detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                 report.entries.append((_join(path, f"*.{name}"), region.style(name), detail))
+        report.entries += [(_join(path, f"*.{name}"), "replicated", WHOLE) for name in plan.replicated]
     report.entries = cross_check(model, report.entries)
     return report

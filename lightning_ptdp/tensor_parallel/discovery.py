@@ -47,8 +47,42 @@ def _linear_nodes(gm: RecordedBlock) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and is_linear_like(gm.get_submodule(n.target))]
 
 
-def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
-    found, seen, stack = set(), set(), list(node.all_input_nodes)
+_INDEXING = {"getitem", "__getitem__", "index_select", "gather", "take_along_dim", "masked_select"}
+
+
+def _integer(node: fx.Node) -> bool:
+    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _from_values(node: fx.Node) -> bool:
+    """An integer tensor computed from float values in the block (top-k indices, a routing mask),
+    not from positions or the block's own integer inputs."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        meta = n.meta.get("tensor_meta")
+        if n is not node and getattr(meta, "dtype", None) is not None and meta.dtype.is_floating_point:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _picks_rows(node: fx.Node) -> bool:
+    """Rows of a tensor picked by an index computed from values: a routed expert's ``x[token_idx]``."""
+    if _call_name(node) not in _INDEXING:
+        return False
+    return any(_integer(n) and _from_values(n) for n in node.all_input_nodes[1:])
+
+
+def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], bool]:
+    """The Linears feeding ``node`` (through anything but another Linear), and whether its input
+    rows are picked by the routing on the way; the routing's index is not followed (it picks rows,
+    carrying no Linear's values: a router does not feed the experts it routes to)."""
+    found, seen, stack, picked = set(), set(), list(node.all_input_nodes), False
     while stack:
         n = stack.pop()
         if n in seen:
@@ -56,20 +90,32 @@ def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
         seen.add(n)
         if n in linears:
             found.add(n)
+        elif _picks_rows(n):
+            picked = True
+            stack.append(n.all_input_nodes[0])
         else:
             stack.extend(n.all_input_nodes)
-    return found
+    return found, picked
 
 
-def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
+def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[str]]:
     """Group the block's Linears into column -> row regions from the dataflow alone.
 
     In graph order: a Linear fed by no other Linear, or only by rows (whose outputs are whole again
     after their reduction, e.g. through the residual stream), opens a region as a column; a Linear
-    fed only by columns closes their region as its row.
+    fed only by columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``):
+    a column no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear),
+    and the experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert
+    tensor parallel size 1; expert parallelism splits them).
     """
-    linears = _linear_nodes(gm)
-    upstream = {n: _upstream_linears(n, set(linears)) for n in linears}
+    everything = _linear_nodes(gm)
+    found = {n: _upstream_linears(n, set(everything)) for n in everything}
+    routed: set[fx.Node] = set()  # a routed expert's Linears, and what they feed: whole on every rank
+    for node in everything:
+        if found[node][1] or found[node][0] & routed:
+            routed.add(node)
+    linears = [n for n in everything if n not in routed]
+    upstream = {n: found[n][0] for n in linears}
     role: dict[fx.Node, str] = {}
     for node in linears:
         feeders = {role[u] for u in upstream[node]}
@@ -101,13 +147,7 @@ def find_regions(gm: RecordedBlock, name: str) -> list[RegionPlan]:
         ordered = [c for c in linears if c in cols]
         regions.append(RegionPlan([c.target for c in ordered], row.target, next(iter(inputs)).name))
         used.update(cols, {row})
-    stray = [n.target for n in linears if n not in used]
-    if stray:
-        raise TPDiscoveryError(
-            f"block '{name}': linear '{stray[0]}' opens a region that no row-parallel linear closes, "
-            "so its tensor-parallel role is unknown; " + plan_hint(name, stray[0])
-        )
-    return regions
+    return regions, [n.target for n in everything if n not in used]
 
 
 def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
@@ -189,7 +229,7 @@ def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
 
 def plan_block(gm: RecordedBlock, name: str, tp_size: int) -> BlockPlan:
     """Regions, layouts (validated against t) and the rewritten graph for one block."""
-    regions = find_regions(gm, name)
+    regions, replicated = find_regions(gm, name)
     ratios: dict[str, int] = {}
     for region in regions:
         detect_layouts(gm, region)
@@ -207,7 +247,7 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int) -> BlockPlan:
         working = [r for r in regions if id(r) not in failed]
         raise TPDiscoveryError(f"{failures[0][1]}; " + working_plan_hint(name, working, tp_size)) from failures[0][1]
     gm.graph.lint()
-    return BlockPlan(gm.graph, regions)
+    return BlockPlan(gm.graph, regions, replicated)
 
 
 def _divisors(n: int) -> str:

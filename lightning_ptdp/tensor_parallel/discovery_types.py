@@ -145,6 +145,8 @@ class BlockPlan:
 
     graph: fx.Graph
     regions: list[RegionPlan]
+    replicated: list[str] = field(default_factory=list)
+    """Linears no region holds (their output reaches no Linear): whole on every rank."""
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

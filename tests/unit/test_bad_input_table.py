@@ -24,10 +24,6 @@ STRATEGY = [
     ),
     ({"pipeline_parallel_size": "2"}, r"pipeline_parallel_size='2' must be a positive integer, got str"),
     ({"expert_parallel_size": 0}, r"expert_parallel_size=0 must be >= 1"),
-    (
-        {"expert_parallel_size": 2, "zero_stage": 1},
-        r"expert_parallel_size=2 with zero_stage=1 is not supported yet",
-    ),
     ({"data_parallel_size": "all"}, r"data_parallel_size='all' must be a positive integer"),
     ({"data_parallel_size": 0}, r"data_parallel_size=0 must be >= 1"),
     ({"virtual_pipeline_size": -1}, r"virtual_pipeline_size=-1 must be >= 1"),

@@ -175,3 +175,46 @@ def test_pretrained_reads_per_expert_files_into_stacked_experts_only_for_its_exp
     assert torch.equal(source.read(gate_up, (2, 0, 0), (2, *stacked.shape[1:])), stacked[2:4].detach())
     assert sorted(read) == sorted(f"{head.format(i=i)}.{w}.weight" for i in (2, 3) for w in ("w1", "w3"))
     assert keys.find("model.layers.0.mlp.experts.nothing") is None
+
+
+def _tp_styles(family: str) -> dict[str, str]:
+    from lightning_ptdp.tensor_parallel import tensor_parallel_plan
+    from tests.models import build_model
+
+    net = build_model(family)
+    plan = tensor_parallel_plan(net, 2, lambda: net.logits(torch.randint(0, 64, (2, 8))))
+    return {name.split(".*.")[-1]: style for name, style, _ in plan.entries if ".*." in name}
+
+
+def test_tensor_parallel_discovery_keeps_routers_gates_and_routed_experts_whole():
+    """At t=2: Qwen2-MoE's shared expert splits as an MLP and its sigmoid gate (a Linear whose
+    output reaches no Linear) stays whole; a ModuleList MoE's experts, fed rows picked by the
+    routing, stay whole (expert parallelism splits them), its router too; attention splits."""
+    qwen = _tp_styles("hf_qwen2_moe")
+    assert qwen["mlp.shared_expert.gate_proj"] == "colwise" and qwen["mlp.shared_expert.down_proj"] == "rowwise"
+    assert qwen["mlp.shared_expert_gate"] == "replicated" and qwen["self_attn.o_proj"] == "rowwise"
+    litgpt = _tp_styles("litgpt_moe")
+    assert litgpt["mlp.gate"] == "replicated" and litgpt["attn.proj"] == "rowwise"
+    assert {style for name, style in litgpt.items() if ".experts." in name} == {"replicated"}
+    assert len([name for name in litgpt if ".experts." in name]) == 4 * 3  # every expert's three Linears
+
+
+class MixedFeed(nn.Module):
+    """A Linear fed both by a column's output and by a row's (whole again): no column -> row pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.back, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up(x)
+        return x + self.out(up + self.back(up))
+
+
+def test_a_linear_fed_by_a_column_and_the_residual_stream_is_still_refused():
+    from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+
+    net = nn.Sequential(nn.Embedding(64, 8), nn.ModuleList([MixedFeed(), MixedFeed()]))
+    net.forward = lambda ids: net[1][1](net[1][0](net[0](ids)))  # type: ignore[method-assign]
+    with pytest.raises(TPDiscoveryError, match=r"linear 'out' is fed both by a column-parallel linear and by"):
+        tensor_parallel_plan(net, 2, lambda: net(torch.randint(0, 64, (2, 8))))
