@@ -206,8 +206,8 @@ def hf_config_of(path: str) -> nn.Module:
 # More transformers families, each with an idiom of its own: fused q | k | v cut by slicing and a
 # fused gate_up (Phi-3), per-KV-group fused q/k/v broadcast to the query heads (Falcon), q/k/v
 # biases (Qwen2), per-head q/k norms (Qwen3), scaled embeddings (Gemma), learned positions and
-# ReLU MLP (OPT), partial rotary (StableLM), unparameterised norms (OLMo), eager attention (Gemma-2,
-# GPT-J).
+# ReLU MLP (OPT), partial rotary (StableLM), unparameterised norms (OLMo), q/k RMSNorms over all
+# heads (OLMo-2), eager attention (Gemma-2, GPT-J).
 MORE_HF = {
     "hf_phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=KV_HEADS, pad_token_id=0)),
     "hf_falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=KV_HEADS)),
@@ -217,6 +217,7 @@ MORE_HF = {
     "hf_opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=FFN, word_embed_proj_dim=HIDDEN, dropout=0.0)),
     "hf_stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=KV_HEADS)),
     "hf_olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=KV_HEADS)),
+    "hf_olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=KV_HEADS)),
     # eager attention written out (matmul, softmax, matmul), softcapping, alternating sliding windows
     "hf_gemma2": (
         "Gemma2Config",

@@ -19,8 +19,8 @@ STAMP = (
 )
 MOE_STAMP = (
     "Mixture-of-experts families, `tests/distributed/test_expert_parallel.py`, the same check: e ranks of the d "
-    "data-parallel ones split the experts (dN-eM), each holding n_experts / e of them; '-': tensor-parallel "
-    "discovery does not split that block yet (a shared-expert gate, q/k norms over all heads, ModuleList experts)."
+    "data-parallel ones split the experts (dN-eM), each holding n_experts / e of them; under t the experts stay "
+    "whole on each tp rank (Megatron's expert tensor parallel size 1)."
 )
 
 

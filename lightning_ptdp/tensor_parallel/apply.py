@@ -35,6 +35,7 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
     resolve_plan,
     rewrite,
 )
+from lightning_ptdp.tensor_parallel.feature_norm import shard_feature_norm
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -258,6 +259,10 @@ def apply_tensor_parallel(
         for i, block in enumerate(blocks):
             inside.update(id(m) for m in block.modules())
             _shard_block(block, plan.regions, tp)
+            for region in plan.regions:
+                for target, norm in region.feature_norms.items():
+                    shard_feature_norm(block.get_submodule(target), norm, tp)
+                    report.entries.append((_join(path, f"{i}.{target}"), "replicated", NORM))
             _install_program(block, plan, program, tp, sequence_parallel)
             for region in plan.regions:
                 for name in (*region.columns, region.row):
@@ -277,6 +282,7 @@ def apply_tensor_parallel(
 
 
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
+NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
 
 def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -341,5 +347,7 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                 detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                 report.entries.append((_join(path, f"*.{name}"), region.style(name), detail))
         report.entries += [(_join(path, f"*.{name}"), "replicated", WHOLE) for name in plan.replicated]
+        norms = [name for region in plan.regions for name in region.feature_norms]
+        report.entries += [(_join(path, f"*.{name}"), "replicated", NORM) for name in norms]
     report.entries = cross_check(model, report.entries)
     return report

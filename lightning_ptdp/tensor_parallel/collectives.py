@@ -1,11 +1,11 @@
-"""Megatron's collectives as small autograd functions over one tensor-parallel group, by Megatron's names:
-  copy_to_tp_region                 identity / all-reduce                 column-parallel region input
-  reduce_from_tp_region             all-reduce / identity                 row-parallel region output
-  gather_from_sp_region             all-gather(T) / reduce-scatter(T)     SP: region input
-  reduce_scatter_to_sp_region       reduce-scatter(T) / all-gather(T)     SP: region output
-  scatter_to_sp_region              own chunk / all-gather(T)             SP: entering the blocks
-  gather_from_sp_region_split_grad  all-gather(T) / own chunk             SP: leaving the blocks
-(forward / backward; T is dim 1 of batch-first activations.) Calls go through ``torch.distributed``.
+"""Megatron's collectives, autograd functions over one tp group (forward / backward; T: dim 1, sequence):
+copy_to_tp_region                 identity / all-reduce                 column-parallel region input
+reduce_from_tp_region             all-reduce / identity                 row-parallel region output
+gather_from_sp_region             all-gather(T) / reduce-scatter(T)     SP: region input
+reduce_scatter_to_sp_region       reduce-scatter(T) / all-gather(T)     SP: region output
+scatter_to_sp_region              own chunk / all-gather(T)             SP: entering the blocks
+gather_from_sp_region_split_grad  all-gather(T) / own chunk             SP: leaving the blocks
+sum_over_tp_region                all-reduce / all-reduce               a statistic of all ranks' features
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ gather_from_sp_region = _conjugate_pair("GatherFromSPRegion", _all_gather_seq, _
 reduce_scatter_to_sp_region = _conjugate_pair("ReduceScatterToSPRegion", _reduce_scatter_seq, _all_gather_seq)
 scatter_to_sp_region = _conjugate_pair("ScatterToSPRegion", _own_chunk, _all_gather_seq)
 gather_from_sp_region_split_grad = _conjugate_pair("GatherFromSPRegionSplitGrad", _all_gather_seq, _own_chunk)
+sum_over_tp_region = _conjugate_pair("SumOverTPRegion", _all_reduce, _all_reduce)  # every rank uses the sum
 
 
 def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

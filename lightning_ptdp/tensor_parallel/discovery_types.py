@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm
+
 
 def _blocks_glob(block: str) -> str:
     return re.sub(r"\.[^.]+$", ".*", block) if "." in block else "*"
@@ -128,6 +130,7 @@ class RegionPlan:
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
     partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
+    feature_norms: dict[str, FeatureNorm] = field(default_factory=dict)  # norms over all heads (feature_norm.py)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
 
     def style(self, name: str) -> str:

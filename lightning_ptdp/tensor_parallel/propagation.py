@@ -27,6 +27,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
     _shape_args,
 )
+from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,17 @@ class ShardPropagation:
         if isinstance(module, nn.Linear):
             raise self.fail(node, "is a second linear reading the sharded activations")
         if any(True for _ in module.parameters()):
-            if info.dim == len(_shape(src)) - 1:
-                raise self.fail(node, "has parameters over the sharded feature dim")
             if info.ratio != self.tp_size:
                 raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
-            # applied to this rank's heads only (a per-head q/k norm): its gradient sums over the group
+            if info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
+                norm = feature_norm_of(module, _shape(src)[-1])
+                if norm is None or info.bounds:
+                    raise self.fail(
+                        node, "has parameters over the sharded feature dim (and is no RMSNorm or LayerNorm over them)"
+                    )
+                self.region.feature_norms[node.target] = norm
+            # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
+            # all heads): its gradient sums over the group
             self.region.partial.append(node.target)
         if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
             self._tuple_module(node)

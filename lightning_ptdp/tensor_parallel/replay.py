@@ -27,6 +27,15 @@ from lightning_ptdp.tensor_parallel.recording import CallSite, SiteCounter, is_l
 from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard
 
 
+@torch.compiler.disable  # eagerly: the message reads the user's source line, which dynamo cannot
+def _refuse_outside_use(site: CallSite) -> None:
+    raise TPDiscoveryError(
+        f"tensor parallelism under torch.compile: with sequence_parallel=True the region input read at "
+        f"{site.where()} is also used outside its region (a post-norm block adds it to the residual), which only "
+        "the uncompiled replay can serve; compile without sequence_parallel, or leave this block uncompiled"
+    )
+
+
 def snapshot_args(graph: fx.Graph) -> dict[fx.Node, tuple]:
     """Each recorded call's arguments before discovery rewrites them."""
     return {n: (n.args, n.kwargs) for n in graph.nodes if "site" in n.meta}
@@ -206,11 +215,7 @@ class BlockRuntime:
         entry.activate(tensor)
         site = next((site for site, regions in self.program.outside.items() if k in regions), None)
         if site is not None:
-            raise TPDiscoveryError(
-                f"tensor parallelism under torch.compile: with sequence_parallel=True the region input read at "
-                f"{site.where()} is also used outside its region, which only the uncompiled replay can serve; "
-                "compile without sequence_parallel, or leave this block uncompiled"
-            )
+            _refuse_outside_use(site)
         self.depth += 1  # the entry's own ops run under the replay mode here: leave them alone
         try:
             return entry.enter(tensor)[0]

@@ -73,14 +73,7 @@ def _check(results: list[dict], ref: dict, strategy_kwargs: dict, devices: int) 
         assert all(held[name] <= full[name] for name in held)
 
 
-# TP discovery does not split OLMoE's blocks yet: q/k norms over all heads (refused as for OLMo-2)
-NO_TP_YET = ("hf_olmoe",)
-CASES = [
-    (family, layout)
-    for family in sorted(MOE_FAMILIES)
-    for layout in LAYOUTS
-    if family not in NO_TP_YET or "t2" not in layout
-]
+CASES = [(family, layout) for family in sorted(MOE_FAMILIES) for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize(

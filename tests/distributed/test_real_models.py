@@ -53,8 +53,13 @@ def test_one_step_matches_single_process(dist_pool, family, sequence_parallel):
         assert held < 0.6 * sum(g.numel() for g in ref["grads"].values())
 
 
+# OLMo-2 is post-norm: its attention reads the block input, which the residual add also uses; the
+# compiled SP replay cannot serve both (refused with the reason: test_compiled_sp_refuses_a_post_norm_block)
+COMPILED_SP_FAMILIES = [f for f in (*TP_FAMILIES, *MORE_HF, "gpt", "nanogpt", "llama") if f != "hf_olmo2"]
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("family", (*TP_FAMILIES, *MORE_HF, "gpt", "nanogpt", "llama"))
+@pytest.mark.parametrize("family", COMPILED_SP_FAMILIES)
 def test_compiled_tp_blocks_have_no_graph_break(dist_pool, family):
     """t=2 with sequence parallelism, every block's forward compiled with fullgraph=True after the
     rewrites (any break would raise): ptdp adds no graph break inside a block, by dynamo's own count.
@@ -68,6 +73,16 @@ def test_compiled_tp_blocks_have_no_graph_break(dist_pool, family):
             if not _zero_in_exact_arithmetic(expected):
                 err = relative_error(result["grads"][name], expected, expected)
                 assert err <= GRAD_REL, f"{name}: gradient relative error {err:.1e}"
+
+
+@pytest.mark.world_size(2)
+def test_compiled_sp_refuses_a_post_norm_block(dist_pool):
+    from lightning_ptdp.testing import RankFailure
+    from tests.fit_utils import fit_and_record
+
+    kwargs = {"tensor_parallel_size": 2, "sequence_parallel": True, "compile": {"backend": "aot_eager"}}
+    with pytest.raises(RankFailure, match=r"with sequence_parallel=True the region input read at .*modeling_olmo2"):
+        dist_pool(2).run(fit_and_record, "hf_olmo2", strategy_kwargs=kwargs, devices=2, steps=1)
 
 
 # The conformance matrix: each family x layout trained with the Trainer for a few steps.

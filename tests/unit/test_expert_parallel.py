@@ -218,3 +218,28 @@ def test_a_linear_fed_by_a_column_and_the_residual_stream_is_still_refused():
     net.forward = lambda ids: net[1][1](net[1][0](net[0](ids)))  # type: ignore[method-assign]
     with pytest.raises(TPDiscoveryError, match=r"linear 'out' is fed both by a column-parallel linear and by"):
         tensor_parallel_plan(net, 2, lambda: net(torch.randint(0, 64, (2, 8))))
+
+
+def test_a_norm_over_all_heads_is_recognised_by_what_it_computes():
+    """OLMo-2 / OLMoE q/k norms: RMSNorm over all heads' features; nn.LayerNorm too; a module that
+    only scales by a weight of that size is no norm (TP then refuses it, as before)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, feature_norm_of
+
+    assert feature_norm_of(Olmo2RMSNorm(16, eps=1e-6), 16) == FeatureNorm("rms", 1e-6, 16)
+    assert feature_norm_of(nn.LayerNorm(16, eps=1e-5), 16) == FeatureNorm("layer", 1e-5, 16)
+    with torch.device("meta"):  # checked on a CPU copy: a model built on meta is recognised too
+        on_meta = Olmo2RMSNorm(16, eps=1e-6)
+    assert feature_norm_of(on_meta, 16) == FeatureNorm("rms", 1e-6, 16)
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(16)), 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    assert feature_norm_of(Scale(), 16) is None
+    assert feature_norm_of(nn.LayerNorm(16), 8) is None  # not over the sharded features
