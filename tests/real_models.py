@@ -9,6 +9,7 @@ Imports are inside the builders: collecting tests never pays for transformers' i
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn as nn
@@ -187,6 +188,59 @@ def titan_llama3() -> nn.Module:
     return model
 
 
+def _grouped_experts_in_model_dtype(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """torchtitan's GroupedExperts forward, the same three GEMMs per expert, in the model's dtype: its
+    own casts rows and weights to bf16 inside (whose one rounding of each gradient moves with the
+    order EP delivers rows in), which an fp32 comparison at 1e-5 cannot take. test_bf16.py runs its own."""
+    ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
+    out, start = [], 0
+    for expert, end in enumerate(ends):
+        rows = x_RD[start:end]
+        hidden = F.silu(rows @ self.w1_EFD[expert].T) * (rows @ self.w3_EFD[expert].T)
+        out.append(hidden @ self.w2_EDF[expert].T)
+        start = end
+    return torch.cat(out)
+
+
+def titan_qwen3_moe(model_dtype_experts: bool = True) -> nn.Module:
+    """torchtitan's Qwen3-MoE at the zoo's shape: 4 experts, top-2, in its RoutedExperts (token
+    dispatcher + GroupedExperts, whose grouped GEMMs run in bf16 whatever the model's dtype;
+    ``model_dtype_experts``: their forward in the model's dtype instead)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+
+    head_dim = HIDDEN // HEADS
+    layers = _build_qwen3_moe_layers(
+        n_layers=2,
+        dim=HIDDEN,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        head_dim=head_dim,
+        moe_hidden_dim=FFN,
+        num_experts=4,
+        top_k=2,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ, theta=10000.0),
+    )
+    config = Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=HIDDEN,
+        norm=_qwen3_norm(HIDDEN),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
+        lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
+        layers=layers,
+    )
+    model = config.build()
+    model.init_states()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = CausalSDPA()
+        if model_dtype_experts:
+            experts = layer.moe.routed_experts.inner_experts
+            experts.forward = types.MethodType(_grouped_experts_in_model_dtype, experts)
+    return model
+
+
 def hf_from(path: str) -> nn.Module:
     """A transformers model loaded from ``save_pretrained`` files (weights known before fit)."""
     from transformers import AutoModelForCausalLM
@@ -296,9 +350,10 @@ FAMILY_NAMES = {
     "hf_olmoe": "transformers OlmoeForCausalLM",
     "litgpt_moe": "litgpt GPT, LLaMAMoE (ModuleList of experts)",
     "moe_llama": "a plain PyTorch MoE (ModuleList, empty experts skipped)",
+    "titan_qwen3_moe": "torchtitan Qwen3-MoE (RoutedExperts, GroupedExperts in bf16)",
 }
 # every mixture-of-experts family, for the expert-parallel matrix
-MOE_FAMILIES = (*MOE_HF, "litgpt_moe", "moe_llama")
+MOE_FAMILIES = (*MOE_HF, "litgpt_moe", "moe_llama", "titan_qwen3_moe")
 
 REAL_FAMILIES = {
     "hf_llama": hf_llama,
@@ -313,4 +368,6 @@ REAL_FAMILIES = {
     **{family: functools.partial(more_hf, family) for family in MORE_HF},
     **{family: functools.partial(moe_hf, family) for family in MOE_HF},
     "litgpt_moe": litgpt_moe,
+    "titan_qwen3_moe": titan_qwen3_moe,
+    "titan_qwen3_moe_bf16": functools.partial(titan_qwen3_moe, model_dtype_experts=False),
 }

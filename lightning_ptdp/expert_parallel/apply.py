@@ -74,8 +74,8 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
         shard = _split(site, ep)
         _install(site, shard, report.stats)
         report.sites[site.name] = shard
-        report.expert_params += [f"{site.name}.{n}" for n, _ in site.module.named_parameters(recurse=False)]
-        report.expert_modules.append(site.module)
+        report.expert_params += [f"{site.name}.{n}" if site.name else n for n, _ in site.module.named_parameters()]
+        report.expert_modules += [m for m in site.module.modules() if "_ptdp_experts" in m.__dict__]
     for site in lists:
         shard, kept = install_expert_list(site, ep, report.stats)
         report.sites[site.name] = shard
@@ -90,17 +90,22 @@ def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any
 
 
 def _split(site: ExpertsSite, ep: EPGroup) -> ExpertShard:
-    module, n = site.module, site.num_experts
+    """Each module holding the experts' parameters (the site, or its children: torchtitan's
+    GroupedExperts) keeps rows [first, first + n/e) and records the shard (checkpoints read it)."""
+    n = site.num_experts
     local = n // ep.size
     first = ep.rank * local
-    for name, param in list(module.named_parameters(recurse=False)):
-        kept = param.detach()[first : first + local].clone()
-        setattr(module, name, nn.Parameter(kept, requires_grad=param.requires_grad))
-    for attr, value in list(vars(module).items()):  # n_experts the forward reads (one_hot, histc): now its own
-        if isinstance(value, int) and not isinstance(value, bool) and value == n and "expert" in attr:
-            setattr(module, attr, local)
     shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
-    module.__dict__["_ptdp_experts"] = shard
+    for owner in site.module.modules():
+        own = list(owner.named_parameters(recurse=False))
+        for name, param in own:
+            kept = param.detach()[first : first + local].clone()
+            setattr(owner, name, nn.Parameter(kept, requires_grad=param.requires_grad))
+        for attr, value in list(vars(owner).items()):  # n_experts the forward reads (one_hot, histc): now its own
+            if isinstance(value, int) and not isinstance(value, bool) and value == n and "expert" in attr:
+                setattr(owner, attr, local)
+        if own:
+            owner.__dict__["_ptdp_experts"] = shard
     return shard
 
 
@@ -109,27 +114,57 @@ def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> Non
     module = site.module
     original = type(module).forward
 
+    lead = (1,) * (site.hidden_dims - 2)  # [B, L, H] routing (torchtitan): the rows as one sequence
+    k_attributes = _k_attributes(module, site.top_k)
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         def compute(rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
             call_args, call_kwargs = list(args), dict(kwargs)
             for slot, value in ((site.hidden, rows), (site.indices, ids), (site.weights, ones)):
-                slot.put(call_args, call_kwargs, value)
-            return original(self, *call_args, **call_kwargs)
+                slot.put(call_args, call_kwargs, value.view(*lead, *value.shape))
+            if site.counts is not None:  # tokens per local expert, of the rows received
+                site.counts.put(call_args, call_kwargs, torch.bincount(ids.view(-1), minlength=shard.local))
+            for owner, attr in k_attributes:  # each received row is one (token, expert) pair: k = 1
+                setattr(owner, attr, 1)
+            try:
+                return original(self, *call_args, **call_kwargs).reshape(rows.shape)
+            finally:
+                for owner, attr in k_attributes:
+                    setattr(owner, attr, site.top_k)
 
+        hidden = site.hidden.get(args, kwargs)
+        k = site.indices.get(args, kwargs).shape[-1]
         return exchange(
-            site.hidden.get(args, kwargs),
-            site.indices.get(args, kwargs),
-            site.weights.get(args, kwargs),
+            hidden.reshape(-1, hidden.shape[-1]),
+            site.indices.get(args, kwargs).reshape(-1, k),
+            site.weights.get(args, kwargs).reshape(-1, k),
             num_experts=shard.num_experts,
             ep=shard.ep,
             compute=compute,
             stats=stats if self.training else None,
             name=site.name,
-        )
+        ).view(hidden.shape)
 
     # the exchange's split sizes are values (counts read back): under compile= it runs eagerly,
     # one break in the compiled block, its rows feeding the graph again after it
     module.forward = types.MethodType(torch.compiler.disable(forward), module)
+
+
+K_NAMES = ("top_k", "topk", "num_experts_per_tok", "experts_per_token")
+
+
+def _k_attributes(module: nn.Module, k: int) -> list[tuple[Any, str]]:
+    """Where the experts' forward reads k from an attribute rather than the routing's shape (torchtitan's
+    token dispatcher: ``top_k``): the module, its submodules and the plain objects they hold."""
+    holders: list[Any] = []
+    for sub in module.modules():
+        holders.append(sub)
+        holders += [
+            v for v in vars(sub).values() if hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor))
+        ]
+    return [
+        (h, name) for h in holders for name in K_NAMES if getattr(h, name, None) == k and not callable(getattr(h, name))
+    ]
 
 
 def has_split_experts(model: nn.Module) -> bool:

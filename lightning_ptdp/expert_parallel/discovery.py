@@ -1,8 +1,10 @@
 """Finding a model's mixture-of-experts layers from the model itself, with no plan, in either
-layout: an experts module holding every expert's weights stacked ``[n_experts, ...]`` whose forward
-takes top-k routing per token (hidden rows [N, H], chosen experts [N, k], weights [N, k]: transformers'
-Mixtral, Qwen2/3-MoE, OLMoE), or a layer with a router Linear and a ModuleList of expert MLPs, each
-called on its rows (litgpt's LLaMAMoE). One probe forward records how each is called."""
+layout: a module holding every expert's weights stacked ``[n_experts, ...]`` whose forward takes
+top-k routing per token (hidden [..., H], chosen experts [..., k], weights [..., k]: transformers'
+Mixtral, Qwen2/3-MoE, OLMoE experts; torchtitan's RoutedExperts around its GroupedExperts), or a
+layer with a router Linear and a ModuleList of expert MLPs, each called on its rows (litgpt's
+LLaMAMoE). One probe forward records how each is called; of nested candidates the innermost one
+called with top-k routing is the experts module."""
 
 from __future__ import annotations
 
@@ -46,16 +48,18 @@ class ExpertsSite:
     hidden: ArgSlot
     indices: ArgSlot
     weights: ArgSlot
+    hidden_dims: int = 2
+    """The hidden argument's dims ([N, H], or [B, L, H] with [B, L, k] routing)."""
+    counts: Optional[ArgSlot] = None
+    """Tokens per expert, [n_experts] integers, when the forward takes them too (torchtitan)."""
 
 
 def stacked_experts(module: nn.Module) -> Optional[int]:
-    """``n_experts`` when ``module`` holds experts stacked: its own parameters (at least one 3D)
-    all lead with the same size >= 2, and no child holds parameters; else None."""
-    own = list(module.parameters(recurse=False))
-    if not own or any(True for child in module.children() for _ in child.parameters()):
-        return None
-    leading = {p.shape[0] for p in own if p.dim() >= 1}
-    if len(leading) != 1 or not any(p.dim() == 3 for p in own) or min(leading) < 2:
+    """``n_experts`` when ``module`` holds experts stacked: its parameters (its children's too; at
+    least one 3D) all lead with the same size >= 2; else None."""
+    params = list(module.parameters())
+    leading = {p.shape[0] for p in params if p.dim() >= 1}
+    if not params or len(leading) != 1 or not any(p.dim() == 3 for p in params) or min(leading) < 2:
         return None
     return leading.pop()
 
@@ -78,10 +82,11 @@ def _describe(args: tuple, kwargs: dict) -> str:
 def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict) -> ExpertsSite:
     """The routing convention of one recorded call, or a clear refusal."""
     tensors = [(slot, v) for slot, v in _slots(args, kwargs) if torch.is_tensor(v)]
-    hidden = next(((s, v) for s, v in tensors if v.is_floating_point() and v.dim() == 2), None)
-    rows = hidden[1].shape[0] if hidden else -1
+    hidden = next(((s, v) for s, v in tensors if v.is_floating_point() and v.dim() >= 2), None)
+    lead = tuple(hidden[1].shape[:-1]) if hidden else None
     indices = next(
-        ((s, v) for s, v in tensors if not v.is_floating_point() and v.dim() == 2 and v.shape[0] == rows), None
+        ((s, v) for s, v in tensors if not v.is_floating_point() and v.dim() >= 2 and tuple(v.shape[:-1]) == lead),
+        None,
     )
     if hidden is None or indices is None:
         raise ExpertDiscoveryError(
@@ -90,16 +95,18 @@ def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict) -> Exp
             "their weights [N, k] (as transformers' Mixtral experts take them). Routing by expert (tokens per "
             "expert) or by capacity is not supported yet; pass expert_parallel_size=1 for this model"
         )
-    k = indices[1].shape[1]
-    weights = next(
-        ((s, v) for s, v in tensors if v.is_floating_point() and v.dim() == 2 and tuple(v.shape) == (rows, k)), None
-    )
+    k = indices[1].shape[-1]
+    shape = tuple(indices[1].shape)
+    weights = next(((s, v) for s, v in tensors if v.is_floating_point() and tuple(v.shape) == shape), None)
     if weights is None or not 1 <= k <= num_experts:
         raise ExpertDiscoveryError(
-            f"experts module '{name}' was called with ({_describe(args, kwargs)}): chosen experts [N={rows}, k={k}] "
-            f"need weights of the same shape and 1 <= k <= {num_experts} (top-k routing per token)"
+            f"experts module '{name}' was called with ({_describe(args, kwargs)}): chosen experts {list(shape)} "
+            f"need weights of the same shape and 1 <= k={k} <= {num_experts} (top-k routing per token)"
         )
-    return ExpertsSite(name, None, num_experts, k, hidden[0], indices[0], weights[0])  # type: ignore[arg-type]
+    counts = next(
+        (s for s, v in tensors if not v.is_floating_point() and tuple(v.shape) == (num_experts,)), None
+    )  # tokens per expert beside the routing (torchtitan): recomputed for the rows each rank receives
+    return ExpertsSite(name, None, num_experts, k, hidden[0], indices[0], weights[0], hidden[1].dim(), counts)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -171,11 +178,15 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
             calls.setdefault(name, (args, kwargs))
 
         hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
-        if any(p.is_meta for p in module.parameters(recurse=False)):
+        if any(p.is_meta for p in module.parameters()):
             # built on meta (configure_model): the experts' own forward picks rows by value (nonzero,
             # bincount), which meta cannot; their output is rows like the input's, all the probe needs
-            def rows_out(*args: Any, name: str = name, n: int = n, **kwargs: Any) -> torch.Tensor:
-                site = classify_call(name, n, args, kwargs)
+            # (a module not called with top-k routing, an MoE block around the experts, runs its own)
+            def rows_out(*args: Any, name: str = name, n: int = n, module: nn.Module = module, **kwargs: Any) -> Any:
+                try:
+                    site = classify_call(name, n, args, kwargs)
+                except ExpertDiscoveryError:
+                    return type(module).forward(module, *args, **kwargs)
                 return torch.zeros_like(site.hidden.get(args, kwargs))
 
             module.forward = rows_out
@@ -195,18 +206,55 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
             hook.remove()
         for module in stand_ins:
             del module.forward
-    sites = []
-    for name, (module, n) in candidates.items():
-        if name not in calls:
-            raise ExpertDiscoveryError(
-                f"experts module '{name}' ({n} experts stacked) was not called by the probe forward, so its routing "
-                "is unknown; expert parallelism needs every experts module to run in an ordinary step"
-            )
-        found = classify_call(name, n, *calls[name])
-        sites.append(ExpertsSite(name, module, n, found.top_k, found.hidden, found.indices, found.weights))
+    sites = _innermost_routed(candidates, calls)
     for site in lists:
         check_calls(site, list_calls[site.name])
     return sites, lists
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def _innermost_routed(
+    candidates: dict[str, tuple[nn.Module, int]], calls: dict[str, tuple[tuple, dict]]
+) -> list[ExpertsSite]:
+    """Of nested candidates (an MoE block, its experts, their inner GEMM module) the innermost one
+    called with top-k routing; a candidate with none of its chain so called is refused with its reason."""
+    sites: list[ExpertsSite] = []
+    errors: dict[str, ExpertDiscoveryError] = {}
+    for name in sorted(candidates, key=lambda n: n.count(".") + bool(n), reverse=True):  # innermost first
+        if any(_inside(site.name, name) for site in sites):
+            continue  # around experts already found
+        module, n = candidates[name]
+        if name not in calls:
+            errors[name] = ExpertDiscoveryError(
+                f"experts module '{name}' ({n} experts stacked) was not called by the probe forward, so its routing "
+                "is unknown; expert parallelism needs every experts module to run in an ordinary step"
+            )
+            continue
+        try:
+            found = classify_call(name, n, *calls[name])
+        except ExpertDiscoveryError as error:
+            errors[name] = error
+            continue
+        sites.append(
+            ExpertsSite(
+                name,
+                module,
+                n,
+                found.top_k,
+                found.hidden,
+                found.indices,
+                found.weights,
+                found.hidden_dims,
+                found.counts,
+            )
+        )
+    for name in errors:  # the innermost unresolved one is named (an experts module, not its MoE block)
+        if not any(_inside(name, site.name) for site in sites):
+            raise errors[name]
+    return sorted(sites, key=lambda site: list(candidates).index(site.name))
 
 
 def ep_plan_cross_check(model: nn.Module, found: list[str]) -> Optional[str]:

@@ -12,7 +12,7 @@ LOSS_RTOL = 1e-5  # fp32, the same arithmetic up to summation order (test_real_m
 GRAD_REL = 1e-5
 UPDATE_REL = 1e-3  # weights relative to their update under Adam (test_real_models.py)
 STEPS = 3
-EXPERT = ".experts."
+EXPERT = "experts."  # "mlp.experts.gate_up_proj", "moe.experts.0.w1.weight", torchtitan's "inner_experts.w1_EFD"
 
 LAYOUTS = {
     "t2": ({"tensor_parallel_size": 2}, 2),  # experts whole on both ranks (Megatron's expert TP size 1)

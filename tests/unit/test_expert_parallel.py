@@ -243,3 +243,16 @@ def test_a_norm_over_all_heads_is_recognised_by_what_it_computes():
 
     assert feature_norm_of(Scale(), 16) is None
     assert feature_norm_of(nn.LayerNorm(16), 8) is None  # not over the sharded features
+
+
+def test_torchtitans_routed_experts_are_found_around_its_grouped_experts():
+    """torchtitan nests three candidates holding only stacked weights: the MoE block (its router's
+    weight leads with n too), RoutedExperts, and GroupedExperts, called with tokens per expert. The
+    innermost one called with top-k routing is the experts module: RoutedExperts, with [B, L, k]
+    routing and the tokens-per-expert counts beside it (recomputed for the rows each rank receives)."""
+    from tests.models import build_model
+
+    net = build_model("titan_qwen3_moe")
+    sites, lists = find_experts(net, lambda: net.logits(torch.randint(0, 64, (2, 8))))
+    assert lists == [] and [s.name for s in sites] == [f"net.layers.{i}.moe.routed_experts" for i in range(2)]
+    assert all((s.num_experts, s.top_k, s.hidden_dims) == (4, 2, 3) and s.counts is not None for s in sites)
