@@ -39,6 +39,7 @@ from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.resume import resume_dataloader
 from lightning_ptdp.core.dims import ParallelDims, init_process_group, process_group_failed
+from lightning_ptdp.expert_parallel import check_ep_plan
 from lightning_ptdp.faults.nonfinite import check_grad_scaler
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.compile import adopt_compiled_module
@@ -78,6 +79,7 @@ class PTDPStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = True,
         compile: Union[bool, dict, cfg.CompileConfig] = False,
         tp_plan: Optional[dict[str, str]] = None,
+        ep_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
         pretrained_prefix: Optional[str] = None,
         on_nonfinite: cfg.NonfinitePolicy = "raise",
@@ -100,14 +102,14 @@ class PTDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         given = locals()  # every ParallelConfig and RunOptions field is an argument of the same name
-        self.parallel_config = cfg.ParallelConfig(
-            **{f.name: given[f.name] for f in dataclasses.fields(cfg.ParallelConfig)}
+        self.parallel_config, self.options = (
+            c(**{f.name: given[f.name] for f in dataclasses.fields(c)}) for c in (cfg.ParallelConfig, cfg.RunOptions)
         )
-        self.options = cfg.RunOptions(**{f.name: given[f.name] for f in dataclasses.fields(cfg.RunOptions)})
         self.pretrained = None if pretrained is None else Pretrained(path=str(pretrained), prefix=pretrained_prefix)
         self.tp_plan = check_plan(
             tp_plan, tensor_parallel_size=tensor_parallel_size, sequence_parallel=self.parallel_config.sequence_parallel
         )
+        self.ep_plan = check_ep_plan(ep_plan, self.parallel_config.expert_parallel_size)
         self.checkpointer = Checkpointer(format=checkpoint_format)
         self._process_group_backend = process_group_backend
         self._parallelized: Optional[Parallelized] = None
@@ -244,6 +246,7 @@ class PTDPStrategy(ParallelStrategy):
             mesh=self.device_mesh,
             probe=lambda: probe.forward_probe(self, trainer),
             tp_plan=self.tp_plan,
+            ep_plan=self.ep_plan,
             training=fitting,
             pipeline_probe=lambda: probe.microbatch_probe(self, trainer, self.parallel_config.micro_batch_size),
             device=self.root_device,

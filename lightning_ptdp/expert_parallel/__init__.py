@@ -10,7 +10,7 @@ from lightning_ptdp.expert_parallel.apply import (
     gather_experts,
     has_split_experts,
 )
-from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, find_experts
+from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, check_ep_plan, find_experts
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "ExpertDiscoveryError",
     "ExpertShard",
     "apply_expert_parallel",
+    "check_ep_plan",
     "cut_experts",
     "expert_shards",
     "find_experts",

@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.core.comm import detached_cpu, divisors
+from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.expert_parallel.discovery import (
+    PLAN_HINT,
     ExpertDiscoveryError,
     ExpertsSite,
     ep_plan_cross_check,
@@ -50,16 +52,19 @@ class EPReport:
         )
 
 
-def apply_expert_parallel(model: nn.Module, ep: EPGroup, probe: Callable[[], Any]) -> EPReport:
+def apply_expert_parallel(
+    model: nn.Module, ep: EPGroup, probe: Callable[[], Any], plan: Optional[dict[str, str]] = None
+) -> EPReport:
     """Split every MoE layer's experts over ``ep``: found by one probe forward (every rank still
-    holds all experts), then each rank keeps its n/e and its experts' forward exchanges tokens."""
-    sites, lists = find_experts(model, probe)
+    holds all experts), then each rank keeps its n/e and its experts' forward exchanges tokens.
+    ``plan``: ep_plan, {module path or glob: style}, deciding where it names a module."""
+    sites, lists = find_experts(model, probe, resolve_plan(model, plan, "ep_plan") if plan else None)
     every = [*sites, *lists]
     if not every:
         raise ExpertDiscoveryError(
             f"expert_parallel_size={ep.size}, but the model has no mixture-of-experts layer that can be split: no "
             "module holds its experts' weights stacked as [n_experts, ...] tensors, and none holds a ModuleList of "
-            "experts beside a router Linear with one output per expert. Use expert_parallel_size=1"
+            "experts beside a router Linear with one output per expert. Use expert_parallel_size=1" + PLAN_HINT
         )
     uneven = [s for s in every if s.num_experts % ep.size]
     if uneven:

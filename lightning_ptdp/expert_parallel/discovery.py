@@ -9,6 +9,8 @@ called with top-k routing is the experts module."""
 from __future__ import annotations
 
 import fnmatch
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -18,6 +20,37 @@ import torch.nn as nn
 
 class ExpertDiscoveryError(ValueError):
     """The model's experts cannot be split as found (the message names the module and the fix)."""
+
+
+EP_STYLES = ("experts", "expert_list", "dense")
+PLAN_HINT = (
+    "; or name the MoE modules yourself: ep_plan={'<path or glob>': 'experts'} (a module whose parameters "
+    "are the experts stacked [n_experts, ...], called with top-k routing), 'expert_list' (a layer holding a "
+    "ModuleList of experts) or 'dense' (never split)"
+)
+_LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "lightning_ptdp" + os.sep)
+
+
+def _call_site() -> str:
+    """The user's source line making the current call (the first frame outside torch and ptdp)."""
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "an unknown line"
+
+
+def check_ep_plan(plan: object, expert_parallel_size: int) -> Optional[dict[str, str]]:
+    """``ep_plan`` as given, checked: module paths or globs to one of ``EP_STYLES``."""
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and v in EP_STYLES for k, v in plan.items()):
+        raise ValueError(
+            f"ep_plan={plan!r} must be a dict of module path (or glob) -> one of {', '.join(map(repr, EP_STYLES))}, "
+            "e.g. {'model.layers.*.mlp.experts': 'experts'}"
+        )
+    if expert_parallel_size == 1:
+        raise ValueError("ep_plan names modules for expert parallelism: set expert_parallel_size > 1, or drop ep_plan")
+    return dict(plan)
 
 
 @dataclass(frozen=True)
@@ -54,12 +87,12 @@ class ExpertsSite:
     """Tokens per expert, [n_experts] integers, when the forward takes them too (torchtitan)."""
 
 
-def stacked_experts(module: nn.Module) -> Optional[int]:
+def stacked_experts(module: nn.Module, *, need_3d: bool = True) -> Optional[int]:
     """``n_experts`` when ``module`` holds experts stacked: its parameters (its children's too; at
-    least one 3D) all lead with the same size >= 2; else None."""
+    least one 3D unless named by ep_plan) all lead with the same size >= 2; else None."""
     params = list(module.parameters())
     leading = {p.shape[0] for p in params if p.dim() >= 1}
-    if not params or len(leading) != 1 or not any(p.dim() == 3 for p in params) or min(leading) < 2:
+    if not params or len(leading) != 1 or (need_3d and not any(p.dim() == 3 for p in params)) or min(leading) < 2:
         return None
     return leading.pop()
 
@@ -79,8 +112,9 @@ def _describe(args: tuple, kwargs: dict) -> str:
     return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
 
 
-def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict) -> ExpertsSite:
-    """The routing convention of one recorded call, or a clear refusal."""
+def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict, site: str = "") -> ExpertsSite:
+    """The routing convention of one recorded call (made at source line ``site``), or a clear refusal."""
+    where = f" at {site}" if site else ""
     tensors = [(slot, v) for slot, v in _slots(args, kwargs) if torch.is_tensor(v)]
     hidden = next(((s, v) for s, v in tensors if v.is_floating_point() and v.dim() >= 2), None)
     lead = tuple(hidden[1].shape[:-1]) if hidden else None
@@ -90,18 +124,19 @@ def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict) -> Exp
     )
     if hidden is None or indices is None:
         raise ExpertDiscoveryError(
-            f"experts module '{name}' ({num_experts} experts stacked) was called with ({_describe(args, kwargs)}); "
-            "expert parallelism needs top-k routing per token: hidden rows [N, H], chosen experts [N, k] and "
-            "their weights [N, k] (as transformers' Mixtral experts take them). Routing by expert (tokens per "
-            "expert) or by capacity is not supported yet; pass expert_parallel_size=1 for this model"
+            f"experts module '{name}' ({num_experts} experts stacked) was called{where} with "
+            f"({_describe(args, kwargs)}); expert parallelism needs top-k routing per token: hidden rows [N, H], "
+            "chosen experts [N, k] and their weights [N, k] (as transformers' Mixtral experts take them). Routing by "
+            "expert (tokens per expert) or by capacity is not supported yet; pass expert_parallel_size=1 for this "
+            f"model, or ep_plan={{'{name}': 'dense'}} if these are not experts" + PLAN_HINT
         )
     k = indices[1].shape[-1]
     shape = tuple(indices[1].shape)
     weights = next(((s, v) for s, v in tensors if v.is_floating_point() and tuple(v.shape) == shape), None)
     if weights is None or not 1 <= k <= num_experts:
         raise ExpertDiscoveryError(
-            f"experts module '{name}' was called with ({_describe(args, kwargs)}): chosen experts {list(shape)} "
-            f"need weights of the same shape and 1 <= k={k} <= {num_experts} (top-k routing per token)"
+            f"experts module '{name}' was called{where} with ({_describe(args, kwargs)}): chosen experts "
+            f"{list(shape)} need weights of the same shape and 1 <= k={k} <= {num_experts} (top-k routing per token)"
         )
     counts = next(
         (s for s, v in tensors if not v.is_floating_point() and tuple(v.shape) == (num_experts,)), None
@@ -153,12 +188,14 @@ def check_calls(site: ExpertListSite, calls: list[tuple[int, tuple, dict, Any]])
             )
 
 
-def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[ExpertsSite], list[ExpertListSite]]:
+def find_experts(
+    model: nn.Module, probe: Callable[[], Any], plan: Optional[dict[str, str]] = None
+) -> tuple[list[ExpertsSite], list[ExpertListSite]]:
     """Every stacked-experts module and every ModuleList MoE layer of ``model``, with how one probe
-    forward calls them. Refused: a candidate the probe never called, or one called otherwise than
-    the layout's convention (top-k per token; an expert on its rows)."""
-    candidates = {name: (module, n) for name, module in model.named_modules() if (n := stacked_experts(module))}
-    lists = expert_list_candidates(model)
+    forward calls them. ``plan``: {module path: ep_plan style}, resolved; it decides where it names.
+    Refused: a candidate the probe never called, or one called otherwise than the layout's
+    convention (top-k per token; an expert on its rows)."""
+    candidates, lists = _candidates(model, plan or {})
     if not candidates and not lists:
         return [], []
     on_meta = [site.name for site in lists if any(p.is_meta for p in site.module.parameters())]
@@ -169,13 +206,13 @@ def find_experts(model: nn.Module, probe: Callable[[], Any]) -> tuple[list[Exper
             "cannot see how it calls its experts. Build this model with real weights (each rank then keeps its "
             "n/e experts), or use stacked [n_experts, ...] experts (transformers' MoE models) to build on meta"
         )
-    calls: dict[str, tuple[tuple, dict]] = {}
+    calls: dict[str, tuple[tuple, dict, str]] = {}
     list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in lists}
     hooks, stand_ins = [], []
     for name, (module, n) in candidates.items():
 
         def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            calls.setdefault(name, (args, kwargs))
+            calls.setdefault(name, (args, kwargs, _call_site()))
 
         hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
         if any(p.is_meta for p in module.parameters()):
@@ -216,8 +253,53 @@ def _inside(inner: str, outer: str) -> bool:
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
+def _candidates(
+    model: nn.Module, plan: dict[str, str]
+) -> tuple[dict[str, tuple[nn.Module, int]], list[ExpertListSite]]:
+    """Stacked candidates and ModuleList layers: discovered, then as ``plan`` says where it names
+    a module (its chain of nested candidates replaced by it; 'dense' removes a module and its children)."""
+
+    def under(name: str, paths: list[str]) -> bool:
+        return any(name == p or _inside(name, p) for p in paths)
+
+    dense = [p for p, style in plan.items() if style == "dense"]
+    named = [p for p, style in plan.items() if style != "dense"]
+    found = {name: (m, n) for name, m in model.named_modules() if (n := stacked_experts(m))}
+    candidates = {k: v for k, v in found.items() if not under(k, dense) and not any(_related(k, p) for p in named)}
+    lists = [s for s in expert_list_candidates(model) if not under(s.name, dense + named)]
+    for path in named:
+        module = model.get_submodule(path)
+        if plan[path] == "experts":
+            n = stacked_experts(module, need_3d=False)
+            if n is None:
+                shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+                raise ExpertDiscoveryError(
+                    f"ep_plan['{path}']='experts', but its parameters {shapes} do not all lead with one n_experts >= 2; "
+                    "name the module whose parameters are the stacked experts"
+                )
+            candidates[path] = (module, n)
+        else:
+            site = _expert_list_of(path, module)
+            lists.append(site)
+    return candidates, lists
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or _inside(a, b) or _inside(b, a)
+
+
+def _expert_list_of(path: str, module: nn.Module) -> ExpertListSite:
+    for attr, child in module.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(e) for e in child}) == 1:
+            return ExpertListSite(path, module, attr, len(child))
+    raise ExpertDiscoveryError(
+        f"ep_plan['{path}']='expert_list', but '{path}' ({type(module).__name__}) has no ModuleList child of two or "
+        "more experts of one class; name the layer that holds the experts' ModuleList"
+    )
+
+
 def _innermost_routed(
-    candidates: dict[str, tuple[nn.Module, int]], calls: dict[str, tuple[tuple, dict]]
+    candidates: dict[str, tuple[nn.Module, int]], calls: dict[str, tuple[tuple, dict, str]]
 ) -> list[ExpertsSite]:
     """Of nested candidates (an MoE block, its experts, their inner GEMM module) the innermost one
     called with top-k routing; a candidate with none of its chain so called is refused with its reason."""

@@ -86,6 +86,7 @@ def parallelize(
     mesh: DeviceMesh,
     probe: Callable[[], Any],
     tp_plan: Optional[dict[str, str]] = None,
+    ep_plan: Optional[dict[str, str]] = None,
     training: bool = True,
     pipeline_probe: Optional[Callable[[], tuple[Callable[[], Any], int]]] = None,
     device: torch.device = torch.device("cpu"),
@@ -136,7 +137,7 @@ def parallelize(
             if "_ptdp_ep" not in module.__dict__:
                 ep_mesh = expert_mesh["ep"]
                 group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
-                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, probe)
+                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, probe, ep_plan)
             result.ep_report = module.__dict__["_ptdp_ep"]
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile
         report = apply_kernels(module, "torch" if config.compile is not None else config.kernels)

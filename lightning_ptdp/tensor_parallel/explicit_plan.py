@@ -10,13 +10,12 @@ vocab_head, both in the plan); any other tie is refused, never broken.
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 from types import SimpleNamespace
 
 import torch.nn as nn
 
 from lightning_ptdp.core.blocks import is_conv1d
+from lightning_ptdp.core.plans import resolve_plan as resolve_module_plan
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -27,7 +26,6 @@ from lightning_ptdp.tensor_parallel.layers import (
 )
 
 EXPLICIT_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
-_GLOB_CHARS = "*?["
 _VOCAB_PAIR = {"vocab_embedding", "vocab_head"}
 
 
@@ -72,30 +70,7 @@ def shard_dim(layer: nn.Module, attr: str) -> int:
 
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """{module path: style} for every module the plan's paths and globs match (see module docstring)."""
-    paths = [path for path, _ in model.named_modules() if path]
-    known = set(paths)
-    resolved: dict[str, str] = {}
-    source: dict[str, str] = {}
-    for pattern, style in plan.items():
-        glob = any(c in pattern for c in _GLOB_CHARS)
-        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)] if glob else [pattern] * (pattern in known)
-        if not matched:
-            probe = pattern.replace("*", "0").replace("?", "0")
-            close = difflib.get_close_matches(probe, paths, n=5, cutoff=0.6)
-            hint = f"; close paths: {', '.join(close)}" if close else f"; paths look like: {', '.join(paths[:5])}"
-            raise ValueError(
-                f"tp_plan key '{pattern}' matches no module of {type(model).__name__}{hint} "
-                "(keys are module paths, or globs over them such as 'model.layers.*.mlp.up_proj')"
-            )
-        for path in matched:
-            if resolved.get(path, style) != style:
-                raise ValueError(
-                    f"tp_plan: '{path}' is matched by '{source[path]}' ({resolved[path]!r}) and by '{pattern}' "
-                    f"({style!r}); one module takes one style: narrow one of the patterns"
-                )
-            resolved[path] = style
-            source.setdefault(path, pattern)
-    return resolved
+    return resolve_module_plan(model, plan, "tp_plan")
 
 
 def _holders(model: nn.Module) -> dict[int, list[str]]:

@@ -292,3 +292,21 @@ def test_a_models_own_load_balancing_loss_sees_each_ranks_tokens_as_under_ddp(di
     apart = max(abs(a / b - 1) for a, b in zip(ddp[0]["losses"], single["losses"]))
     assert apart > 10 * LOSS_RTOL  # the balancing term sees the batch: a global one would fail the check below
     _check(ep, ddp[0], {"expert_parallel_size": 2}, 2)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "family, plan",
+    [
+        ("hf_mixtral", {"net.model.model.layers.*.mlp.experts": "experts"}),
+        ("moe_llama", {"net.layers.*.moe": "expert_list", "net.layers.*.attention": "dense"}),
+    ],
+)
+def test_an_explicit_ep_plan_trains_as_one_process(dist_pool, family, plan):
+    """ep_plan naming the experts (and a module to keep dense) through the strategy: d2 e2 equal to
+    one process, as discovery's own choice is."""
+    from tests.fit_utils import fit_and_record
+
+    kwargs = {"expert_parallel_size": 2, "ep_plan": plan}
+    results = dist_pool(2).run(fit_and_record, family, strategy_kwargs=kwargs, devices=2, steps=STEPS)
+    _check(results, _reference(family), kwargs, 2)

@@ -59,6 +59,11 @@ STRATEGY = [
         r"tp_plan\['blocks.0.q'\]='columnwise' is not a style: use one of 'colwise', 'rowwise'",
     ),
     ({"tp_plan": ["blocks.0.q"]}, r"tp_plan=\['blocks.0.q'\] must be a dict of module path -> style"),
+    (
+        {"expert_parallel_size": 2, "ep_plan": {"blocks.*.moe": "moe"}},
+        r"ep_plan=\{'blocks.\*.moe': 'moe'\} must be a dict of module path \(or glob\) -> one of 'experts'",
+    ),
+    ({"ep_plan": {"blocks.*.moe": "experts"}}, r"ep_plan names modules for expert parallelism: set expert_parallel"),
     ({"on_nonfinite": "stop"}, r"on_nonfinite='stop' is not one of 'raise', 'skip', 'ignore'"),
     ({"checkpoint_format": "dcp"}, r"checkpoint_format='dcp' is not one of 'sharded' \(each rank writes its pieces"),
     ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not one of 'gloo', 'nccl'"),

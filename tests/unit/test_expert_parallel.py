@@ -47,8 +47,10 @@ def test_a_model_without_moe_layers_is_refused():
 
 
 def test_routing_that_is_not_top_k_per_token_is_refused_naming_the_module():
+    """The refusal names the module, the call (arguments) and the user's source line making it."""
     net = CountsMoE()
-    with pytest.raises(ExpertDiscoveryError, match=r"'experts' .*called with \(float32\[4, 8\], int64\[4\]\).*top-k"):
+    call = r"'experts' .*called at .*test_expert_parallel\.py:\d+ with \(float32\[4, 8\], int64\[4\]\).*top-k"
+    with pytest.raises(ExpertDiscoveryError, match=call + r".*ep_plan=\{'experts': 'dense'\}"):
         find_experts(net, lambda: net(torch.randn(4, 8)))
 
 
@@ -256,3 +258,80 @@ def test_torchtitans_routed_experts_are_found_around_its_grouped_experts():
     sites, lists = find_experts(net, lambda: net.logits(torch.randint(0, 64, (2, 8))))
     assert lists == [] and [s.name for s in sites] == [f"net.layers.{i}.moe.routed_experts" for i in range(2)]
     assert all((s.num_experts, s.top_k, s.hidden_dims) == (4, 2, 3) and s.counts is not None for s in sites)
+
+
+class PerHead(nn.Module):
+    """A per-head projection, its weight stacked [heads, ...] and 3D like stacked experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("nh,khd->nkd", x, self.weight).flatten(1)
+
+
+class HeadsAndExperts(nn.Module):
+    """Per-head weights (no experts) beside a MoE whose router is no Linear of one output per
+    expert: discovery would take the first for experts and miss the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads, self.moe = PerHead(), MoEFeedForwardNoRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.heads(x))
+
+
+class MoEFeedForwardNoRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = nn.Linear(8, 6)  # 4 experts' scores and 2 more outputs: not a plain router
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.scores(x)[:, :4].softmax(-1).topk(2)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == index)
+            out[rows] += weights[rows, slot, None] * expert(x[rows])
+        return out
+
+
+def test_ep_plan_names_what_discovery_misses_or_mistakes():
+    """'dense' keeps a module discovery would take for experts; 'expert_list' names a ModuleList MoE
+    whose router discovery does not recognise; the resolved plan decides where it names a module."""
+    from lightning_ptdp.core.plans import resolve_plan
+
+    net = HeadsAndExperts()
+    with pytest.raises(ExpertDiscoveryError, match=r"experts module 'heads' \(4 experts stacked\) was called at"):
+        find_experts(net, lambda: net(torch.randn(3, 8)))
+    plan = resolve_plan(net, {"heads": "dense", "m?e": "expert_list"}, "ep_plan")
+    sites, lists = find_experts(net, lambda: net(torch.randn(3, 8)), plan)
+    assert sites == [] and [(s.name, s.experts_attr, s.num_experts) for s in lists] == [("moe", "experts", 4)]
+
+
+@pytest.mark.parametrize(
+    "plan, e, match",
+    [
+        ({"moe": "stacked"}, 2, r"ep_plan=\{'moe': 'stacked'\} must be a dict of module path \(or glob\) -> one of"),
+        ({"moe": "experts"}, 1, r"ep_plan names modules for expert parallelism: set expert_parallel_size > 1"),
+    ],
+)
+def test_a_bad_ep_plan_is_refused_at_construction(plan, e, match):
+    from lightning_ptdp import PTDPStrategy
+
+    with pytest.raises(ValueError, match=match):
+        PTDPStrategy(expert_parallel_size=e, ep_plan=plan)
+
+
+def test_ep_plan_keys_must_match_modules_and_name_the_right_kind():
+    from lightning_ptdp.core.plans import resolve_plan
+
+    net = HeadsAndExperts()
+    with pytest.raises(ValueError, match=r"ep_plan key 'mo' matches no module of HeadsAndExperts; close paths: moe"):
+        resolve_plan(net, {"mo": "experts"}, "ep_plan")
+    with pytest.raises(ExpertDiscoveryError, match=r"ep_plan\['moe'\]='experts', but its parameters .* do not all"):
+        find_experts(net, lambda: None, {"moe": "experts"})
+    with pytest.raises(ExpertDiscoveryError, match=r"ep_plan\['moe.scores'\]='expert_list', but 'moe.scores'"):
+        find_experts(net, lambda: None, {"moe.scores": "expert_list"})
