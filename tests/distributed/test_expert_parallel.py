@@ -151,8 +151,10 @@ def run_moe_epochs(
     fmt: str = "sharded",
     family: str = "",
     zero: int = 0,
+    layout: dict | None = None,
 ):
-    """``family`` for ``epochs`` epochs at d=devices, e; the per-step losses (the global-batch mean)."""
+    """``family`` for ``epochs`` epochs on ``devices`` ranks at e (and ``layout``: t, p), d the rest;
+    the per-step losses (the global-batch mean)."""
     import lightning as L
 
     from lightning_ptdp import PTDPStrategy
@@ -163,8 +165,10 @@ def run_moe_epochs(
     L.seed_everything(0, verbose=False)
     model = build_model(family)
     tokens = STEPS_PER_EPOCH * 8 * 33 + 1
-    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=8 // devices, train_tokens=tokens, val_tokens=100)
-    strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt, zero_stage=zero)
+    layout = layout or {}
+    replicas = devices // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
+    data = MarkovDataModule(vocab_size=64, seq_length=32, batch_size=8 // replicas, train_tokens=tokens, val_tokens=100)
+    strategy = PTDPStrategy(expert_parallel_size=e, checkpoint_format=fmt, zero_stage=zero, **layout)
     recorder = LossRecorder()
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[recorder])
     trainer.fit(model, data, ckpt_path=resume)
@@ -200,6 +204,20 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
         assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
     resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt, family)[0]
     assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+@pytest.mark.world_size(4)
+def test_a_moe_checkpoint_resumes_with_t_and_p_changed(dist_pool, tmp_path):
+    """Saved at d2 e2 (sharded: each rank its experts), resumed at t2 d2 e2 and at p2 d2 e2 (4 ranks):
+    the losses continue as if uninterrupted (fp32: within LOSS_RTOL)."""
+    path = str(tmp_path / "moe.ckpt")
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family="hf_mixtral")[0]
+    dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, "sharded", "hf_mixtral")
+    pipelined = {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
+    for layout in ({"tensor_parallel_size": 2}, pipelined):
+        resumed = dist_pool(4).run(run_moe_epochs, 4, 2, 2, None, path, "sharded", "hf_mixtral", 0, layout)
+        losses = next(r for r in resumed if r)  # under PP the last stage records them
+        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), layout
 
 
 def expert_optimizer_state(devices: int, e: int) -> dict:
