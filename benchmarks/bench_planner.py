@@ -154,18 +154,18 @@ def mixtral() -> dict:
     """Mixtral-8x7B at 4,096 tokens with ZeRO-1 (Megatron's distributed optimizer): the planner's
     top layouts, and its estimate at Megatron-Core's layout (v and recompute its best there)."""
     out: dict = {"megatron_core": MEGATRON_MIXTRAL}
+    ranked = {}
     for name, (cluster, batch) in MIXTRAL_RUNS.items():
-        layouts = plan("mixtral_8x7b", cluster, batch, zero_stage=1)
+        layouts = ranked[name] = plan("mixtral_8x7b", cluster, batch, zero_stage=1)
         out[name] = {"batch": batch, "top": [_row(x) for x in layouts[:3]]}
         by_e = {}
         for x in layouts:
             by_e.setdefault(x.expert_parallel_size, _row(x))
         out[name]["best_per_e"] = [by_e[e] for e in sorted(by_e)]
-    cluster, batch = MIXTRAL_RUNS["64 H100s"]
     m = MEGATRON_MIXTRAL
     at_megatron = [
         x
-        for x in plan("mixtral_8x7b", cluster, batch, zero_stage=1)
+        for x in ranked["64 H100s"]
         if (x.tensor_parallel_size, x.pipeline_parallel_size, x.expert_parallel_size) == (m["t"], m["p"], m["e"])
     ]
     out["at_megatron_layout"] = _row(at_megatron[0])

@@ -60,15 +60,14 @@ class ExpertZero(ZeroRedundancyOptimizer):
         return cache
 
     def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
-        mine = dist.get_rank(self.process_group)
+        source = dist.get_global_rank(self.process_group, rank)
+        mine = rank % self._experts.ep_size == self.rank % self._experts.ep_size  # an owner in my edp group
         handles = []
         for group in self._partition_parameters()[rank]:
             for param in group["params"]:
                 if id(param) not in self._experts.params:
-                    source = dist.get_global_rank(self.process_group, rank)
                     handles.append(dist.broadcast(param.data, src=source, group=self.process_group, async_op=True))
-                elif rank % self._experts.ep_size == mine % self._experts.ep_size:  # my edp group's owner
-                    source = dist.get_global_rank(self.process_group, rank)
+                elif mine:
                     handles.append(dist.broadcast(param.data, src=source, group=self._experts.edp, async_op=True))
         return handles
 

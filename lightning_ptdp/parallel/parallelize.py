@@ -189,7 +189,8 @@ def parallelize(
     if training and config.zero_stage == 1 and dims.dp > 1:
         result.optimizer_state_group = mesh["dp"].get_group()
         if result.ep_report is not None:
-            split = {id(p) for n, p in module.named_parameters() if n in set(result.ep_report.expert_params)}
+            names = set(result.ep_report.expert_params)
+            split = {id(p) for n, p in module.named_parameters() if n in names}
             result.optimizer_experts = ExpertGroups(frozenset(split), expert_mesh["edp"].get_group(), dims.ep)
     result.gradients = step_gradients(module, result, config, dims, mesh, expert_mesh, on_nonfinite, device)
     return result

@@ -144,7 +144,8 @@ class WeightSource:
 
     def shape(self, key: Stored) -> tuple[int, ...]:
         if isinstance(key, PerExpert):
-            n = next(i for i in range(len(self.keys()) + 1) if key.sources[0].format(i=i) not in self.keys())
+            keys = self.keys()
+            n = next(i for i in range(len(keys) + 1) if key.sources[0].format(i=i) not in keys)
             parts = [self.shape(s.format(i=0)) for s in key.sources]
             width = sum(part[key.dim] for part in parts)
             return (n, *parts[0][: key.dim], width, *parts[0][key.dim + 1 :])

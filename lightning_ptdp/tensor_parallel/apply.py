@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from lightning_ptdp.core.blocks import find_block_lists, is_conv1d
+from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import (
@@ -32,7 +33,6 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
     RowParallelConv1D,
     check_styles,
     check_ties,
-    resolve_plan,
     rewrite,
 )
 from lightning_ptdp.tensor_parallel.feature_norm import shard_feature_norm
@@ -325,7 +325,7 @@ def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> 
     No sequence parallelism on this path.
     """
     check_styles(plan)
-    resolved = resolve_plan(model, plan)
+    resolved = resolve_plan(model, plan, "tp_plan")
     check_ties(model, resolved)
     take_state_dict_hooks(model, list(resolved))
     report = TPReport(tp.size, False)

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import torch.nn as nn
 
 from lightning_ptdp.core.blocks import is_conv1d
-from lightning_ptdp.core.plans import resolve_plan as resolve_module_plan
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -66,11 +65,6 @@ def shard_dim(layer: nn.Module, attr: str) -> int:
     if attr != "weight":
         return 0
     return int(isinstance(layer, RowParallelLinear)) ^ int(getattr(layer, "transposed", False))
-
-
-def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module path: style} for every module the plan's paths and globs match (see module docstring)."""
-    return resolve_module_plan(model, plan, "tp_plan")
 
 
 def _holders(model: nn.Module) -> dict[int, list[str]]:

@@ -41,6 +41,25 @@ class SaveAtEnd(L.Callback):
             trainer.strategy.checkpoint_format = "full"
 
 
+def consolidated_folder(tmp_path: Path, pretrained_dir: str) -> Path:
+    """``tmp_path / "run.ckpt"`` (sharded) consolidated to the model's own keys with ``ptdp checkpoint
+    consolidate ... --strip-prefix net.model.``, beside the original config: a from_pretrained folder."""
+    from lightning_ptdp.checkpoint.command import main as checkpoint_command
+
+    folder = tmp_path / "from_checkpoint"
+    folder.mkdir()
+    shutil.copy(Path(pretrained_dir) / "config.json", folder)
+    args = [
+        "consolidate",
+        str(tmp_path / "run.ckpt"),
+        str(folder / "model.safetensors"),
+        "--strip-prefix",
+        "net.model.",
+    ]
+    assert checkpoint_command(args) == 0
+    return folder
+
+
 @pytest.fixture(scope="module")
 def pretrained_dir(tmp_path_factory) -> str:
     from tests.real_models import hf_llama
@@ -89,20 +108,7 @@ def test_pretrained_start_and_round_trip_at_t2_p2(dist_pool, pretrained_dir, tmp
         assert torch.equal(again[key], value), key
 
     # and from the run's sharded checkpoint on disk, with the command the README gives
-    from lightning_ptdp.checkpoint.command import main as checkpoint_command
-
-    folder = tmp_path / "from_checkpoint"
-    folder.mkdir()
-    shutil.copy(Path(pretrained_dir) / "config.json", folder)
-    args = [
-        "consolidate",
-        str(tmp_path / "run.ckpt"),
-        str(folder / "model.safetensors"),
-        "--strip-prefix",
-        "net.model.",
-    ]
-    assert checkpoint_command(args) == 0
-    consolidated = LlamaForCausalLM.from_pretrained(folder).state_dict()
+    consolidated = LlamaForCausalLM.from_pretrained(consolidated_folder(tmp_path, pretrained_dir)).state_dict()
     for key, value in own.items():
         assert torch.equal(consolidated[key], value), key
 
@@ -125,8 +131,6 @@ def test_pretrained_mixture_of_experts_at_d2_e2_and_back_through_from_pretrained
     checkpoint, consolidated to the model's own keys, loads with ``MixtralForCausalLM.from_pretrained``."""
     from transformers import MixtralForCausalLM
 
-    from lightning_ptdp.checkpoint.command import main as checkpoint_command
-
     ref = fit_and_record("hf_from", steps=STEPS, model_overrides={"path": mixtral_dir})
     streamed = dist_pool(2).run(
         fit_and_record,
@@ -142,18 +146,7 @@ def test_pretrained_mixture_of_experts_at_d2_e2_and_back_through_from_pretrained
     experts = sum(n for k, n in sizes.items() if ".experts." in k)
     assert all(r["local_numel"] == sum(sizes.values()) - experts // 2 for r in streamed)  # half the experts each
 
-    folder = tmp_path / "from_checkpoint"
-    folder.mkdir()
-    shutil.copy(Path(mixtral_dir) / "config.json", folder)
-    args = [
-        "consolidate",
-        str(tmp_path / "run.ckpt"),
-        str(folder / "model.safetensors"),
-        "--strip-prefix",
-        "net.model.",
-    ]
-    assert checkpoint_command(args) == 0
-    consolidated = MixtralForCausalLM.from_pretrained(folder).state_dict()
+    consolidated = MixtralForCausalLM.from_pretrained(consolidated_folder(tmp_path, mixtral_dir)).state_dict()
     trained = next(r["state"] for r in streamed if r["state"])
     for key, value in trained.items():
         assert torch.equal(consolidated[key.removeprefix("net.model.")], value), key

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import apply_explicit_plan
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.consolidate import local_shard
-from lightning_ptdp.tensor_parallel.explicit_plan import ColumnParallelConv1D, resolve_plan
+from lightning_ptdp.tensor_parallel.explicit_plan import ColumnParallelConv1D
 from lightning_ptdp.tensor_parallel.layers import ShardLayout
 from tests.models import build_model
 from tests.unit.test_blocks import Conv1D
@@ -23,7 +24,7 @@ def _tp(rank: int = 0) -> TPGroup:
 def test_globs_expand_over_module_paths():
     net = build_model("llama").net
     plan = {"layers.*.attention.w[qkv]": "colwise", "layers.1.attention.wq": "colwise", "output": "vocab_head"}
-    resolved = resolve_plan(net, plan)
+    resolved = resolve_plan(net, plan, "tp_plan")
     assert sorted(resolved) == sorted([f"layers.{i}.attention.w{x}" for i in range(2) for x in "qkv"] + ["output"])
 
 
@@ -34,7 +35,7 @@ def test_a_pattern_matching_nothing_names_close_paths():
         match=r"tp_plan key 'layers.\*.attn.wq' matches no module of Llama; close paths: "
         r"layers.0.attention.wq.* globs over them",
     ):
-        resolve_plan(net, {"layers.*.attn.wq": "colwise"})
+        resolve_plan(net, {"layers.*.attn.wq": "colwise"}, "tp_plan")
 
 
 def test_a_module_matched_with_two_styles_is_refused():
@@ -44,7 +45,7 @@ def test_a_module_matched_with_two_styles_is_refused():
         match=r"'layers.0.w2' is matched by 'layers.\*.w\*' \('colwise'\) and by "
         r"'layers.\*.w2' \('rowwise'\); one module takes one style",
     ):
-        resolve_plan(net, {"layers.*.w*": "colwise", "layers.*.w2": "rowwise"})
+        resolve_plan(net, {"layers.*.w*": "colwise", "layers.*.w2": "rowwise"}, "tp_plan")
 
 
 def test_a_non_linear_module_is_refused_by_the_linear_styles():
