@@ -124,8 +124,10 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """e: ranks that split each mixture-of-experts layer's experts (n_experts / e whole experts each),
     carved out of the d data-parallel ranks as Megatron does; tokens reach their experts all-to-all."""
+    context_parallel_size: int = 1
+    """c: ranks that split each sequence (2c load-balanced chunks; attention gathers keys and values)."""
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
-    """d: model replicas; "auto" takes world_size / (t * p)."""
+    """d: model replicas; "auto" takes world_size / (t * p * c)."""
     virtual_pipeline_size: int = 1
     """v: model chunks per pipeline rank for the interleaved schedule (bubble (p-1)/(v*m))."""
     micro_batch_size: Union[int, None] = None
@@ -158,6 +160,7 @@ class ParallelConfig:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive_int("expert_parallel_size", self.expert_parallel_size)
+        check_positive_int("context_parallel_size", self.context_parallel_size)
         if self.data_parallel_size != "auto":
             check_positive_int("data_parallel_size", self.data_parallel_size)
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)

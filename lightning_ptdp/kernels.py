@@ -64,7 +64,9 @@ class KernelReport:
         return f"kernels={self.mode!r}: {attention}, bias-GeLU fused in {len(self.bias_gelu)} pair(s){skipped}"
 
 
-def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device | None = None) -> KernelReport:
+def apply_kernels(
+    module: nn.Module, mode: str = "auto", *, device: torch.device | None = None, attention: bool = True
+) -> KernelReport:
     """Route ``module``'s attention and Linear->GeLU calls to the Triton kernels.
 
     mode "auto": kernels where they can run (CUDA with triton installed, supported inputs) and
@@ -73,7 +75,8 @@ def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device
     raising where they cannot run (no CUDA device and TRITON_INTERPRET unset now; unsupported
     attention inputs at call time). "torch": nothing is installed.
     ``device`` is where the model will run (default: its parameters' device, or CUDA when they
-    are on the meta device and a GPU is present). Calling again replaces the previous routing.
+    are on the meta device and a GPU is present); ``attention=False`` routes no attention. Calling
+    again replaces the previous routing.
     """
     if mode not in KERNEL_MODES:
         choices = ", ".join(repr(m) for m in KERNEL_MODES)
@@ -97,6 +100,8 @@ def apply_kernels(module: nn.Module, mode: str = "auto", *, device: torch.device
             )
         return KernelReport(mode, "torch", reason=reason)
     note = torch_attention_preferred(target) if mode == "auto" else None
+    if not attention:  # context parallelism gathers keys and values around the model's own SDPA call
+        note = "attention stays on torch's SDPA under context parallelism"
     plan = _Plan.discover(module, route_attention=note is None)  # no hook where nothing is routed
     router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention=note is None)
     for hooked in plan.hooked:

@@ -68,6 +68,7 @@ class PTDPStrategy(ParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         virtual_pipeline_size: int = 1,
         micro_batch_size: Optional[int] = None,
@@ -214,12 +215,8 @@ class PTDPStrategy(ParallelStrategy):
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         self._expert_mesh = self._dims.build_expert_mesh(self.root_device.type) if self._dims.ep > 1 else None
         self._dp_group = None  # (group, size), looked up on the first reduce
-        log.info(
-            "rank %d: mesh coordinates %s of %s",
-            self.global_rank,
-            self._dims.coordinates(self.global_rank),
-            self._dims.mesh_shape,
-        )
+        where = self._dims.coordinates(self.global_rank)
+        log.info("rank %d: mesh coordinates %s of %s", self.global_rank, where, self._dims.mesh_shape)
         # Same attribute ModelParallelStrategy sets, so configure_model() code ports unchanged.
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -366,7 +363,7 @@ class PTDPStrategy(ParallelStrategy):
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
-    # ------------------------------------------------------------------ collectives on the (pp, dp, tp) world
+    # ------------------------------------------------------------------ collectives on the (pp, dp, cp, tp) world
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -130,7 +130,9 @@ def fit_and_record(
     if strategy_kwargs is not None:
         layout = {f.name for f in dataclasses.fields(ParallelConfig)}
         config = ParallelConfig(**{k: v for k, v in strategy_kwargs.items() if k in layout})
-        replicas = devices // (config.tensor_parallel_size * config.pipeline_parallel_size)
+        replicas = devices // (
+            config.tensor_parallel_size * config.pipeline_parallel_size * config.context_parallel_size
+        )
         # full: "state" is compared with the whole single-process model, not this rank's pieces
         strategy = PTDPStrategy(**{"checkpoint_format": "full", **strategy_kwargs}, tp_plan=tp_plan)
     if global_batch % (replicas * accumulate):

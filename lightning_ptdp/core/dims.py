@@ -1,7 +1,7 @@
-"""Parallel degrees -> one named ``DeviceMesh`` with axes (pp, dp, tp).
+"""Parallel degrees -> one named ``DeviceMesh`` with axes (pp, dp, tp), or (pp, dp, cp, tp).
 
-Rank order is Megatron's: tp varies fastest, then dp, then pp. With devices filled node by node,
-the ranks of one TP group are neighbours on a node (NVLink), the pipeline axis spans nodes.
+Rank order is Megatron's: tp varies fastest, then cp, then dp, then pp. With devices filled node by
+node, the ranks of one TP group are neighbours on a node (NVLink), the pipeline axis spans nodes.
 The mesh is returned to the caller and never stored in a module global.
 """
 
@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
 
-MESH_DIM_NAMES: tuple[str, str, str] = ("pp", "dp", "tp")
+MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
+CP_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 
 def _factor_suggestions(world_size: int, limit: int = 6) -> str:
@@ -44,47 +45,64 @@ class ParallelDims:
     """Number of processes (devices x nodes)."""
     ep: int = 1
     """Expert-parallel degree e: consecutive dp ranks that split the experts (e divides d)."""
+    cp: int = 1
+    """Context-parallel degree c: ranks that split each sequence (between tp and dp in rank order)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "world_size", "ep"):
+        for name in ("pp", "dp", "tp", "world_size", "ep", "cp"):
             check_positive_int(name, getattr(self, name))
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(
+                f"context_parallel_size={self.cp} with expert_parallel_size={self.ep} is not supported yet (the "
+                "expert groups would have to span the context-parallel ranks); use one of the two"
+            )
         if self.dp % self.ep:
             fits = ", ".join(str(e) for e in range(1, self.dp + 1) if self.dp % e == 0)
             raise ValueError(
                 f"expert_parallel_size={self.ep} does not divide data_parallel_size={self.dp}: the expert-parallel "
                 f"ranks are carved out of the data-parallel ones. Choose expert_parallel_size in {fits}"
             )
-        if self.pp * self.dp * self.tp != self.world_size:
+        if self.pp * self.dp * self.tp * self.cp != self.world_size:
+            cp, rest = (f" * context_parallel_size({self.cp})", "*c") if self.cp > 1 else ("", "")
+            fits = self.world_size // self.cp if self.world_size % self.cp == 0 else self.world_size
             raise ValueError(
                 f"tensor_parallel_size({self.tp}) * pipeline_parallel_size({self.pp}) * "
-                f"data_parallel_size({self.dp}) = {self.pp * self.dp * self.tp}, but the world size is "
-                f"{self.world_size}; t*p*d must equal the world size. Sizes that fit {self.world_size} "
-                f"processes: {_factor_suggestions(self.world_size)}; or set data_parallel_size='auto'"
+                f"data_parallel_size({self.dp}){cp} = {self.pp * self.dp * self.tp * self.cp}, but the world size "
+                f"is {self.world_size}; t*p*d{rest} must equal the world size. Sizes that fit {fits} "
+                f"processes: {_factor_suggestions(fits)}; or set data_parallel_size='auto'"
             )
 
     @classmethod
     def from_config(cls, config: ParallelConfig, world_size: int) -> "ParallelDims":
         """Fill in ``data_parallel_size="auto"`` from the world size and validate the product."""
         check_positive_int("world_size", world_size)
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
         dp = config.data_parallel_size
         if dp == "auto":
-            if world_size % (tp * pp) != 0:
+            if world_size % (tp * pp * cp) != 0:
+                named = f"tensor_parallel_size({tp}) * pipeline_parallel_size({pp})"
+                named += f" * context_parallel_size({cp})" if cp > 1 else ""
                 raise ValueError(
-                    f"tensor_parallel_size({tp}) * pipeline_parallel_size({pp}) = {tp * pp} does not divide "
-                    f"the world size {world_size}, so data_parallel_size='auto' has no integer value. "
-                    f"Sizes that fit {world_size} processes: {_factor_suggestions(world_size)}"
+                    f"{named} = {tp * pp * cp} does not divide the world size {world_size}, so "
+                    f"data_parallel_size='auto' has no integer value. Sizes that fit {world_size} processes: "
+                    f"{_factor_suggestions(world_size)}"
                 )
-            dp = world_size // (tp * pp)
-        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, ep=config.expert_parallel_size)
+            dp = world_size // (tp * pp * cp)
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, ep=config.expert_parallel_size, cp=cp)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp, self.tp) if self.cp == 1 else (self.pp, self.dp, self.cp, self.tp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """The (pp, dp, tp) coordinates of a global rank, without building a mesh."""
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        """The (pp, dp, cp, tp) coordinates of a global rank, without building a mesh."""
+        inner = self.tp * self.cp
+        return {
+            "pp": rank // (self.dp * inner),
+            "dp": (rank // inner) % self.dp,
+            "cp": (rank // self.tp) % self.cp,
+            "tp": rank % self.tp,
+        }
 
     def checkpoint_layout(self, config: ParallelConfig) -> dict[str, int]:
         """The layout a checkpoint records, which loading on another layout compares with its own."""
@@ -95,12 +113,21 @@ class ParallelDims:
             v=config.virtual_pipeline_size,
             zero=config.zero_stage,
             e=self.ep,
+            c=self.cp,
             world_size=self.world_size,
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 3D mesh (a collective over the world: every rank must call it)."""
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+        """Create the 3D (4D with cp) mesh (a collective over the world: every rank must call it)."""
+        names = MESH_DIM_NAMES if self.cp == 1 else CP_MESH_DIM_NAMES
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=names)
+
+    def replica_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks holding the same parameters, over which gradients average and ZeRO shards: dp,
+        or dp x cp flattened (Megatron folds cp into the data-parallel gradient group)."""
+        if self.cp == 1:
+            return mesh["dp"]
+        return mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan flattens its dp x cp mesh the same way
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The same ranks as (pp, edp, ep, tp), dp = edp x ep with ep the faster: an expert group is e

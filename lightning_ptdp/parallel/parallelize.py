@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
+from lightning_ptdp.context_parallel import CPGroup, apply_context_parallel
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
@@ -120,7 +121,14 @@ def parallelize(
     block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
     count. Data parallelism only when training. TP, recompute, the split and the pretrained read are
     cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
-    log.info("parallelize: (pp=%d, dp=%d, tp=%d), zero_stage=%d", dims.pp, dims.dp, dims.tp, config.zero_stage)
+    log.info(
+        "parallelize: (pp=%d, dp=%d, cp=%d, tp=%d), zero_stage=%d",
+        dims.pp,
+        dims.dp,
+        dims.cp,
+        dims.tp,
+        config.zero_stage,
+    )
     result = Parallelized(module, root=module, fsdp=config.fsdp)
     check_reusable(module, config, dims)
     if training and config.fsdp:  # FSDP2 shards every module: their state_dict hooks run on whole tensors only
@@ -139,8 +147,14 @@ def parallelize(
                 group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
                 module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, probe, ep_plan)
             result.ep_report = module.__dict__["_ptdp_ep"]
-        # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile
-        report = apply_kernels(module, "torch" if config.compile is not None else config.kernels)
+        if dims.cp > 1 and "_ptdp_cp" not in module.__dict__:
+            cp_mesh = mesh["cp"]
+            cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+            module.__dict__["_ptdp_cp"] = apply_context_parallel(module, cp)
+        # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
+        # under context parallelism attention is the gathering one (context_parallel/attention.py)
+        kernels = "torch" if config.compile is not None else config.kernels
+        report = apply_kernels(module, kernels, attention=dims.cp == 1)
         log.info("kernels: %s", report.summary())
         if config.compile is not None:  # hooks around the forward (FSDP's, the pipeline gates) stay eager
             log.info("compiling %d blocks (%s)", len(apply_compile(module, config.compile)), config.compile.backend)
@@ -178,16 +192,17 @@ def parallelize(
             # built on the meta device (configure_model): allocate and initialise only what TP and the
             # pipeline split left this rank, before data parallelism wraps or shards it
             materialize_shards(module, device, result.pipeline)
+    replicas = dims.replica_mesh(mesh)  # dp, or dp x cp: the ranks holding the same parameters
     if training and config.fsdp:  # ZeRO-1 shards only the optimizer state (strategy: data_parallel/zero1.py)
         check_zero_supported(module, config, dims)
         experts = result.ep_report.expert_modules if result.ep_report else []
         edp = expert_mesh["edp"] if experts else None
-        result.module = apply_fsdp(module, mesh["dp"], config.zero_stage, dims.pp > 1, experts, edp)
+        result.module = apply_fsdp(module, replicas, config.zero_stage, dims.pp > 1, experts, edp)
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
-        result.module = apply_data_parallel(module, mesh["dp"], ignore=experts)
-    if training and config.zero_stage == 1 and dims.dp > 1:
-        result.optimizer_state_group = mesh["dp"].get_group()
+        result.module = apply_data_parallel(module, replicas, ignore=experts)
+    if training and config.zero_stage == 1 and replicas.size() > 1:
+        result.optimizer_state_group = replicas.get_group()
         if result.ep_report is not None:
             names = set(result.ep_report.expert_params)
             split = {id(p) for n, p in module.named_parameters() if n in names}
@@ -209,10 +224,11 @@ def step_gradients(
     """The owner of each step's gradients. Each placement's reduce group is one entry: the dense
     parameters average over dp, through DDP or FSDP where those wrap the model (without a pipeline,
     or under ZeRO 2/3), else through the owner itself, chunk by chunk during the pipeline's backward.
-    Split experts average over the d / e ranks holding the same experts, always through the owner."""
-    dp = mesh["dp"]
+    Split experts average over the d / e ranks holding the same experts, always through the owner.
+    Under context parallelism the dense parameters average over dp x cp."""
+    dp = dims.replica_mesh(mesh)
     dense = ReduceGroup(
-        group=dp.get_group(), size=dims.dp, rank=dp.get_local_rank(), wrapped=config.fsdp or dims.pp == 1
+        group=dp.get_group(), size=dp.size(), rank=dp.get_local_rank(), wrapped=config.fsdp or dims.pp == 1
     )
     groups, placements = {DENSE: dense}, {}
     if result.ep_report is not None:

@@ -24,6 +24,7 @@ STRATEGY = [
     ),
     ({"pipeline_parallel_size": "2"}, r"pipeline_parallel_size='2' must be a positive integer, got str"),
     ({"expert_parallel_size": 0}, r"expert_parallel_size=0 must be >= 1"),
+    ({"context_parallel_size": 1.5}, r"context_parallel_size=1.5 must be a positive integer, got float"),
     ({"data_parallel_size": "all"}, r"data_parallel_size='all' must be a positive integer"),
     ({"data_parallel_size": 0}, r"data_parallel_size=0 must be >= 1"),
     ({"virtual_pipeline_size": -1}, r"virtual_pipeline_size=-1 must be >= 1"),

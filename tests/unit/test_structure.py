@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "pipeline": 1,
     "data_parallel": 1,
     "expert_parallel": 1,
+    "context_parallel": 1,
     # 2: what combines an axis with state: kernels, checkpoints
     "kernels": 2,
     "checkpoint": 2,

@@ -1,0 +1,101 @@
+"""Context parallelism on the found blocks: the sequence is cut where it enters each block and
+made whole where it leaves the last one.
+
+Each block's forward is wrapped: every input with the sequence's length (the residual stream, and
+what the model computed before its blocks: learned positions already added, rotary tables,
+position ids, mask rows) is cut to this rank's two chunks, so positions stay global with no change
+to the model; attention runs under ``ContextAttention``; the last block's output is all-gathered,
+so the final norm, the head and the user's loss see the whole sequence, exactly as in one process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_ptdp.context_parallel.attention import ContextAttention
+from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length, gather_sequence, own_chunks
+
+
+def apply_context_parallel(model: nn.Module, cp: CPGroup) -> list[str]:
+    """Wrap every found block's forward for ``cp``; returns the block paths."""
+    from lightning_ptdp.core.blocks import find_block_lists
+
+    found = find_block_lists(model)
+    if len(found) != 1:
+        what = "no transformer blocks" if not found else f"{len(found)} block lists ({', '.join(p for p, _ in found)})"
+        raise ValueError(
+            f"context_parallel_size={cp.size} found {what} in {type(model).__name__}; context parallelism cuts the "
+            "sequence where it enters one stack of same-type blocks (a ModuleList, Sequential or ModuleDict of "
+            "modules holding Linears) and makes it whole after the last. Use context_parallel_size=1"
+        )
+    path, blocks = found[0]
+    container = model.get_submodule(path)
+    names = [f"{path}.{key}" if path else key for key, _ in container.named_children()]
+    for index, (name, block) in enumerate(zip(names, blocks)):
+        if "_ptdp_cp_forward" not in block.__dict__:
+            block.__dict__["_ptdp_cp_forward"] = block.forward
+            block.forward = _split_sequence(block.forward, name, cp, index == 0, index == len(blocks) - 1)
+    return names
+
+
+def _split_sequence(forward: Any, name: str, cp: CPGroup, first: bool, last: bool) -> Any:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else None
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            raise ValueError(
+                f"context parallelism: {name} was called without the residual stream as its first argument "
+                f"(got {type(hidden).__name__}); the blocks must take a batch-first [batch, sequence, ...] tensor first"
+            )
+        length = hidden.size(1) * (1 if first else cp.size)
+        if first:
+            check_sequence_length(length, cp)
+        rest = (_cut(a, length, cp, name, f"argument {i}") for i, a in enumerate(args[1:], 1))
+        args = (own_chunks(hidden, 1, cp) if first else hidden, *rest)
+        kwargs = {k: _cut(v, length, cp, name, f"argument {k!r}") for k, v in kwargs.items()}
+        attention = ContextAttention(cp, name, length // cp.size, length)
+        with attention:
+            out = forward(*args, **kwargs)
+        if attention.calls == 0:
+            raise ValueError(
+                f"context parallelism found no attention in {name}: no "
+                "scaled_dot_product_attention call over the block's sequence. Context parallelism splits the "
+                "attention calls it finds; use context_parallel_size=1 for this model"
+            )
+        return _gather_output(out, cp, name) if last else out
+
+    return run
+
+
+def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str) -> Any:
+    """This rank's chunks of every tensor in ``value`` with a dim of the sequence's length: that dim,
+    or the rows of a square [..., length, length] mask."""
+    if isinstance(value, torch.Tensor):
+        dims = [d for d in range(value.dim()) if value.size(d) == length]
+        if not dims:
+            return value
+        if len(dims) == 1 or dims[-2:] == [value.dim() - 2, value.dim() - 1]:
+            return own_chunks(value, dims[0] if len(dims) == 1 else value.dim() - 2, cp)
+        raise ValueError(
+            f"context parallelism: {what} of {block} has shape {tuple(value.shape)}, with dims {dims} all of the "
+            f"sequence's length {length}, so which one is the sequence is ambiguous; use another sequence length"
+        )
+    if isinstance(value, (tuple, list)):
+        items = [_cut(v, length, cp, block, what) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _gather_output(out: Any, cp: CPGroup, block: str) -> Any:
+    if isinstance(out, torch.Tensor):
+        return gather_sequence(out, 1, cp)
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return type(out)([gather_sequence(out[0], 1, cp), *out[1:]])
+    raise ValueError(
+        f"context parallelism: the last block {block} returned {type(out).__name__}; it must return the residual "
+        "stream (a tensor, or a tuple whose first item is it) for the sequence to be made whole again"
+    )
