@@ -43,14 +43,15 @@ _HYDRA_VALUE_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-
 _PER_JOB_HYDRA_KEYS = ("hydra.mode", "hydra.sweep", "hydra.run.dir", "hydra.job.name", "hydra.output_subdir")
 
 
-def devices_for_layout(t: int, p: int, d: Union[int, str], num_nodes: int) -> Union[int, str]:
-    """Processes per node for a (t, p, d) layout: t*p*d / num_nodes, or "auto" when d is "auto"."""
+def devices_for_layout(t: int, p: int, d: Union[int, str], num_nodes: int, c: int = 1) -> Union[int, str]:
+    """Processes per node for a (t, p, d, c) layout: t*p*d*c / num_nodes, or "auto" when d is "auto"."""
     if d == "auto":
         return "auto"
-    world_size = int(t) * int(p) * int(d)
+    world_size = int(t) * int(p) * int(d) * int(c)
     if world_size % int(num_nodes):
+        cp = f" x c={c}" if int(c) > 1 else ""
         raise ValueError(
-            f"the layout t={t} x p={p} x d={d} = {world_size} processes does not split evenly over "
+            f"the layout t={t} x p={p} x d={d}{cp} = {world_size} processes does not split evenly over "
             f"trainer.num_nodes={num_nodes}; change data_parallel_size or set trainer.devices explicitly"
         )
     return world_size // int(num_nodes)

@@ -10,6 +10,7 @@ structure, not names):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class ZooConfig:
     hidden_size: int = 32
     padding_idx: int | None = None  # of the Llama token embedding (transformers sets it from pad_token_id)
     repeat_from_shapes: bool = False  # Llama's KV repeat count read from the tensors' head dims, not attributes
+    flash: bool = True  # nanoGPT's attention: SDPA, or written out with its causal `bias` buffer
 
 
 class NanoAttention(nn.Module):
@@ -42,6 +44,10 @@ class NanoAttention(nn.Module):
         self.n_embd = cfg.hidden_size
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.flash = cfg.flash
+        if not self.flash:  # nanoGPT's slow path, as written there
+            causal = torch.tril(torch.ones(cfg.seq_length, cfg.seq_length))
+            self.register_buffer("bias", causal.view(1, 1, cfg.seq_length, cfg.seq_length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -49,7 +55,12 @@ class NanoAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -238,6 +249,23 @@ class MoEWithBalancingLoss(CausalLM):
         return loss
 
 
+class PaddedCausalLM(CausalLM):
+    """A transformers model trained as users fine-tune one on padded batches: each sample's last
+    tokens are padding (a different count per sample, from its content), masked out of attention by
+    ``attention_mask`` and out of the loss by labels of -100, the loss computed by transformers itself
+    (its own label shift and ignore_index mean over the whole batch's real tokens)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, _ = batch
+        length = inputs.size(1)
+        pads = (inputs[:, 0] * 7) % (length // 2)  # 0 .. length/2 - 1 padding tokens, per sample
+        real = torch.arange(length, device=inputs.device)[None, :] < (length - pads)[:, None]
+        labels = inputs.masked_fill(~real, -100)
+        out = self.net.model(input_ids=inputs, attention_mask=real.long(), labels=labels, use_cache=False)
+        self.log("train_loss", out.loss, sync_dist=True)
+        return out.loss
+
+
 class FlatLlama(CausalLM):
     """The most common Lightning layout: the LightningModule holds its blocks itself
     (``self.layers = nn.ModuleList(...)``), with no network module around them."""
@@ -311,6 +339,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         from tests.real_models import hf_config_of
 
         return DeferredCausalLM(functools.partial(hf_config_of, **overrides))
+    if family == "hf_llama_padded":
+        return PaddedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
     if family == "hf_mixtral_balanced":
         return MoEWithBalancingLoss(REAL_FAMILIES["hf_mixtral"](**overrides))
     if family in REAL_FAMILIES:
@@ -322,6 +352,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":
         return CausalLM(NanoGPT(cfg))
+    if family == "nanogpt_eager":
+        return CausalLM(NanoGPT(dataclasses.replace(cfg, flash=False)))
     if family == "llama":
         return CausalLM(Llama(cfg))
     if family == "moe_llama":

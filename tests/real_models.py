@@ -37,10 +37,11 @@ def _hf(config_cls: str, model_cls: str, attention: str = "sdpa", **kwargs) -> n
     return HFCausalLM(getattr(transformers, model_cls)(config))
 
 
-def hf_llama(tied: bool = False) -> nn.Module:
+def hf_llama(tied: bool = False, attention: str = "sdpa") -> nn.Module:
     return _hf(
         "LlamaConfig",
         "LlamaForCausalLM",
+        attention,
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
@@ -67,10 +68,11 @@ def hf_mistral() -> nn.Module:
     )
 
 
-def hf_gpt2() -> nn.Module:
+def hf_gpt2(attention: str = "sdpa") -> nn.Module:
     return _hf(
         "GPT2Config",
         "GPT2LMHeadModel",
+        attention,
         vocab_size=VOCAB,
         n_embd=HIDDEN,
         n_layer=LAYERS,
@@ -358,6 +360,8 @@ MOE_FAMILIES = (*MOE_HF, "litgpt_moe", "moe_llama", "titan_qwen3_moe")
 REAL_FAMILIES = {
     "hf_llama": hf_llama,
     "hf_llama_tied": lambda: hf_llama(tied=True),
+    "hf_llama_eager": lambda: hf_llama(attention="eager"),
+    "hf_gpt2_eager": lambda: hf_gpt2(attention="eager"),
     "hf_mistral": hf_mistral,
     "hf_gpt2": hf_gpt2,
     "hf_neox": hf_neox,

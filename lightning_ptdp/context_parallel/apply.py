@@ -1,7 +1,7 @@
 """Context parallelism on the found blocks: the sequence is cut where it enters each block and
 made whole where it leaves the last one.
 
-Each block's forward is wrapped: every input with the sequence's length (the residual stream, and
+Before each block, every input with the sequence's length (the residual stream, and
 what the model computed before its blocks: learned positions already added, rotary tables,
 position ids, mask rows) is cut to this rank's two chunks, so positions stay global with no change
 to the model; attention runs under ``ContextAttention``; the last block's output is all-gathered,
@@ -20,8 +20,12 @@ from lightning_ptdp.context_parallel.attention import ContextAttention
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length, gather_sequence, own_chunks
 
 
-def apply_context_parallel(model: nn.Module, cp: CPGroup) -> list[str]:
-    """Wrap every found block's forward for ``cp``; returns the block paths."""
+def apply_context_parallel(model: nn.Module, cp: CPGroup, sequence_parallel: int = 1) -> list[str]:
+    """Cut the sequence into ``model``'s found blocks for ``cp``; returns the block paths.
+    ``sequence_parallel``: t under SP (a block's residual stream then holds 1/(c*t) of the sequence).
+
+    Hooks, so they nest outside SP's (cut before SP scatters, gather after SP gathers) and a
+    recompute replays only the forward; the forward itself runs under ``ContextAttention``."""
     from lightning_ptdp.core.blocks import find_block_lists
 
     found = find_block_lists(model)
@@ -35,40 +39,63 @@ def apply_context_parallel(model: nn.Module, cp: CPGroup) -> list[str]:
     path, blocks = found[0]
     container = model.get_submodule(path)
     names = [f"{path}.{key}" if path else key for key, _ in container.named_children()]
+    shrink = cp.size * sequence_parallel  # whole sequence / a block's residual stream
     for index, (name, block) in enumerate(zip(names, blocks)):
-        if "_ptdp_cp_forward" not in block.__dict__:
-            block.__dict__["_ptdp_cp_forward"] = block.forward
-            block.forward = _split_sequence(block.forward, name, cp, index == 0, index == len(blocks) - 1)
+        if "_ptdp_cp_forward" in block.__dict__:
+            continue
+        block.__dict__["_ptdp_cp_forward"] = block.forward
+        block.forward = _attention_split(block, name, cp, shrink)
+        block.register_forward_pre_hook(_cut_inputs(name, cp, index == 0, shrink), with_kwargs=True, prepend=True)
+        if index == len(blocks) - 1:
+            block.register_forward_hook(_gather_output(name, cp))
     return names
 
 
-def _split_sequence(forward: Any, name: str, cp: CPGroup, first: bool, last: bool) -> Any:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else None
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-            raise ValueError(
-                f"context parallelism: {name} was called without the residual stream as its first argument "
-                f"(got {type(hidden).__name__}); the blocks must take a batch-first [batch, sequence, ...] tensor first"
-            )
-        length = hidden.size(1) * (1 if first else cp.size)
+def _cut_inputs(name: str, cp: CPGroup, first: bool, shrink: int) -> Any:
+    """Every input with the sequence's length cut to this rank's chunks; the first block's
+    residual stream too (later blocks receive it cut)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = _residual(args, name)
+        length = hidden.size(1) * (1 if first else shrink)
         if first:
             check_sequence_length(length, cp)
         rest = (_cut(a, length, cp, name, f"argument {i}") for i, a in enumerate(args[1:], 1))
-        args = (own_chunks(hidden, 1, cp) if first else hidden, *rest)
         kwargs = {k: _cut(v, length, cp, name, f"argument {k!r}") for k, v in kwargs.items()}
-        attention = ContextAttention(cp, name, length // cp.size, length)
+        return (own_chunks(hidden, 1, cp) if first else hidden, *rest), kwargs
+
+    return hook
+
+
+def _attention_split(block: nn.Module, name: str, cp: CPGroup, shrink: int) -> Any:
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        length = _residual(args, name).size(1) * shrink
+        buffers = list(block.buffers())
+        attention = ContextAttention(cp, name, length // cp.size, length, buffers)
         with attention:
             out = forward(*args, **kwargs)
         if attention.calls == 0:
             raise ValueError(
-                f"context parallelism found no attention in {name}: no "
-                "scaled_dot_product_attention call over the block's sequence. Context parallelism splits the "
-                "attention calls it finds; use context_parallel_size=1 for this model"
+                f"context parallelism found no attention in {name}: no scaled_dot_product_attention call over the "
+                "block's sequence. Context parallelism splits the attention calls it finds; use "
+                "context_parallel_size=1 for this model"
             )
-        return _gather_output(out, cp, name) if last else out
+        return out
 
     return run
+
+
+def _residual(args: tuple, name: str) -> torch.Tensor:
+    hidden = args[0] if args else None
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise ValueError(
+            f"context parallelism: {name} was called without the residual stream as its first argument "
+            f"(got {type(hidden).__name__}); the blocks must take a batch-first [batch, sequence, ...] tensor first"
+        )
+    return hidden
 
 
 def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str) -> Any:
@@ -90,12 +117,15 @@ def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str) -> Any:
     return value
 
 
-def _gather_output(out: Any, cp: CPGroup, block: str) -> Any:
-    if isinstance(out, torch.Tensor):
-        return gather_sequence(out, 1, cp)
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return type(out)([gather_sequence(out[0], 1, cp), *out[1:]])
-    raise ValueError(
-        f"context parallelism: the last block {block} returned {type(out).__name__}; it must return the residual "
-        "stream (a tensor, or a tuple whose first item is it) for the sequence to be made whole again"
-    )
+def _gather_output(block: str, cp: CPGroup) -> Any:
+    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return gather_sequence(out, 1, cp)
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return type(out)([gather_sequence(out[0], 1, cp), *out[1:]])
+        raise ValueError(
+            f"context parallelism: the last block {block} returned {type(out).__name__}; it must return the "
+            "residual stream (a tensor, or a tuple whose first item is it) for the sequence to be made whole again"
+        )
+
+    return hook

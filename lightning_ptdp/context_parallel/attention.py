@@ -1,11 +1,10 @@
-"""Attention over a sequence split across the context-parallel ranks, by intercepting the block's
-own ``F.scaled_dot_product_attention`` calls (transformers' sdpa, litgpt, nanoGPT, torchtitan).
-
-Each rank keeps its queries and all-gathers the keys and values of the layer (the Llama 3 paper's
-choice over ring passing): one collective per layer, exact for any mask the model passes to its
-blocks (document masks included) and any SDPA backend, GQA included (only the KV heads travel).
-Under causal attention each of the rank's two chunks attends to the keys up to its own end, a
-lower-right causal mask, so every rank does the same work.
+"""Attention over a sequence split across the context-parallel ranks: the block's own
+``F.scaled_dot_product_attention`` calls (transformers' sdpa, litgpt, nanoGPT, torchtitan) and
+attention written out with matmul (transformers' eager). Each rank keeps its queries and
+all-gathers the layer's keys and values (the Llama 3 paper's choice over ring passing): one
+collective per layer, exact for any mask the model passes to its blocks and any SDPA backend, GQA
+included (only the KV heads travel). Under causal attention each of the rank's two chunks attends
+to the keys up to its own end (lower-right causal), so every rank does the same work.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values
+from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, own_chunks
 
-_MATMULS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm, torch.einsum}
+_PRODUCTS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm}
+_MATMULS = {*_PRODUCTS, torch.einsum}
 _FIX = (
     "set attn_implementation='sdpa' (transformers) or call F.scaled_dot_product_attention, or context_parallel_size=1"
 )
@@ -39,26 +39,92 @@ def _user_line() -> str:
 
 
 class ContextAttention(TorchFunctionMode):
-    """Active inside one block's forward while the block holds ``local`` of ``length`` tokens."""
+    """Active inside one block's forward while the block holds ``local`` of ``length`` tokens.
 
-    def __init__(self, cp: CPGroup, block: str, local: int, length: int) -> None:
+    SDPA calls gather their keys and values. Attention written out (transformers' eager: scores =
+    q @ k^T, a mask sliced to the key length, softmax, @ v) gathers k^T at the first product and v
+    at the second, and reads the mask's columns up to the whole length instead of the local one."""
+
+    def __init__(self, cp: CPGroup, block: str, local: int, length: int, buffers: list[torch.Tensor]) -> None:
         super().__init__()
         self.cp, self.block, self.local, self.length = cp, block, local, length
+        self.buffers = buffers
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if func in _PRODUCTS and len(args) >= 2:
+            return self._product(func, args, kwargs)
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
+            if self._is_key_mask(args[0]):
+                args = (args[0], self._whole_keys(args[1]))
+            elif self._is_position_table(*args):
+                return self._rows_of_table(args[0], args[1])
         out = func(*args, **kwargs)
+        if func is torch.arange and isinstance(out, torch.Tensor) and out.numel() == self.local and out.dim() == 1:
+            raise ValueError(
+                f"context parallelism: {self.block} computes torch.arange over the {self.local} tokens it holds at "
+                f"{_user_line()}; positions made inside a block from the length it sees would be this rank's local "
+                "ones, not the sequence's. Compute positions before the blocks and pass them in (as transformers, "
+                "litgpt and nanoGPT do), or use context_parallel_size=1"
+            )
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
             if out.shape[-2:] == (self.local, self.local) and not any(isinstance(a, torch.nn.Parameter) for a in args):
                 raise ValueError(
                     f"context parallelism: {self.block} multiplies two [{self.local}, {self.local}] sequence-by-"
-                    f"sequence operands at {_user_line()}, an attention written out by hand (eager attention); only "
-                    f"scaled_dot_product_attention calls are split over the sequence so far. {_FIX}"
+                    f"sequence operands at {_user_line()}, an attention context parallelism does not recognise; "
+                    f"it splits scaled_dot_product_attention calls and q @ k^T ... @ v written with matmul. {_FIX}"
                 )
         return out
+
+    def _product(self, func, args, kwargs):
+        a, b = args[0], args[1]
+        plain = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3
+        if plain and not isinstance(a, torch.nn.Parameter) and not isinstance(b, torch.nn.Parameter):
+            if a.size(-1) == self.length and b.size(-2) == self.local:  # weights [.., local, length] @ v
+                b = gather_keys_values(b, b.dim() - 2, self.cp)
+            elif a.size(-2) == self.local and b.size(-1) == self.local:  # q @ k^T: the keys along the last dim
+                self.calls += 1
+                b = gather_keys_values(b, b.dim() - 1, self.cp)
+            return func(a, b, *args[2:], **kwargs)
+        return func(*args, **kwargs)
+
+    def _is_key_mask(self, x: Any) -> bool:
+        """A mask over all keys, [..., local or 1, length] (its rows were cut for this rank)."""
+        return (
+            isinstance(x, torch.Tensor) and x.dim() == 4 and x.size(-1) == self.length and x.size(-2) in (1, self.local)
+        )
+
+    def _is_position_table(self, table: torch.Tensor, index: Any) -> bool:
+        """A buffer of the block (a rotary cache, nanoGPT's causal ``bias``) read up to the local
+        length: ``cache[0:T]``, ``bias[:, :, :T, :T]``; its rows are positions."""
+        items = index if isinstance(index, tuple) else (index,)
+        return any(table is b for b in self.buffers) and any(self._prefix(i) == self.local for i in items)
+
+    @staticmethod
+    def _prefix(index: Any) -> Any:
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            return index.stop
+        return None
+
+    def _rows_of_table(self, table: torch.Tensor, index: Any) -> torch.Tensor:
+        """Every position up to the whole length; then, along the first such dim (the queries'),
+        this rank's positions. A second one (nanoGPT's keys) keeps them all."""
+        items = index if isinstance(index, tuple) else (index,)
+        whole = tuple(slice(0, self.length) if self._prefix(i) == self.local else i for i in items)
+        first = next(d for d, i in enumerate(items) if self._prefix(i) == self.local)
+        kept = sum(1 for i in items[:first] if i is None) - sum(1 for i in items[:first] if isinstance(i, int))
+        return own_chunks(table[whole if isinstance(index, tuple) else whole[0]], first + kept, self.cp)
+
+    def _whole_keys(self, index: Any) -> Any:
+        """``mask[..., :n_keys]`` with the local key count read from the local keys: all keys."""
+        if isinstance(index, tuple) and index and isinstance(index[-1], slice):
+            last = index[-1]
+            if last.start in (None, 0) and last.stop == self.local and last.step in (None, 1):
+                return (*index[:-1], slice(last.start, self.length, last.step))
+        return index
 
     def _attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)

@@ -150,7 +150,8 @@ def parallelize(
         if dims.cp > 1 and "_ptdp_cp" not in module.__dict__:
             cp_mesh = mesh["cp"]
             cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
-            module.__dict__["_ptdp_cp"] = apply_context_parallel(module, cp)
+            sp = dims.tp if config.sequence_parallel else 1
+            module.__dict__["_ptdp_cp"] = apply_context_parallel(module, cp, sequence_parallel=sp)
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels

@@ -1,0 +1,124 @@
+"""Context parallelism against one process: every family, every sequence split over c ranks (alone
+and with TP, SP, PP, ZeRO, recompute and compile) gives the single process's losses, first gradients
+and final weights, while each block holds only 1/c of the sequence (1/(c*t) under SP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fit_utils import SEQ
+from tests.real_models import MORE_HF
+
+# fp32: the same arithmetic but for the order of sums (keys and values in other chunks, the
+# gradient's c shares summed), measured 1e-8..5e-7 relative; 1e-5 as the other equivalence tests.
+# A wrong position is not round-off: torchtitan's rotary cache read up to the local length moved
+# the attention gradients by 5e-3..1.5e-2 while the loss moved by only 4e-6 at initialisation.
+LOSS_RTOL = 1e-5
+GRAD_REL = 1e-5
+UPDATE_REL = 1e-3  # weights relative to their 3-step update under Adam (test_real_models.py)
+STEPS = 3
+
+PIPE = {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
+LAYOUTS = {
+    "c2": ({"context_parallel_size": 2}, 2),
+    "c4": ({"context_parallel_size": 4}, 4),
+    "c2-t2": ({"context_parallel_size": 2, "tensor_parallel_size": 2}, 4),
+    "c2-t2-sp": ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, 4),
+    "c2-p2": ({"context_parallel_size": 2, **PIPE}, 4),
+    "c2-d2-zero3": ({"context_parallel_size": 2, "zero_stage": 3}, 4),
+    "c2-t2-p2": ({"context_parallel_size": 2, "tensor_parallel_size": 2, **PIPE}, 8),
+}
+# every dense family at c2; the layouts on these, which cover learned positions (GPT-2, nanoGPT),
+# rotary passed to the blocks (transformers, litgpt, this repository) or read from a buffer in them
+# (torchtitan), SDPA and attention written out (eager), fused and GQA projections
+CORE = (
+    "gpt",
+    "llama",
+    "nanogpt",
+    "nanogpt_eager",
+    "hf_llama",
+    "hf_llama_eager",
+    "hf_gpt2",
+    "litgpt_llama",
+    "litgpt_pythia",
+    "titan_llama3",
+)
+ALL = (
+    *CORE,
+    "flat_llama",
+    "hf_llama_tied",
+    "hf_llama_padded",
+    "hf_gpt2_eager",
+    "hf_mistral",
+    "hf_neox",
+    *MORE_HF,
+)
+CASES = [(f, "c2") for f in ALL] + [(f, layout) for layout in LAYOUTS if layout != "c2" for f in CORE]
+_REFERENCES: dict[str, dict] = {}
+
+
+def _reference(family: str) -> dict:
+    from tests.fit_utils import fit_and_record
+
+    if family not in _REFERENCES:
+        _REFERENCES[family] = fit_and_record(family, steps=STEPS)
+    return _REFERENCES[family]
+
+
+def fit_and_measure(family: str, strategy_kwargs: dict, devices: int) -> dict:
+    """``fit_and_record`` plus the longest sequence any block's forward received."""
+    import lightning as L
+
+    from lightning_ptdp.core.blocks import find_block_lists
+    from tests.fit_utils import fit_and_record
+
+    seen: set[int] = set()
+
+    class BlockInputs(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            for _, blocks in find_block_lists(pl_module):
+                for block in blocks:  # after ptdp's own hooks: what the block's forward receives
+                    block.register_forward_pre_hook(lambda m, args: seen.add(args[0].size(1)))
+
+    result = fit_and_record(
+        family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, callbacks=[BlockInputs()]
+    )
+    return {**result, "block_tokens": max(seen)}
+
+
+@pytest.mark.parametrize(
+    "family, layout", [pytest.param(f, lay, marks=pytest.mark.world_size(LAYOUTS[lay][1])) for f, lay in CASES]
+)
+def test_context_parallel_matches_single_process(dist_pool, family, layout):
+    from tests.fit_utils import assert_ranks_match_reference
+
+    strategy_kwargs, devices = LAYOUTS[layout]
+    results = dist_pool(devices).run(fit_and_measure, family, strategy_kwargs, devices)
+    assert_ranks_match_reference(
+        results, _reference(family), loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL
+    )
+    c = strategy_kwargs["context_parallel_size"]
+    sp = strategy_kwargs["tensor_parallel_size"] if strategy_kwargs.get("sequence_parallel") else 1
+    assert all(result["block_tokens"] == SEQ // (c * sp) for result in results)
+
+
+EXTRAS = {
+    "c2-zero1": {"context_parallel_size": 2, "zero_stage": 1},
+    "c2-recompute": {"context_parallel_size": 2, "activation_checkpointing": "full"},
+    "c2-selective": {"context_parallel_size": 2, "activation_checkpointing": "selective"},
+    "c2-compiled": {"context_parallel_size": 2, "compile": {"backend": "aot_eager"}},
+}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", EXTRAS)
+@pytest.mark.parametrize("family", ["hf_llama", "gpt"])
+def test_context_parallel_composes(dist_pool, family, layout):
+    """ZeRO-1 (optimizer state over dp x cp), recompute (the gather runs again in backward) and
+    compiled blocks (aot_eager traces forward and backward as inductor does)."""
+    from tests.fit_utils import assert_ranks_match_reference
+
+    results = dist_pool(2).run(fit_and_measure, family, EXTRAS[layout], 2)
+    assert_ranks_match_reference(
+        results, _reference(family), loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL
+    )

@@ -1,0 +1,98 @@
+"""What context parallelism refuses, with the reason and the fix, on every rank before any step
+completes (so no rank waits on a collective the others never reach)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEQ, VOCAB, HIDDEN, HEADS = 30, 16, 16, 2
+
+
+class Block(nn.Module):
+    """A pre-norm block whose attention is one of the idioms context parallelism cannot split."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.pos = nn.Embedding(SEQ + 2, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        if self.kind == "mlp":  # no attention at all
+            return x + self.proj(F.gelu(self.qkv(x)[..., :C]))
+        if self.kind == "arange":  # positions from the length the block sees
+            x = x + self.pos(torch.arange(T, device=x.device))
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        if self.kind == "local_mask":  # a causal mask built inside the block from its own length
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.kind == "einsum":  # attention written with einsum
+            weights = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
+            y = torch.einsum("bhqk,bhkd->bhqd", weights, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block(kind) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch[0])
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(kind: str, c: int, seq: int = SEQ + 2) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.testing import quiet_trainer
+
+    tokens = torch.randint(0, VOCAB, (8, seq + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    trainer = quiet_trainer(devices=c, strategy=PTDPStrategy(context_parallel_size=c), max_steps=1)
+    trainer.fit(TinyLM(kind), data)
+
+
+REFUSALS = {
+    "mlp": r"context parallelism found no attention in blocks\.0: no scaled_dot_product_attention call",
+    "arange": r"blocks\.0 computes torch\.arange over the 16 tokens it holds at .*test_context_parallel_refusals\.py"
+    r".*Compute positions before the blocks and pass them in",
+    "local_mask": r"the attention mask of blocks\.0 has shape \(16, 16\) at .*test_context_parallel_refusals\.py.*"
+    r"it must be \[\.\.\., 16 or 1, 32\]",
+    "einsum": r"blocks\.0 multiplies two \[16, 16\] sequence-by-sequence operands at .*einsum.*"
+    r"set attn_implementation='sdpa'",
+}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_an_attention_it_cannot_split_is_refused_with_its_source_line(dist_pool, kind):
+    from lightning_ptdp.testing import RankFailure
+
+    with pytest.raises(RankFailure, match=REFUSALS[kind]):
+        dist_pool(2).run(fit, kind, 2)
+
+
+@pytest.mark.world_size(2)
+def test_a_sequence_not_divisible_by_2c_is_refused_on_every_rank(dist_pool):
+    from lightning_ptdp.testing import RankFailure
+
+    with pytest.raises(RankFailure, match=r"sequence length 30 is not divisible by 2 \* context_parallel_size = 4"):
+        dist_pool(2).run(fit, "sdpa", 2, SEQ)
+    dist_pool(2).run(fit, "sdpa", 2)  # and 32 tokens train: the refusal is about the length alone
