@@ -1,5 +1,6 @@
-"""The planner against the paper (Table 1, GPT-3 175B) and a mixture of experts (Mixtral-8x7B
-against Megatron-Core's figure): arithmetic only, instant.
+"""The planner against the paper (Table 1, GPT-3 175B), a mixture of experts (Mixtral-8x7B
+against Megatron-Core's figure) and long context (Llama-3-8B at 128k tokens with context
+parallelism): arithmetic only, instant.
 
     python -m benchmarks.bench_planner
 
@@ -146,6 +147,8 @@ def _row(x) -> dict:
         "tflops": round(x.tflops_per_gpu, 1),
         "step_s": round(x.step_time_s, 3),
         "all_to_all_s": round(x.expert_parallel_comm_s, 3),
+        "c": x.context_parallel_size,
+        "kv_exchange_s": round(x.context_parallel_comm_s, 3),
         "gb_per_gpu": round(x.memory_bytes_per_gpu / 1e9, 1),
     }
 
@@ -214,6 +217,71 @@ def mixtral_markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+LONG_CONTEXT = {"model": "llama3_8b_128k", "batch": 8, "gpus": (8, 64), "c": (1, 2, 4, 8, 16, 32)}
+
+
+def long_context() -> dict:
+    """Llama-3-8B at 131,072 tokens, 8 sequences (1M tokens) per step on H100 nodes, ZeRO-1 and SP:
+    the best layout at each c, and what a GPU count without a fitting layout needs."""
+    out: dict = {}
+    for gpus in LONG_CONTEXT["gpus"]:
+        try:
+            layouts = plan(
+                LONG_CONTEXT["model"],
+                Cluster.h100(gpus),
+                LONG_CONTEXT["batch"],
+                zero_stage=1,
+                sequence_parallel=True,
+                context_parallel_sizes=LONG_CONTEXT["c"],
+            )
+        except ValueError as error:
+            out[f"{gpus} H100s"] = {"error": str(error)}
+            continue
+        by_c = {}
+        for x in layouts:
+            by_c.setdefault(x.context_parallel_size, _row(x))
+        out[f"{gpus} H100s"] = {"top": [_row(x) for x in layouts[:3]], "best_per_c": [by_c[c] for c in sorted(by_c)]}
+    return out
+
+
+def long_context_markdown(result: dict, command: str) -> str:
+    lines = [
+        f"## {today()} — planner: Llama-3-8B at 128k tokens with context parallelism (issue 28)",
+        "",
+        f"- Hardware: none (arithmetic); run on {cpu_description()}, Python {platform.python_version()}.",
+        f"- Command: `{command}`",
+        (
+            f"- Model: Llama-3-8B (8.03B parameters, GQA 8 KV heads, V=128,256) at 131,072 tokens, "
+            f"{LONG_CONTEXT['batch']} sequences per step, ZeRO-1, sequence parallelism; c searched over "
+            f"{LONG_CONTEXT['c']}; H100 nodes by `Cluster.h100`. The logits are whole on every rank of a cp "
+            "group (b s V / t fp32 bytes), as ptdp computes the head and loss after gathering the sequence."
+        ),
+        "",
+    ]
+    for name, run in result.items():
+        if "error" in run:
+            lines.append(f"- **{name}: no layout fits.** {run['error']}")
+            continue
+        lines += [
+            f"- {name}:",
+            "",
+            "  | rank | t | p | c | d | v | b | recompute | TFLOP/s/GPU | step s | K/V exchange s | GB/GPU |",
+            "  |---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for kind, rows in (("top", run["top"]), ("best at c", run["best_per_c"])):
+            for i, r in enumerate(rows, start=1):
+                label = f"{i}" if kind == "top" else f"best, c={r['c']}"
+                lines.append(
+                    f"  | {label} | {r['t']} | {r['p']} | {r['c']} | {r['d']} | {r['v']} | {r['b']} | {r['recompute']} "
+                    f"| {r['tflops']} | {r['step_s']} | {r['kv_exchange_s']} | {r['gb_per_gpu']} |"
+                )
+        lines.append("")
+        if all(r["c"] > 1 for r in run["best_per_c"]):
+            lines.append("  No layout without context parallelism (c = 1) fits in memory here.")
+            lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     command = "python -m benchmarks.bench_planner"
@@ -221,6 +289,8 @@ def main() -> None:
     write_section("planner_table_1", table_1_markdown(result, command))
     result["mixtral_8x7b"] = mixtral()
     write_section("planner_moe", mixtral_markdown(result["mixtral_8x7b"], command))
+    result["long_context"] = long_context()
+    write_section("planner_long_context", long_context_markdown(result["long_context"], command))
     json.dump(result, sys.stdout, indent=1)
     print()
 

@@ -102,6 +102,12 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
         },
         4,
     ),
+    "context": (
+        "benchmarks.bench_context",
+        {"rounds": 3},
+        {"rounds": 1, "steps": 3, "warmup": 1, "model": {"seq_length": 128, "hidden_size": 32}},
+        4,
+    ),
     "compile": (
         "benchmarks.bench_compile",
         {"rounds": 3, "steps": 20, "warmup": 5},

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.context_parallel.attention import ContextAttention
+from lightning_ptdp.context_parallel.attention import ChunkMasks, ContextAttention
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length, gather_sequence, own_chunks
 
 
@@ -40,11 +40,12 @@ def apply_context_parallel(model: nn.Module, cp: CPGroup, sequence_parallel: int
     container = model.get_submodule(path)
     names = [f"{path}.{key}" if path else key for key, _ in container.named_children()]
     shrink = cp.size * sequence_parallel  # whole sequence / a block's residual stream
+    masks = ChunkMasks()  # one set for all blocks
     for index, (name, block) in enumerate(zip(names, blocks)):
         if "_ptdp_cp_forward" in block.__dict__:
             continue
         block.__dict__["_ptdp_cp_forward"] = block.forward
-        block.forward = _attention_split(block, name, cp, shrink)
+        block.forward = _attention_split(block, name, cp, shrink, masks)
         block.register_forward_pre_hook(_cut_inputs(name, cp, index == 0, shrink), with_kwargs=True, prepend=True)
         if index == len(blocks) - 1:
             block.register_forward_hook(_gather_output(name, cp))
@@ -67,14 +68,14 @@ def _cut_inputs(name: str, cp: CPGroup, first: bool, shrink: int) -> Any:
     return hook
 
 
-def _attention_split(block: nn.Module, name: str, cp: CPGroup, shrink: int) -> Any:
+def _attention_split(block: nn.Module, name: str, cp: CPGroup, shrink: int, masks: ChunkMasks) -> Any:
     forward = block.forward
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         length = _residual(args, name).size(1) * shrink
         buffers = list(block.buffers())
-        attention = ContextAttention(cp, name, length // cp.size, length, buffers)
+        attention = ContextAttention(cp, name, length // cp.size, length, buffers, masks)
         with attention:
             out = forward(*args, **kwargs)
         if attention.calls == 0:

@@ -45,10 +45,12 @@ class ContextAttention(TorchFunctionMode):
     q @ k^T, a mask sliced to the key length, softmax, @ v) gathers k^T at the first product and v
     at the second, and reads the mask's columns up to the whole length instead of the local one."""
 
-    def __init__(self, cp: CPGroup, block: str, local: int, length: int, buffers: list[torch.Tensor]) -> None:
+    def __init__(
+        self, cp: CPGroup, block: str, local: int, length: int, buffers: list[torch.Tensor], masks: "ChunkMasks"
+    ) -> None:
         super().__init__()
         self.cp, self.block, self.local, self.length = cp, block, local, length
-        self.buffers = buffers
+        self.buffers, self.masks = buffers, masks
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -149,8 +151,37 @@ class ContextAttention(TorchFunctionMode):
         outputs = []
         for j, g in enumerate(self.cp.chunks):  # each chunk: the keys up to its own end, lower-right causal
             end = (g + 1) * chunk
-            allowed = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk)
             rows = q.narrow(-2, j * chunk, chunk)
-            keys, values = k.narrow(-2, 0, end), v.narrow(-2, 0, end)
-            outputs.append(F.scaled_dot_product_attention(rows, keys, values, attn_mask=allowed, **common))
+            outputs.append(self._lower_right(rows, k.narrow(-2, 0, end), v.narrow(-2, 0, end), common))
         return torch.cat(outputs, dim=-2)
+
+    def _lower_right(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, common: dict) -> torch.Tensor:
+        """Queries at the end of the keys, each seeing the keys up to its own position."""
+        if q.is_cuda:  # flash and efficient attention take lower-right causal natively: no mask in memory
+            from torch.nn.attention.bias import causal_lower_right
+
+            if common["enable_gqa"]:  # CausalBias's kernels want every head's keys
+                repeat = q.size(-3) // k.size(-3)
+                k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+            bias = causal_lower_right(q.size(-2), k.size(-2))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **{**common, "enable_gqa": False})
+        mask = self.masks.get(q.size(-2), k.size(-2), q.dtype, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **common)
+
+
+class ChunkMasks:
+    """Additive lower-right causal masks of this rank's two chunks, made once and shared by every
+    layer, whose backward each keeps the mask it used: one copy per rank, not one per layer (CPU
+    SDPA takes a mask, not lower-right causal). Owned by the model (apply.py), not a global."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def get(self, rows: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (rows, keys, dtype, device)
+        if key not in self._masks:
+            if len(self._masks) >= 8:  # another sequence length or dtype: the old ones are not reused
+                self._masks.clear()
+            allowed = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
+            self._masks[key] = torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~allowed, -torch.inf)
+        return self._masks[key]

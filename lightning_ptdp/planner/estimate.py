@@ -1,8 +1,8 @@
 """Step time and memory of one layout: ``estimate(model, cluster, B, tensor_parallel_size=..., ...)``.
 
-    step = m * (stage compute + TP + EP all-to-alls + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
+    step = m * (stage compute + TP + EP all-to-alls + CP K/V + P2P) * (1 + (p-1)/(v*m)) + DP + optimizer
 
-Ranks are ordered as in Megatron (t innermost, then d, then p; e consecutive dp ranks share the
+Ranks are ordered as in Megatron (t innermost, then c, d, p; e consecutive dp ranks share the
 experts); nothing overlaps (Megatron 2021). Each term is in its function below;
 docs/architecture.md ("The planner") lists them with their sources.
 """
@@ -37,7 +37,7 @@ SCHEDULES = ("interleaved_1f1b", "1f1b", "gpipe")
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """One layout's estimate; times in seconds per training step, memory in bytes per GPU.
-    ``step_time_s`` is the sum of the seven ``*_s`` terms."""
+    ``step_time_s`` is the sum of the eight ``*_s`` terms."""
 
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -66,6 +66,10 @@ class Layout:
     tflops_per_gpu: float
     """Executed TFLOP/s per GPU at the estimated step time (the paper's measure)."""
     reason: str = ""
+    context_parallel_size: int = 1
+    """c: ranks splitting each sequence (d = GPUs / (t*p*c))."""
+    context_parallel_comm_s: float = 0.0
+    """The key/value all-gathers (forward) and reduce-scatters (backward) of context parallelism."""
 
 
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
@@ -119,23 +123,25 @@ def _expert_gemms(model: ModelSize, t: int, b: int, sp: bool, e: int, cluster: C
 
 @lru_cache(maxsize=4096)
 def _layer_seconds(
-    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster, e: int = 1
-) -> tuple[float, float, float]:
-    """(compute, TP communication, EP all-to-alls) of one layer for one microbatch, forward + backward."""
+    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster, e: int = 1, c: int = 1
+) -> tuple[float, float, float, float]:
+    """(compute, TP communication, EP all-to-alls, CP key/value exchanges) of one layer for one
+    microbatch, forward + backward. Under context parallelism a rank holds s/c tokens, whose queries
+    attend to all s keys (causal work balanced by the 2c chunks: 1/c of the attention each)."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
-    tokens, head = b * s, h // a
+    tokens, head = b * s / c, h // a
     f = model.dense_ffn_size  # the MLP, or a mixture of experts' shared expert (0: none)
     up = f * (2 if model.gated_mlp else 1)
     linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t)]
     linear += [(tokens, up / t, h), (tokens, h, f / t)] if f else []
-    attention = [(s, s, head), (s, head, s)]  # QK^T and scores x V, b*a/t of each
+    attention = [(s / c, s, head), (s / c, head, s)]  # QK^T and scores x V, b*a/t of each
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
     core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
     experts_f, experts_b = _expert_gemms(model, t, b, sp, e, cluster)
     linear_f, linear_b = linear_f + experts_f, linear_b + experts_b
-    sbh = s * b * h
-    streamed = layer_memory_bytes(model, t, b, sp)
-    softmax = 9 * a * s * s * b / t
+    sbh = s * b * h / c
+    streamed = layer_memory_bytes(model, t, b, sp) / c  # every term per token, or per query row
+    softmax = 9 * a * s * s * b / t / c
     forward = linear_f + core_f + memory_seconds(streamed, cluster)
     backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
     again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
@@ -144,13 +150,18 @@ def _layer_seconds(
     exchanges = 6 if recompute == "full" else 4
     ep_members = max(1, min(e, cluster.gpus_per_node // t))
     ep = exchanges * all_to_all_seconds(BF16 * h * expert_rows(model, t, b, sp), e, ep_members, cluster)
+    # K and V all-gathered in forward (again under full recompute), reduce-scattered in backward:
+    # this rank's KV heads over the whole sequence; cp ranks are t apart
+    kv = BF16 * b * s * max(1, model.kv_heads // t) * head
+    cp_members = max(1, min(c, cluster.gpus_per_node // t))
+    cp = (6 if recompute == "full" else 4) * all_gather_seconds(kv, c, cp_members, cluster)
     if t == 1:
-        return forward + backward + again, 0.0, ep
+        return forward + backward + again, 0.0, ep, cp
     collectives = (6 if recompute == "full" else 4) + (1 if sp else 0)
     within = cluster.gpus_per_node % t == 0
     per_node = t if within else gcd(t, cluster.gpus_per_node)
     communication = collectives * all_reduce_seconds(BF16 * sbh, t, per_node, cluster)
-    return forward + backward + again, communication, ep
+    return forward + backward + again, communication, ep, cp
 
 
 def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster) -> float:
@@ -174,13 +185,18 @@ def memory_bytes(
     zero_stage: int,
     schedule: str,
     e: int = 1,
+    c: int = 1,
 ) -> float:
     """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits.
-    The routed experts' state is split over e and p (not t), ZeRO-sharded over the d/e ranks sharing them."""
-    shape_args = (model.seq_length, b, model.hidden_size, model.num_heads, t, sp and t > 1)
+    The routed experts' state is split over e and p (not t), ZeRO-sharded over the d/e ranks sharing them.
+    Context parallelism: each layer keeps s/c tokens' activations, its queries' scores over all s keys
+    and the gathered keys and values; the dense state is ZeRO-sharded over d*c; the logits are whole
+    (ptdp gathers the sequence after the last block, so the head and loss see all of it)."""
+    s, a = model.seq_length, model.num_heads
+    shape_args = (s // c, b, model.hidden_size, a, t, sp and t > 1)
     split = {"split_sbh": model.split_activation_sbh}
     dense, experts = model.parameters - model.expert_parameters, model.expert_parameters
-    state = model_state_bytes_per_rank(dense, t, p, d, zero_stage)
+    state = model_state_bytes_per_rank(dense, t, p, d * c, zero_stage)
     state += model_state_bytes_per_rank(experts, e, p, d // e, zero_stage) if experts else 0.0
     if schedule == "gpipe":
         in_flight = m  # every microbatch's forward before any backward
@@ -188,10 +204,14 @@ def memory_bytes(
         in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     # the routed rows' activations: whole on each TP rank without SP (expert_rows)
     routed = model.expert_activation_sbh * model.seq_length * b * model.hidden_size / (t if sp else 1)
+    routed /= c
+    gathered = BF16 * 2 * b * s * (c - 1) / c * max(1, model.kv_heads // t) * (model.hidden_size // a)
+    scores = 5 * a * b * (s // c) * (s - s // c) / t  # rows s/c over s keys, beyond the formula's (s/c)^2
     kept = activation_bytes_per_layer(*shape_args, recompute, **split) + (routed if recompute != "full" else 0)
+    kept += (gathered if recompute != "full" else 0) + (scores if recompute is None else 0)
     activations = kept * model.num_layers / p * in_flight
     if recompute == "full":  # the layer being recomputed holds all its activations at once
-        activations += activation_bytes_per_layer(*shape_args, None, **split) + routed
+        activations += activation_bytes_per_layer(*shape_args, None, **split) + routed + gathered + scores
     logits = b * model.seq_length * model.vocab_size / t * 4
     return state + activations + logits
 
@@ -211,19 +231,21 @@ def cost(
     schedule: str = "interleaved_1f1b",
     scatter_gather: bool = True,
     e: int = 1,
+    c: int = 1,
 ) -> Layout:
     """The estimate of an already-validated layout (``estimate`` checks the arguments first)."""
-    d = cluster.num_gpus // (t * p)
+    d = cluster.num_gpus // (t * p * c)
     m = batch // (b * d)
-    layer, tp_layer, ep_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e)
+    layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
     layers_per_stage = model.num_layers / p
-    compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)
+    compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)  # the head: whole sequence
     tp_mb = layers_per_stage * tp_layer
     ep_mb = layers_per_stage * ep_layer
+    cp_mb = layers_per_stage * cp_layer
     pp_mb = embedding = 0.0
     across = cluster.num_gpus > cluster.gpus_per_node  # the pipeline's slowest hop sets its pace
     if p > 1:
-        activation = BF16 * b * model.seq_length * model.hidden_size
+        activation = BF16 * b * model.seq_length * model.hidden_size / c
         if scatter_gather and t > 1 and across:
             hop = send_seconds(activation / t, True, cluster) + all_gather_seconds(activation, t, t, cluster)
         else:
@@ -231,9 +253,9 @@ def cost(
         pp_mb = v * 2 * hop  # activations forward, gradients back, per chunk
         embedding = all_reduce_seconds(BF16 * model.vocab_size * model.hidden_size / t, 2, 1 if across else 2, cluster)
     bubble_fraction = (p - 1) / (v * m)
-    bubble = (p - 1) / v * (compute_mb + tp_mb + ep_mb + pp_mb)
+    bubble = (p - 1) / v * (compute_mb + tp_mb + ep_mb + cp_mb + pp_mb)
     # dense parameters split over t*p, reduced over d; the routed experts over e*p, reduced over d/e
-    groups = [((model.parameters - model.expert_parameters) / (t * p), d, t)]
+    groups = [((model.parameters - model.expert_parameters) / (t * p), d * c, t)]  # cp folded into dp
     groups += [(model.expert_parameters / (e * p), d // e, t * e)] if model.expert_parameters else []
     dp = optimizer = 0.0
     for params, ranks, stride in groups:
@@ -242,7 +264,7 @@ def cost(
             per_node = min(ranks, max(1, cluster.gpus_per_node // stride)) if spans else ranks
             dp += (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, ranks, per_node, cluster)
         optimizer += memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (ranks if zero_stage else 1), cluster)
-    step = m * (compute_mb + tp_mb + ep_mb + pp_mb) + embedding + bubble + dp + optimizer
+    step = m * (compute_mb + tp_mb + ep_mb + cp_mb + pp_mb) + embedding + bubble + dp + optimizer
     layer_flops, logit_flops = executed_flops(model, batch, recompute)
     return Layout(
         tensor_parallel_size=t,
@@ -267,8 +289,10 @@ def cost(
         data_parallel_comm_s=dp,
         optimizer_s=optimizer,
         bubble_fraction=bubble_fraction,
-        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e),
+        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e, c),
         tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
+        context_parallel_size=c,
+        context_parallel_comm_s=m * cp_mb,
     )
 
 
@@ -280,6 +304,7 @@ def estimate(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
     virtual_pipeline_size: int = 1,
     micro_batch_size: int = 1,
     activation_checkpointing: str | None = "full",
@@ -290,15 +315,16 @@ def estimate(
     memory_fraction: float = 0.9,
 ) -> Layout:
     """The estimated ``Layout`` (``tflops_per_gpu``, ``step_time_s`` and its parts) of one layout;
-    d is ``cluster.num_gpus / (t * p)``. A ValueError names the value, the rule it breaks and a fix."""
+    d is ``cluster.num_gpus / (t * p * c)``. A ValueError names the value, the rule it breaks and a fix."""
     size = model_size(model)
     t, p, v, b = tensor_parallel_size, pipeline_parallel_size, virtual_pipeline_size, micro_batch_size
-    e = expert_parallel_size
+    e, c = expert_parallel_size, context_parallel_size
     for name, value in (
         ("global_batch_size", global_batch_size),
         ("tensor_parallel_size", t),
         ("pipeline_parallel_size", p),
         ("expert_parallel_size", e),
+        ("context_parallel_size", c),
         ("virtual_pipeline_size", v),
         ("micro_batch_size", b),
     ):
@@ -311,12 +337,16 @@ def estimate(
         )
     if pipeline_schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {SCHEDULES}; choose one of those")
-    if cluster.num_gpus % (t * p):
+    if cluster.num_gpus % (t * p * c):
+        names, letters = ("", "") if c == 1 else (" * context_parallel_size", "*c")
         raise ValueError(
-            f"tensor_parallel_size * pipeline_parallel_size = {t * p} does not divide the cluster's "
-            f"{cluster.num_gpus} GPUs (d = GPUs / (t*p) must be whole); choose t and p whose product "
-            f"divides {cluster.num_gpus}"
+            f"tensor_parallel_size * pipeline_parallel_size{names} = {t * p * c} does not divide the cluster's "
+            f"{cluster.num_gpus} GPUs (d = GPUs / (t*p{letters}) must be whole); choose t and p{' and c' if c > 1 else ''} "
+            f"whose product divides {cluster.num_gpus}"
         )
+    reason = context_parallel_reason(size, c, e)
+    if reason:
+        raise ValueError(reason)
     reason = size.tensor_parallel_reason(t)
     if reason:
         raise ValueError(reason)
@@ -330,7 +360,7 @@ def estimate(
             f"virtual_pipeline_size={v} needs pipeline_parallel_size > 1 and an interleaving schedule "
             f"(got p={p}, pipeline_schedule={pipeline_schedule!r}); use virtual_pipeline_size=1"
         )
-    d = cluster.num_gpus // (t * p)
+    d = cluster.num_gpus // (t * p * c)
     reason = expert_parallel_reason(size, d, e)
     if reason:
         raise ValueError(reason)
@@ -361,11 +391,12 @@ def estimate(
         schedule=pipeline_schedule,
         scatter_gather=scatter_gather,
         e=e,
+        c=c,
     )
     limit = cluster.gpu_memory_bytes * memory_fraction
     if layout.memory_bytes_per_gpu > limit:
         raise ValueError(
-            f"t={t}, p={p}, v={v}, b={b}, recompute={activation_checkpointing!r} needs "
+            f"t={t}, p={p}, {f'c={c}, ' if c > 1 else ''}v={v}, b={b}, recompute={activation_checkpointing!r} needs "
             f"{layout.memory_bytes_per_gpu / GB:.1f} GB per GPU, over the {limit / GB:.1f} GB usable "
             f"({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} GB); raise t*p, recompute, "
             f"or use zero_stage=1..3"
@@ -388,6 +419,19 @@ def expert_parallel_reason(model: ModelSize, d: int, e: int) -> str | None:
             f"expert_parallel_size={e} must divide num_experts={model.num_experts} and the data-parallel size "
             f"d={d} (each rank holds whole experts; expert ranks are carved out of the dp ones); choose one of "
             f"{', '.join(map(str, fits))}"
+        )
+    return None
+
+
+def context_parallel_reason(model: ModelSize, c: int, e: int = 1) -> str | None:
+    """Why c-way context parallelism cannot split this model's sequences (None when it can)."""
+    if c > 1 and e > 1:
+        return f"context_parallel_size={c} with expert_parallel_size={e} is not supported yet; use one of the two"
+    if model.seq_length % (2 * c):
+        fits = [k for k in range(1, 65) if model.seq_length % (2 * k) == 0]
+        return (
+            f"context_parallel_size={c}: seq_length={model.seq_length} is not divisible by 2c = {2 * c} (each rank "
+            f"holds two of 2c equal chunks); choose c in {fits[:8]}"
         )
     return None
 

@@ -248,16 +248,33 @@ MIXTRAL_8X7B = ModelSize(
 )
 """Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1's config.json) at 4,096 tokens: 46.70B parameters, 12.88B active."""
 
+LLAMA3_8B_128K = ModelSize(
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    vocab_size=128_256,
+    seq_length=131_072,
+    num_kv_heads=8,
+    ffn_hidden_size=14_336,
+    gated_mlp=True,
+    biases=False,
+    learned_positions=False,
+    tied_embeddings=False,
+)
+"""Llama-3-8B (meta-llama/Meta-Llama-3-8B's config.json) at 131,072 tokens, the long-context example."""
+
 MODELS: dict[str, ModelSize] = {
     **{name: row.model for name, row in TABLE_1.items()},
     "gpt3_175b": GPT3_175B,
     "mixtral_8x7b": MIXTRAL_8X7B,
+    "llama3_8b_128k": LLAMA3_8B_128K,
 }
 """Every name ``model_size`` (hence ``plan``, ``estimate`` and ``ptdp plan``) accepts."""
 
 
 def model_size(model: str | ModelSize) -> ModelSize:
-    """A ``ModelSize`` as is, or the sizes of a known name ("gpt_1.7b" ... "gpt_1t", "gpt3_175b", "mixtral_8x7b")."""
+    """A ``ModelSize`` as is, or the sizes of a known name ("gpt_1.7b" ... "gpt_1t", "gpt3_175b", "mixtral_8x7b",
+    "llama3_8b_128k")."""
     if isinstance(model, ModelSize):
         return model
     key = str(model).strip().lower().replace("-", "_")

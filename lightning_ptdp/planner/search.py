@@ -11,6 +11,7 @@ from lightning_ptdp.planner.estimate import (
     RECOMPUTE_CHOICES,
     Layout,
     check_options,
+    context_parallel_reason,
     cost,
     expert_parallel_reason,
 )
@@ -24,23 +25,28 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _shapes(model: ModelSize, num_gpus: int, batch: int, max_b: int) -> Iterator[tuple[int, ...]]:
-    """Every (t, p, v, b, e) obeying the divisibility rules (and m % p == 0 to interleave); e, for
-    a mixture of experts, any divisor of d that divides the expert count."""
+def _shapes(
+    model: ModelSize, num_gpus: int, batch: int, max_b: int, contexts: Sequence[int] = (1,)
+) -> Iterator[tuple[int, ...]]:
+    """Every (t, p, v, b, e, c) obeying the divisibility rules (and m % p == 0 to interleave); e, for
+    a mixture of experts, any divisor of d that divides the expert count; c among ``contexts``."""
     for t in _divisors(num_gpus):
         if model.tensor_parallel_reason(t):
             continue
         for p in _divisors(num_gpus // t):
-            d = num_gpus // (t * p)
-            if model.num_layers % p or batch % d:
-                continue
-            for b in (b for b in _divisors(batch // d) if b <= max_b):
-                m = batch // (b * d)
-                for v in _divisors(model.num_layers // p) if p > 1 else [1]:
-                    if v == 1 or m % p == 0:
-                        for e in _divisors(d):
-                            if not expert_parallel_reason(model, d, e):
-                                yield t, p, v, b, e
+            for c in contexts:
+                if (num_gpus // (t * p)) % c or context_parallel_reason(model, c):
+                    continue
+                d = num_gpus // (t * p * c)
+                if model.num_layers % p or batch % d:
+                    continue
+                for b in (b for b in _divisors(batch // d) if b <= max_b):
+                    m = batch // (b * d)
+                    for v in _divisors(model.num_layers // p) if p > 1 else [1]:
+                        if v == 1 or m % p == 0:
+                            for e in _divisors(d) if c == 1 else [1]:
+                                if not expert_parallel_reason(model, d, e):
+                                    yield t, p, v, b, e, c
 
 
 def reason(x: Layout, cluster: Cluster, limit: float) -> str:
@@ -49,6 +55,7 @@ def reason(x: Layout, cluster: Cluster, limit: float) -> str:
     where = "within a node" if per_node % t == 0 else "across nodes"
     tp = "no TP" if t == 1 else f"TP {where} (t={t}, {per_node} GPUs/node)"
     ep = f"EP {x.expert_parallel_comm_s:.2f}s, " if x.expert_parallel_size > 1 else ""
+    ep += f"CP (c={x.context_parallel_size}) {x.context_parallel_comm_s:.2f}s, " if x.context_parallel_size > 1 else ""
     return (
         f"{tp}; bubble (p-1)/(v*m)={x.bubble_fraction:.3f} (m={x.num_microbatches}); "
         f"compute {x.compute_s:.2f}s, comm/step TP {x.tensor_parallel_comm_s:.2f}s, {ep}PP {x.pipeline_comm_s:.2f}s, "
@@ -68,12 +75,14 @@ def plan(
     max_micro_batch_size: int = 8,
     recompute_modes: Sequence[str | None] = RECOMPUTE_CHOICES,
     scatter_gather: bool = True,
+    context_parallel_sizes: Sequence[int] = (1,),
 ) -> list[Layout]:
     """Every layout that fits in memory, fastest estimated step first; ValueError saying why if none.
 
     ``model``: a ``ModelSize`` or a known name. ``memory_fraction``: of the GPU, what is usable.
     ``recompute_modes``: the choices tried; ``(None, "full")`` is the paper's toolset (selective
-    recompute came with Korthikanti et al. 2022). ``sequence_parallel`` applies where t > 1."""
+    recompute came with Korthikanti et al. 2022). ``sequence_parallel`` applies where t > 1.
+    ``context_parallel_sizes``: the c tried (long sequences: e.g. (1, 2, 4, 8, 16))."""
     size = model_size(model)
     if not recompute_modes or any(mode not in RECOMPUTE_CHOICES for mode in recompute_modes):
         raise ValueError(
@@ -83,7 +92,7 @@ def plan(
     check_positive("max_micro_batch_size", max_micro_batch_size)
     check_options(None, sequence_parallel, zero_stage, memory_fraction)
     limit = cluster.gpu_memory_bytes * memory_fraction
-    shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size))
+    shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size, context_parallel_sizes))
     if not shapes:
         raise ValueError(
             f"no layout of {cluster.num_gpus} GPUs fits the model and batch: every (t, p, d) with "
@@ -105,8 +114,9 @@ def plan(
             zero_stage=zero_stage,
             scatter_gather=scatter_gather,
             e=e,
+            c=c,
         )
-        for t, p, v, b, e in shapes
+        for t, p, v, b, e, c in shapes
         for recompute in recompute_modes
     ]
     fitting = [c for c in candidates if c.memory_bytes_per_gpu <= limit]
@@ -115,7 +125,8 @@ def plan(
         raise ValueError(
             f"the model ({size.parameters / 1e9:.1f}B parameters) does not fit in GPU memory with any layout "
             f"of {cluster.num_gpus} GPUs: the smallest need is {least.memory_bytes_per_gpu / GB:.1f} GB per GPU "
-            f"(t={least.tensor_parallel_size}, p={least.pipeline_parallel_size}, recompute="
+            f"(t={least.tensor_parallel_size}, p={least.pipeline_parallel_size}, "
+            f"{f'c={least.context_parallel_size}, ' if least.context_parallel_size > 1 else ''}recompute="
             f"{least.activation_checkpointing!r}, b={least.micro_batch_size}), over the "
             f"{limit / GB:.1f} GB usable ({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} "
             f"GB); use more GPUs, zero_stage=1..3, sequence_parallel=True or GPUs with more memory"
@@ -128,6 +139,7 @@ def plan(
             c.memory_bytes_per_gpu,
             c.virtual_pipeline_size,
             c.expert_parallel_size,
+            c.context_parallel_size,
         ),
     )
     return [replace(x, reason=reason(x, cluster, limit)) for x in ranked]

@@ -1,0 +1,90 @@
+"""The planner's context-parallel axis: each term by hand, the refusals, and the long-context case
+it exists for (Llama-3-8B at 128k tokens does not fit any H100 layout without it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ptdp.core.flops import activation_bytes_per_layer
+from lightning_ptdp.planner.cost import GB, Cluster, all_gather_seconds
+from lightning_ptdp.planner.estimate import BF16, _layer_seconds, cost, estimate, memory_bytes
+from lightning_ptdp.planner.models import ModelSize
+from lightning_ptdp.planner.search import plan
+
+LONG = ModelSize(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, seq_length=32_768, vocab_size=32_000)
+
+
+def test_the_key_value_exchange_is_four_gathers_of_the_whole_sequence_per_layer():
+    cluster = Cluster.h100(16)
+    for t, c, recompute in ((1, 4, None), (2, 4, "selective"), (2, 8, "full")):
+        *_, cp = _layer_seconds(LONG, t, 1, recompute, False, cluster, 1, c)
+        kv = BF16 * 32_768 * (4 // t) * 64  # this rank's KV heads (GQA: 4 of 16) over all s tokens
+        members = min(c, 8 // t)  # cp ranks are t apart: 8 / t of them on a node
+        passes = 6 if recompute == "full" else 4  # K and V, forward and backward (full: forward again)
+        assert cp == pytest.approx(passes * all_gather_seconds(kv, c, members, cluster))
+    assert _layer_seconds(LONG, 1, 1, None, False, cluster, 1, 1)[3] == 0.0
+
+
+def test_a_rank_computes_its_share_of_the_layer_and_keeps_its_share_of_the_activations():
+    cluster = Cluster.h100(8)
+    whole, half = (_layer_seconds(LONG, 1, 1, "selective", False, cluster, 1, c)[0] for c in (1, 2))
+    assert 0.45 < half / whole < 0.55  # linear and attention work / c (each rank: s/c queries over s keys)
+    args = (LONG, 1, 1, 1, 1, 1, 1, "selective", False, 0, "1f1b")
+    shape = dict(hidden_size=1024, num_heads=16, split_sbh=LONG.split_activation_sbh)
+
+    def layer(s: int) -> float:
+        return activation_bytes_per_layer(
+            s, 1, shape["hidden_size"], shape["num_heads"], 1, False, "selective", split_sbh=shape["split_sbh"]
+        )
+
+    gathered = 2 * BF16 * 32_768 / 2 * 4 * 64  # the other half of K and V (4 KV heads of 64), each layer
+    # the same state and logits; each of the 8 layers keeps half the tokens' activations and the gathered K/V
+    expected = memory_bytes(*args, 1, 1) + 8 * (layer(16_384) - layer(32_768) + gathered)
+    assert memory_bytes(*args, 1, 2) == pytest.approx(expected)
+
+
+def test_cost_splits_d_by_c_and_reports_the_exchange():
+    cluster = Cluster.h100(16)
+    at_c1 = cost(LONG, cluster, 16, 2, 1, 1, 1, recompute="selective")
+    at_c2 = cost(LONG, cluster, 16, 2, 1, 1, 1, recompute="selective", c=2)
+    assert (at_c1.data_parallel_size, at_c2.data_parallel_size) == (8, 4)
+    assert at_c2.context_parallel_size == 2 and at_c2.context_parallel_comm_s > 0 == at_c1.context_parallel_comm_s
+    assert at_c2.memory_bytes_per_gpu < at_c1.memory_bytes_per_gpu
+    terms = ("compute_s", "tensor_parallel_comm_s", "expert_parallel_comm_s", "context_parallel_comm_s")
+    terms += ("pipeline_comm_s", "bubble_s", "data_parallel_comm_s", "optimizer_s")
+    assert at_c2.step_time_s == pytest.approx(sum(getattr(at_c2, name) for name in terms))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"context_parallel_size": 3}, r"seq_length=32768 is not divisible by 2c = 6.*choose c in \[1, 2, 4"),
+        ({"context_parallel_size": 32}, r"\* context_parallel_size = 32 does not divide the cluster's 16 GPUs"),
+        ({"context_parallel_size": 0}, r"context_parallel_size"),
+    ],
+)
+def test_estimate_refuses_a_bad_context_parallel_size(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate(
+            LONG,
+            Cluster.h100(48 if kwargs["context_parallel_size"] == 3 else 16),
+            48,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            **kwargs,
+        )
+
+
+def test_llama3_8b_at_128k_needs_context_parallelism_on_h100s():
+    layouts = plan(
+        "llama3_8b_128k",
+        Cluster.h100(64),
+        8,
+        zero_stage=1,
+        sequence_parallel=True,
+        context_parallel_sizes=(1, 2, 4, 8, 16),
+    )
+    assert {x.context_parallel_size for x in layouts} >= {2, 4, 8} and 1 not in {
+        x.context_parallel_size for x in layouts
+    }
+    assert all(x.memory_bytes_per_gpu <= 72 * GB for x in layouts)
