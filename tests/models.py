@@ -266,6 +266,18 @@ class PaddedCausalLM(CausalLM):
         return out.loss
 
 
+class ShiftedCausalLM(CausalLM):
+    """The shift written in the step, as many Lightning projects do: logits of every token but the
+    last against the next tokens, the batch's own tokens read as targets."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, _ = batch
+        logits = self.logits(inputs)[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), inputs[:, 1:].reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class FlatLlama(CausalLM):
     """The most common Lightning layout: the LightningModule holds its blocks itself
     (``self.layers = nn.ModuleList(...)``), with no network module around them."""
@@ -339,6 +351,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         from tests.real_models import hf_config_of
 
         return DeferredCausalLM(functools.partial(hf_config_of, **overrides))
+    if family == "hf_llama_shifted":
+        return ShiftedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
     if family == "hf_llama_padded":
         return PaddedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
     if family == "hf_mixtral_balanced":

@@ -353,6 +353,13 @@ FAMILY_NAMES = {
     "litgpt_moe": "litgpt GPT, LLaMAMoE (ModuleList of experts)",
     "moe_llama": "a plain PyTorch MoE (ModuleList, empty experts skipped)",
     "titan_qwen3_moe": "torchtitan Qwen3-MoE (RoutedExperts, GroupedExperts in bf16)",
+    "hf_llama_eager": "transformers Llama, eager attention",
+    "hf_gpt2_eager": "transformers GPT-2, eager attention",
+    "hf_llama_padded": "transformers Llama, padded batches (attention_mask, labels -100, its own loss)",
+    "hf_llama_shifted": "transformers Llama, the shift written in training_step",
+    "nanogpt_eager": "a nanoGPT-style model, attention written out (causal `bias` buffer)",
+    "flat_llama": "a Llama-style LightningModule holding its blocks itself",
+    **{family: f"transformers {model_cls}" for family, (_, model_cls, _) in MORE_HF.items()},
 }
 # every mixture-of-experts family, for the expert-parallel matrix
 MOE_FAMILIES = (*MOE_HF, "litgpt_moe", "moe_llama", "titan_qwen3_moe")

@@ -24,8 +24,14 @@ MOE_STAMP = (
 )
 
 
+CP_STAMP = (
+    "Context parallelism, `tests/distributed/test_context_parallel.py`, the same check: each sequence split over "
+    "c ranks (cN), every block holding 1/c of it (1/(c*t) under SP) and, without TP, the head too."
+)
+
+
 def render() -> str:
-    """The block between the markers, markers included: the dense matrix, then the MoE one."""
+    """The block between the markers, markers included: the dense matrix, the MoE one, the CP one."""
     from tests.distributed.test_expert_parallel import CASES
     from tests.distributed.test_expert_parallel import LAYOUTS as MOE_LAYOUTS
     from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
@@ -46,7 +52,24 @@ def render() -> str:
             for family in sorted(MOE_FAMILIES)
         ),
     ]
-    return "\n".join([BEGIN, STAMP, "", *rows, "", MOE_STAMP, "", *moe, END])
+    return "\n".join([BEGIN, STAMP, "", *rows, "", MOE_STAMP, "", *moe, "", CP_STAMP, "", *_context_rows(), END])
+
+
+def _context_rows() -> list[str]:
+    from tests.distributed.test_context_parallel import ALL, CASES, EXTRA_FAMILIES, EXTRAS, LAYOUTS
+    from tests.real_models import FAMILY_NAMES
+
+    columns = [*LAYOUTS, *EXTRAS]
+
+    def cell(family: str, layout: str) -> str:
+        done = (family, layout) in CASES or (layout in EXTRAS and family in EXTRA_FAMILIES)
+        return "ok" if done else "-"
+
+    return [
+        "| context parallelism | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+        *(f"| {FAMILY_NAMES[f]} | " + " | ".join(cell(f, layout) for layout in columns) + " |" for f in ALL),
+    ]
 
 
 def readme_block(text: str) -> str:

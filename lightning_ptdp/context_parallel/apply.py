@@ -1,11 +1,11 @@
-"""Context parallelism on the found blocks: the sequence is cut where it enters each block and
-made whole where it leaves the last one.
+"""Context parallelism on the found blocks: the sequence is cut where it enters each block.
 
-Before each block, every input with the sequence's length (the residual stream, and
-what the model computed before its blocks: learned positions already added, rotary tables,
-position ids, mask rows) is cut to this rank's two chunks, so positions stay global with no change
-to the model; attention runs under ``ContextAttention``; the last block's output is all-gathered,
-so the final norm, the head and the user's loss see the whole sequence, exactly as in one process.
+Before each block, every input with the sequence's length (the residual stream, and what the
+model computed before its blocks: learned positions already added, rotary tables, position ids,
+mask rows) is cut to this rank's two chunks, so positions stay global with no change to the
+model; attention runs under ``ContextAttention``; the last block's output leaves cut (tail.py):
+the final norm, the head and ``F.cross_entropy`` run on this rank's tokens, and anything else
+sees the whole sequence, exactly as in one process.
 """
 
 from __future__ import annotations
@@ -18,11 +18,16 @@ import torch.nn as nn
 
 from lightning_ptdp.context_parallel.attention import ChunkMasks, ContextAttention
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length, gather_sequence, own_chunks
+from lightning_ptdp.context_parallel.tail import SequenceShard
 
 
-def apply_context_parallel(model: nn.Module, cp: CPGroup, sequence_parallel: int = 1) -> list[str]:
+def apply_context_parallel(
+    model: nn.Module, cp: CPGroup, sequence_parallel: int = 1, cut_tail: bool = True
+) -> list[str]:
     """Cut the sequence into ``model``'s found blocks for ``cp``; returns the block paths.
     ``sequence_parallel``: t under SP (a block's residual stream then holds 1/(c*t) of the sequence).
+    ``cut_tail=False`` (under TP, whose vocabulary-parallel head splits the logits by t): the last
+    block's output is gathered whole instead of leaving as a ``SequenceShard``.
 
     Hooks, so they nest outside SP's (cut before SP scatters, gather after SP gathers) and a
     recompute replays only the forward; the forward itself runs under ``ContextAttention``."""
@@ -48,7 +53,7 @@ def apply_context_parallel(model: nn.Module, cp: CPGroup, sequence_parallel: int
         block.forward = _attention_split(block, name, cp, shrink, masks)
         block.register_forward_pre_hook(_cut_inputs(name, cp, index == 0, shrink), with_kwargs=True, prepend=True)
         if index == len(blocks) - 1:
-            block.register_forward_hook(_gather_output(name, cp))
+            block.register_forward_hook(_leave_blocks(name, cp, cut_tail))
     return names
 
 
@@ -118,15 +123,21 @@ def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str) -> Any:
     return value
 
 
-def _gather_output(block: str, cp: CPGroup) -> Any:
+def _leave_blocks(block: str, cp: CPGroup, cut_tail: bool) -> Any:
+    """The last block's output stays cut, as a ``SequenceShard``: the head and the loss run on this
+    rank's tokens, and whatever needs the whole sequence gathers it (tail.py); or leaves whole."""
+
+    def leave(x: torch.Tensor) -> torch.Tensor:
+        return SequenceShard.wrap(x, cp, x.size(0)) if cut_tail else gather_sequence(x, 1, cp)
+
     def hook(module: nn.Module, args: tuple, out: Any) -> Any:
         if isinstance(out, torch.Tensor):
-            return gather_sequence(out, 1, cp)
+            return leave(out)
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            return type(out)([gather_sequence(out[0], 1, cp), *out[1:]])
+            return type(out)([leave(out[0]), *out[1:]])
         raise ValueError(
             f"context parallelism: the last block {block} returned {type(out).__name__}; it must return the "
-            "residual stream (a tensor, or a tuple whose first item is it) for the sequence to be made whole again"
+            "residual stream (a tensor, or a tuple whose first item is it) for the sequence to leave the blocks"
         )
 
     return hook

@@ -151,7 +151,10 @@ def parallelize(
             cp_mesh = mesh["cp"]
             cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
             sp = dims.tp if config.sequence_parallel else 1
-            module.__dict__["_ptdp_cp"] = apply_context_parallel(module, cp, sequence_parallel=sp)
+            # under TP the vocabulary-parallel head splits the logits: the sequence leaves the blocks whole
+            module.__dict__["_ptdp_cp"] = apply_context_parallel(
+                module, cp, sequence_parallel=sp, cut_tail=dims.tp == 1
+            )
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels

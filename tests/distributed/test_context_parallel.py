@@ -5,8 +5,9 @@ and final weights, while each block holds only 1/c of the sequence (1/(c*t) unde
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.fit_utils import SEQ
+from tests.fit_utils import SEQ, VOCAB
 from tests.real_models import MORE_HF
 
 # fp32: the same arithmetic but for the order of sums (keys and values in other chunks, the
@@ -48,6 +49,7 @@ ALL = (
     "flat_llama",
     "hf_llama_tied",
     "hf_llama_padded",
+    "hf_llama_shifted",
     "hf_gpt2_eager",
     "hf_mistral",
     "hf_neox",
@@ -73,17 +75,19 @@ def fit_and_measure(family: str, strategy_kwargs: dict, devices: int) -> dict:
     from tests.fit_utils import fit_and_record
 
     seen: set[int] = set()
+    head: set[int] = set()
 
-    class BlockInputs(L.Callback):
+    class Tokens(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             for _, blocks in find_block_lists(pl_module):
                 for block in blocks:  # after ptdp's own hooks: what the block's forward receives
                     block.register_forward_pre_hook(lambda m, args: seen.add(args[0].size(1)))
+            for module in pl_module.modules():  # the LM head: a Linear onto the vocabulary
+                if isinstance(module, torch.nn.Linear) and module.out_features == VOCAB:
+                    module.register_forward_hook(lambda m, args, out: head.add(out.numel() // (out.size(0) * VOCAB)))
 
-    result = fit_and_record(
-        family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, callbacks=[BlockInputs()]
-    )
-    return {**result, "block_tokens": max(seen)}
+    result = fit_and_record(family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, callbacks=[Tokens()])
+    return {**result, "block_tokens": max(seen), "head_tokens": max(head, default=None)}
 
 
 @pytest.mark.parametrize(
@@ -100,6 +104,9 @@ def test_context_parallel_matches_single_process(dist_pool, family, layout):
     c = strategy_kwargs["context_parallel_size"]
     sp = strategy_kwargs["tensor_parallel_size"] if strategy_kwargs.get("sequence_parallel") else 1
     assert all(result["block_tokens"] == SEQ // (c * sp) for result in results)
+    # the head on this rank's tokens too (TP's vocabulary-parallel head is not a Linear: not seen here)
+    heads = {result["head_tokens"] for result in results} - {None}
+    assert heads == (set() if "tensor_parallel_size" in strategy_kwargs else {SEQ // c}), heads
 
 
 EXTRAS = {
@@ -110,9 +117,12 @@ EXTRAS = {
 }
 
 
+EXTRA_FAMILIES = ("hf_llama", "gpt")
+
+
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("layout", EXTRAS)
-@pytest.mark.parametrize("family", ["hf_llama", "gpt"])
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
 def test_context_parallel_composes(dist_pool, family, layout):
     """ZeRO-1 (optimizer state over dp x cp), recompute (the gather runs again in backward) and
     compiled blocks (aot_eager traces forward and backward as inductor does)."""

@@ -1,0 +1,217 @@
+"""The sequence after the last block, still cut: ``SequenceShard`` holds this rank's tokens of it.
+
+Token-wise work stays local: the final norm, the LM head, casts, softcapping, and reshapes that
+merge batch and sequence. ``F.cross_entropy`` on it becomes the mean over every rank's tokens
+(``ignore_index`` counted on each rank and the counts summed), so the logits and the loss are
+1/c on each rank, as in Megatron. Anything else (a shift ``logits[:, :-1]``, argmax, returning the
+logits) gathers the whole sequence first, which is always correct, and logs once that it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from lightning_ptdp.context_parallel.layout import CPGroup, gather_sequence, own_chunks
+
+log = logging.getLogger(__name__)
+
+_METADATA = {"size", "dim", "numel", "__get__", "__len__", "data_ptr", "element_size", "is_contiguous", "stride"}
+_METADATA |= {"register_hook", "retain_grad", "requires_grad_", "is_floating_point", "get_device", "storage_offset"}
+_ARITHMETIC = ("mul", "add", "sub", "truediv", "div")
+_ELEMENTWISE = {"float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "detach", "clone"}
+_ELEMENTWISE |= {"tanh", "pow", "rsqrt", "sigmoid", "neg", "__neg__", "gelu", "silu", "relu", "dropout"}
+_ELEMENTWISE |= {*_ARITHMETIC, *(f"__{op}__" for op in _ARITHMETIC), *(f"__r{op}__" for op in _ARITHMETIC)}
+_ROWWISE = {"softmax", "log_softmax", "mean", "sum"}  # over the last dim
+_VIEWS = {"view", "reshape", "flatten"}
+
+
+class _SumOverContext(Function):
+    """The loss's shares summed over cp; backward times c (gradients average over dp x cp, see layout.py)."""
+
+    @staticmethod
+    def forward(ctx, share: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+        ctx.c = cp.size
+        total = share.detach().clone()
+        dist.all_reduce(total, group=cp.group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.c, None
+
+
+class SequenceShard(torch.Tensor):
+    """This rank's tokens of a [batch, sequence, ...] tensor ("seq") or of its [batch*sequence, ...]
+    rows ("rows"); see the module docstring for the rules."""
+
+    _cp: CPGroup
+    _batch: int
+    _rows: bool
+    _warned_gather = False
+
+    @staticmethod
+    def wrap(local: torch.Tensor, cp: CPGroup, batch: int, rows: bool = False) -> "SequenceShard":
+        out = local.as_subclass(SequenceShard)
+        out._cp, out._batch, out._rows = cp, batch, rows
+        return out
+
+    def local(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def whole(self) -> torch.Tensor:
+        """Every rank's tokens, in sequence order (backward: this rank's share, times c)."""
+        local = self.local()
+        if not self._rows:
+            return gather_sequence(local, 1, self._cp)
+        tokens = local.reshape(self._batch, -1, *local.shape[1:])
+        return gather_sequence(tokens, 1, self._cp).reshape(-1, *local.shape[1:])
+
+    def _leading(self) -> tuple[int, ...]:
+        shape = self.local().shape
+        return (shape[0],) if self._rows else tuple(shape[:2])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cut = next(a for a in (*args, *kwargs.values()) if isinstance(a, SequenceShard))
+        name = getattr(func, "__name__", "")
+        if func is F.cross_entropy:
+            return _cross_entropy(*args, **kwargs)
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if _in_place(name):  # on this rank's tokens, or refused: a gathered copy would take the write
+            whole = name != "__setitem__" or _tokenwise(cut, "__getitem__", args[:2], {})  # x[...] = v only
+            if not whole or not _tokenwise(cut, "mul", args, kwargs):
+                raise RuntimeError(
+                    f"context parallelism: {name} writes into the sequence after the blocks with operands that span "
+                    "the whole sequence, while each rank holds only its tokens; write it out of place"
+                )
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*(_local(a) for a in args), **{k: _local(v) for k, v in kwargs.items()})
+            return args[0]
+        if _tokenwise(cut, name, args, kwargs):
+            if name in _VIEWS and args and args[0] is cut:
+                args = (cut, *_local_length(cut, args[1:]))
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*(_local(a) for a in args), **{k: _local(v) for k, v in kwargs.items()})
+            shard = _rewrap(out, cut)
+            if shard is not None:
+                return shard
+        return _run_whole(func, args, kwargs)
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, SequenceShard):
+        return value.local()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _in_place(name: str) -> bool:
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or name.startswith("__i")
+
+
+def _local_length(cut: SequenceShard, shape: tuple) -> tuple:
+    """``view(-1, S, h)`` with S the whole sequence's length (GPT-2 reshapes so after its final
+    norm): this rank's length in the sequence's place."""
+    items = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    local = cut.local().shape
+    if cut._rows or len(items) != len(local) or items[1] != local[1] * cut._cp.size:
+        return shape
+    fixed = (items[0], local[1], *items[2:])
+    return (type(items)(fixed),) if items is not shape else fixed
+
+
+def _tokenwise(cut: SequenceShard, name: str, args: tuple, kwargs: dict) -> bool:
+    """Each token's result reads only that token: every other operand misses the sequence's dim
+    (a layer's weight and bias act on the last dim only)."""
+    reach = cut.dim() - (1 if cut._rows else 2)  # a plain operand of fewer dims broadcasts over the tokens
+    layer = name in ("linear", "layer_norm", "rms_norm")
+    for value in (*args, *kwargs.values()):
+        if value is cut:
+            continue
+        if isinstance(value, SequenceShard):
+            if value._rows != cut._rows or value._leading() != cut._leading():
+                return False
+        elif isinstance(value, torch.Tensor) and value.dim() > reach and not layer:
+            return False
+    if name in _ELEMENTWISE or name in _VIEWS or layer:
+        return True
+    if name in _ROWWISE:  # a reduction or softmax over the last dim, named
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return dim in (-1, cut.dim() - 1)
+    if name == "__getitem__":  # hidden[:, slice(0, None), :]: every item whole
+        items = args[1] if isinstance(args[1], tuple) else (args[1],)
+        full = (isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step is None for i in items)
+        return all(i is Ellipsis or f for i, f in zip(items, full))
+    return False
+
+
+def _rewrap(out: Any, cut: SequenceShard) -> SequenceShard | None:
+    """The result as a shard when it still leads with this rank's tokens (or their batch-major rows)."""
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return None
+    batch, tokens = cut._batch, cut.local().shape[0] if cut._rows else cut.local().shape[1]
+    rows = tokens if cut._rows else batch * tokens
+    if out.dim() >= 2 and tuple(out.shape[:2]) == (batch, tokens if not cut._rows else rows // batch):
+        return SequenceShard.wrap(out, cut._cp, batch, rows=False)
+    if out.shape[0] == rows:
+        return SequenceShard.wrap(out, cut._cp, batch, rows=True)
+    return None
+
+
+def _run_whole(func: Any, args: tuple, kwargs: dict) -> Any:
+    if not SequenceShard._warned_gather:
+        SequenceShard._warned_gather = True
+        log.info(
+            "context parallelism: gathering the whole sequence for %s (token-wise work and "
+            "F.cross_entropy stay on each rank's tokens)",
+            getattr(func, "__name__", func),
+        )
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, SequenceShard):
+            return value.whole()
+        if isinstance(value, (tuple, list)):
+            return type(value)(whole(v) for v in value)
+        return value
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*(whole(a) for a in args), **{k: whole(v) for k, v in kwargs.items()})
+
+
+def _cross_entropy(
+    input,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index=-100,
+    reduce=None,
+    reduction="mean",
+    label_smoothing=0.0,
+    **_,  # noqa: A002 - F.cross_entropy's own parameter names
+):
+    given = dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    logits = input if isinstance(input, SequenceShard) else None
+    plain = weight is None and size_average is None and reduce is None and reduction in ("mean", "sum")
+    if logits is None or not logits._rows or logits.dim() != 2 or not plain or isinstance(target, SequenceShard):
+        return _run_whole(F.cross_entropy, (input, target), given)
+    cp, local = logits._cp, logits.local()
+    if target.dim() != 1 or target.numel() != local.shape[0] * cp.size:
+        return _run_whole(F.cross_entropy, (input, target), given)
+    mine = own_chunks(target.reshape(logits._batch, -1), 1, cp).reshape(-1)  # the targets of this rank's rows
+    total = F.cross_entropy(local, mine, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing)
+    if reduction == "mean":  # over every rank's counted tokens: each rank's count differs with its padding
+        counted = (mine != ignore_index).sum().to(total.dtype)
+        dist.all_reduce(counted, group=cp.group)
+        total = total / counted
+    return _SumOverContext.apply(total, cp)
