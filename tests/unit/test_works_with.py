@@ -19,7 +19,15 @@ def test_every_matrix_cell_is_a_row_entry():
 def test_every_moe_case_is_an_ok_cell():
     from tests.distributed.test_expert_parallel import CASES
 
-    moe = render().split("Mixture-of-experts families")[1]
+    moe = render().split("Mixture-of-experts families")[1].split("Context parallelism,")[0]
     assert sum(line.count(" ok ") for line in moe.splitlines() if line.startswith("| ") and " ok " in line) == len(
         CASES
     )
+
+
+def test_every_context_parallel_case_is_an_ok_cell():
+    from tests.distributed.test_context_parallel import CASES, EXTRA_FAMILIES, EXTRAS
+
+    cp = render().split("Context parallelism,")[1]
+    cells = sum(line.count(" ok ") for line in cp.splitlines() if line.startswith("| ") and " ok " in line)
+    assert cells == len(CASES) + len(EXTRAS) * len(EXTRA_FAMILIES)
