@@ -8,9 +8,9 @@ per replica: c = 1 is d = 4 (each rank a whole sequence), c = 2 is d = 2, c = 4 
 rank holds S / c tokens of one sequence.
 Activations: glibc malloc in use just before backward (the forward's saved tensors, the logits and
 the loss alive) minus at the step's start (bench_memory.py's measure), in the measured step; and
-the bytes autograd saves inside the blocks (saved-tensor hooks, each storage once), which are what
-context parallelism splits, but for the gathered keys and values each layer keeps for its backward: the final norm, the head and the loss run on the whole sequence on
-every rank of a cp group (the last block's output is gathered), so their share is not divided.
+the bytes autograd saves inside the blocks (saved-tensor hooks, each storage once), which context
+parallelism splits but for the gathered keys and values each layer keeps for its backward; the
+final norm, the head and the loss also run on each rank's tokens (the logits are 1/c too).
 Bytes: what each rank receives from the other ranks in the blocks' all-gathers of one forward
 (keys and values; the backward's reduce-scatters send as much), counted from the tensors, against
 2 (c-1)/c B S n_kv d_head 4 bytes per layer (K and V, fp32); the last block's output gather
@@ -209,9 +209,8 @@ def markdown(result: dict) -> str:
   Step time per round, c = 2 / c = 1: {spread(result["step_time_c2_over_c1"])}; c = 4 / c = 1:
   {spread(result["step_time_c4_over_c1"])} (c = 1 trains c times the tokens per step: compare tokens/s).
 
-  What is divided by c is what the blocks hold; the head's logits and the loss (B S V floats, and
-  their softmax) are computed on the whole sequence on every rank of a cp group, so the total falls
-  less than 1/c when V is large against the blocks' activations.
+  Not divided by c: each layer's gathered keys and values (whole, for its backward) and, on CPU,
+  the shared causal masks (made once per rank and sequence length, before the measured step).
 """
 
 

@@ -1,10 +1,9 @@
-"""The sequence after the last block, still cut: ``SequenceShard`` holds this rank's tokens of it.
-
-Token-wise work stays local: the final norm, the LM head, casts, softcapping, and reshapes that
-merge batch and sequence. ``F.cross_entropy`` on it becomes the mean over every rank's tokens
-(``ignore_index`` counted on each rank and the counts summed), so the logits and the loss are
-1/c on each rank, as in Megatron. Anything else (a shift ``logits[:, :-1]``, argmax, returning the
-logits) gathers the whole sequence first, which is always correct, and logs once that it did.
+"""The sequence after the last block, still cut: ``SequenceShard`` holds this rank's tokens of it
+and reports the whole tensor's sizes, as in one process. Token-wise work stays local: the final
+norm, the LM head, casts, softcapping, reshapes that merge batch and sequence. ``F.cross_entropy``
+on it is the mean over every rank's tokens (``ignore_index`` counted on each rank, the counts
+summed): logits and loss 1/c per rank, as in Megatron. Anything else (a shift ``logits[:, :-1]``,
+argmax, returning the logits) gathers the whole sequence first, always correct, logged once.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from lightning_ptdp.context_parallel.layout import CPGroup, gather_sequence, own
 
 log = logging.getLogger(__name__)
 
-_METADATA = {"size", "dim", "numel", "__get__", "__len__", "data_ptr", "element_size", "is_contiguous", "stride"}
+_SHAPE = torch._C.TensorBase.__dict__["shape"]
+_METADATA = {"dim", "__get__", "data_ptr", "element_size", "is_contiguous", "stride"}
 _METADATA |= {"register_hook", "retain_grad", "requires_grad_", "is_floating_point", "get_device", "storage_offset"}
 _ARITHMETIC = ("mul", "add", "sub", "truediv", "div")
 _ELEMENTWISE = {"float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "detach", "clone"}
@@ -84,6 +84,8 @@ class SequenceShard(torch.Tensor):
         name = getattr(func, "__name__", "")
         if func is F.cross_entropy:
             return _cross_entropy(*args, **kwargs)
+        if name in ("size", "numel", "__len__") or getattr(func, "__self__", None) is _SHAPE:
+            return _whole_size(cut, name, args, kwargs)
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -99,7 +101,7 @@ class SequenceShard(torch.Tensor):
             return args[0]
         if _tokenwise(cut, name, args, kwargs):
             if name in _VIEWS and args and args[0] is cut:
-                args = (cut, *_local_length(cut, args[1:]))
+                args = (cut, *_local_shape(cut, args[1:]))
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*(_local(a) for a in args), **{k: _local(v) for k, v in kwargs.items()})
             shard = _rewrap(out, cut)
@@ -120,15 +122,31 @@ def _in_place(name: str) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or name.startswith("__i")
 
 
-def _local_length(cut: SequenceShard, shape: tuple) -> tuple:
-    """``view(-1, S, h)`` with S the whole sequence's length (GPT-2 reshapes so after its final
-    norm): this rank's length in the sequence's place."""
+def _whole_size(cut: SequenceShard, name: str, args: tuple, kwargs: dict) -> Any:
+    """Sizes are the whole sequence's, as in one process (a shard stands for the whole tensor)."""
+    shape = list(cut.local().shape)
+    shape[0 if cut._rows else 1] *= cut._cp.size
+    size = torch.Size(shape)
+    if name == "numel":
+        return size.numel()
+    if name == "__len__":
+        return size[0]
+    dim = kwargs.get("dim", args[1] if name == "size" and len(args) > 1 else None)
+    return size if dim is None else size[dim]
+
+
+def _local_shape(cut: SequenceShard, shape: tuple) -> tuple:
+    """A view's shape, given with the whole sequence's sizes (as ``size()`` reports them), for this
+    rank's tokens: ``view(B * S, V)`` -> ``view(B * S/c, V)``, ``view(-1, S, h)`` -> ``view(-1, S/c, h)``."""
     items = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
-    local = cut.local().shape
-    if cut._rows or len(items) != len(local) or items[1] != local[1] * cut._cp.size:
-        return shape
-    fixed = (items[0], local[1], *items[2:])
-    return (type(items)(fixed),) if items is not shape else fixed
+    local, c = cut.local().shape, cut._cp.size
+    tokens = local[0] // cut._batch if cut._rows else local[1]
+    fixed = list(items)
+    if fixed and fixed[0] == cut._batch * tokens * c:
+        fixed[0] = cut._batch * tokens
+    if len(fixed) > 1 and fixed[1] == tokens * c and fixed[0] in (cut._batch, -1):
+        fixed[1] = tokens
+    return (type(items)(fixed),) if items is not shape else tuple(fixed)
 
 
 def _tokenwise(cut: SequenceShard, name: str, args: tuple, kwargs: dict) -> bool:

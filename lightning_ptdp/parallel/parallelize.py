@@ -101,6 +101,8 @@ def parallelize(
                         pipeline split drops the other stages' parameters.
     1b. expert parallel split each MoE layer's experts over the ep ranks (``expert_mesh``), found
                         by a probe forward while every rank still holds them all.
+    1c. context parallel cut each block's sequence for the cp ranks; attention gathers keys and
+                        values (after TP: this rank's heads; before compile and recompute: they wrap it).
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                         sees its own heads and bias shard.
     2b. compile         (compile=...) wrap each block's forward in torch.compile, over TP and kernels;

@@ -164,10 +164,11 @@ def _layer_seconds(
     return forward + backward + again, communication, ep, cp
 
 
-def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster) -> float:
+def _logit_seconds(model: ModelSize, t: int, b: int, cluster: Cluster, c: int = 1) -> float:
     """The last stage's logit GEMM (forward + backward) and vocab-parallel cross entropy over fp32
-    logits (about six passes of 4 bytes per logit)."""
-    tokens, vocab = b * model.seq_length, model.vocab_size / t
+    logits (about six passes of 4 bytes per logit). Under context parallelism without TP each rank
+    takes its s/c tokens; with TP the sequence is whole and the vocabulary split."""
+    tokens, vocab = b * model.seq_length / (c if t == 1 else 1), model.vocab_size / t
     forward, backward = gemm_pass_seconds(tokens, vocab, model.hidden_size, cluster)
     return forward + backward + memory_seconds(24 * tokens * vocab, cluster)
 
@@ -190,8 +191,8 @@ def memory_bytes(
     """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits.
     The routed experts' state is split over e and p (not t), ZeRO-sharded over the d/e ranks sharing them.
     Context parallelism: each layer keeps s/c tokens' activations, its queries' scores over all s keys
-    and the gathered keys and values; the dense state is ZeRO-sharded over d*c; the logits are whole
-    (ptdp gathers the sequence after the last block, so the head and loss see all of it)."""
+    and the gathered keys and values; the dense state is ZeRO-sharded over d*c; the logits are 1/c
+    without TP (the head and loss on each rank's tokens), whole-sequence and 1/t by vocabulary with it."""
     s, a = model.seq_length, model.num_heads
     shape_args = (s // c, b, model.hidden_size, a, t, sp and t > 1)
     split = {"split_sbh": model.split_activation_sbh}
@@ -212,7 +213,7 @@ def memory_bytes(
     activations = kept * model.num_layers / p * in_flight
     if recompute == "full":  # the layer being recomputed holds all its activations at once
         activations += activation_bytes_per_layer(*shape_args, None, **split) + routed + gathered + scores
-    logits = b * model.seq_length * model.vocab_size / t * 4
+    logits = b * model.seq_length * model.vocab_size / (t if t > 1 else c) * 4
     return state + activations + logits
 
 
@@ -238,7 +239,7 @@ def cost(
     m = batch // (b * d)
     layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
     layers_per_stage = model.num_layers / p
-    compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster)  # the head: whole sequence
+    compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster, c)
     tp_mb = layers_per_stage * tp_layer
     ep_mb = layers_per_stage * ep_layer
     cp_mb = layers_per_stage * cp_layer

@@ -79,15 +79,24 @@ def fit_and_measure(family: str, strategy_kwargs: dict, devices: int) -> dict:
 
     class Tokens(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
+            inside = set()
             for _, blocks in find_block_lists(pl_module):
                 for block in blocks:  # after ptdp's own hooks: what the block's forward receives
                     block.register_forward_pre_hook(lambda m, args: seen.add(args[0].size(1)))
-            for module in pl_module.modules():  # the LM head: a Linear onto the vocabulary
-                if isinstance(module, torch.nn.Linear) and module.out_features == VOCAB:
-                    module.register_forward_hook(lambda m, args, out: head.add(out.numel() // (out.size(0) * VOCAB)))
+                    inside |= {id(m) for m in block.modules()}
+            for module in pl_module.modules():  # the LM head: a Linear onto the vocabulary, after the blocks
+                if isinstance(module, torch.nn.Linear) and module.out_features == VOCAB and id(module) not in inside:
+                    module.register_forward_hook(lambda m, args, out: head.add(_held(out).size(1)))
 
     result = fit_and_record(family, strategy_kwargs=strategy_kwargs, devices=devices, steps=STEPS, callbacks=[Tokens()])
     return {**result, "block_tokens": max(seen), "head_tokens": max(head, default=None)}
+
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds: a SequenceShard reports the whole sequence's sizes, as in one process."""
+    from lightning_ptdp.context_parallel.tail import SequenceShard
+
+    return tensor.local() if isinstance(tensor, SequenceShard) else tensor
 
 
 @pytest.mark.parametrize(

@@ -38,8 +38,10 @@ def test_a_rank_computes_its_share_of_the_layer_and_keeps_its_share_of_the_activ
         )
 
     gathered = 2 * BF16 * 32_768 / 2 * 4 * 64  # the other half of K and V (4 KV heads of 64), each layer
-    # the same state and logits; each of the 8 layers keeps half the tokens' activations and the gathered K/V
-    expected = memory_bytes(*args, 1, 1) + 8 * (layer(16_384) - layer(32_768) + gathered)
+    # the same state; each of the 8 layers keeps half the tokens' activations and the gathered K/V;
+    # without TP the head and loss take half the tokens: half the fp32 logits
+    logits = 32_768 * 32_000 * 4
+    expected = memory_bytes(*args, 1, 1) + 8 * (layer(16_384) - layer(32_768) + gathered) - logits / 2
     assert memory_bytes(*args, 1, 2) == pytest.approx(expected)
 
 
