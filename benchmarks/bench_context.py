@@ -13,8 +13,8 @@ parallelism splits but for the gathered keys and values each layer keeps for its
 final norm, the head and the loss also run on each rank's tokens (the logits are 1/c too).
 Bytes: what each rank receives from the other ranks in the blocks' all-gathers of one forward
 (keys and values; the backward's reduce-scatters send as much), counted from the tensors, against
-2 (c-1)/c B S n_kv d_head 4 bytes per layer (K and V, fp32); the last block's output gather
-((c-1)/c B S h 4) is counted apart. Time: seconds per step after warm-up, tokens per second over
+2 (c-1)/c B S n_kv d_head 4 bytes per layer (K and V, fp32); nothing else is gathered (the
+sequence leaves the blocks cut). Time: seconds per step after warm-up, tokens per second over
 the 4 ranks; c = 1, 2, 4 in every round, the order reversed every other round. Prints JSON.
 """
 
@@ -144,8 +144,7 @@ def run(*, rounds: int = 3, steps: int = 6, warmup: int = 2, model: dict | None 
     rows = []
     for c, per_round in results.items():
         first = per_round[0][0]
-        exit_gather = (c - 1) / c * batch * seq * hidden * 4
-        layer_gathers = first["gathers"][:-1] if c > 1 else []  # the last is the blocks' output
+        layer_gathers = first["gathers"]  # keys and values only: the sequence leaves the blocks cut
         rows.append(
             {
                 "c": c,
@@ -155,8 +154,6 @@ def run(*, rounds: int = 3, steps: int = 6, warmup: int = 2, model: dict | None 
                 "formula_gathered_kv_bytes": 2 * batch * seq * hidden * 4 * layers if c > 1 else 0,
                 "kv_bytes_per_layer": sum(layer_gathers) / layers,
                 "formula_kv_bytes_per_layer": 2 * (c - 1) / c * batch * seq * hidden * 4,  # n_kv d_head = h (MHA)
-                "output_gather_bytes": first["gathers"][-1] if c > 1 else 0,
-                "formula_output_gather_bytes": exit_gather,
                 "step_seconds": stats([rr[0]["step_seconds"] for rr in per_round]),
                 "tokens_per_second": stats([WORLD_SIZE // c * seq / rr[0]["step_seconds"] for rr in per_round]),
             }
@@ -183,8 +180,7 @@ def markdown(result: dict) -> str:
             f"| {saved / base['block_saved_bytes']['median']:.3f} | {kv / mib:.1f} "
             f"| {(saved - kv) / base['block_saved_bytes']['median']:.3f} | {r['mask_bytes'] / mib:.1f} "
             f"| {r['kv_bytes_per_layer'] / mib:.3f} "
-            f"| {r['formula_kv_bytes_per_layer'] / mib:.3f} | {r['output_gather_bytes'] / mib:.3f} "
-            f"| {r['formula_output_gather_bytes'] / mib:.3f} | {spread(r['step_seconds'])} "
+            f"| {r['formula_kv_bytes_per_layer'] / mib:.3f} | {spread(r['step_seconds'])} "
             f"| {r['tokens_per_second']['median']:.0f} |"
         )
     table = "\n".join("  " + line for line in lines)
@@ -199,11 +195,11 @@ def markdown(result: dict) -> str:
   what is cut by c; "masks": the shared lower-right causal masks CPU attention takes (2-D, once per
   rank, the 2-D tensors holding -inf; on CUDA the kernels take lower-right causal natively). Bytes: received from the other
   ranks by one forward's all-gathers (the backward's reduce-scatters send as much), per layer
-  against 2 (c-1)/c B S h 4 (keys and values, fp32; MHA: n_kv d_head = h), and the last block's
-  output gather against (c-1)/c B S h 4.
+  against 2 (c-1)/c B S h 4 (keys and values, fp32; MHA: n_kv d_head = h); nothing else is
+  gathered (the sequence leaves the blocks cut, the loss's shares are summed).
 
-  | c | activations MiB | of c = 1 | saved in the blocks MiB | of c = 1 | of which gathered K/V (formula) MiB | the rest, of c = 1 | masks MiB | K/V MiB per layer | formula | output gather MiB | formula | s per step | tokens/s (4 ranks) |
-  |---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+  | c | activations MiB | of c = 1 | saved in the blocks MiB | of c = 1 | of which gathered K/V (formula) MiB | the rest, of c = 1 | masks MiB | K/V MiB per layer | formula | s per step | tokens/s (4 ranks) |
+  |---|---|---|---|---|---|---|---|---|---|---|---|
 {table}
 
   Step time per round, c = 2 / c = 1: {spread(result["step_time_c2_over_c1"])}; c = 4 / c = 1:

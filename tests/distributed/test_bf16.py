@@ -48,6 +48,7 @@ LAYOUTS = {
     "t2p2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batch_size": 2}),
     "d2-e2": (2, {"expert_parallel_size": 2}),  # transformers Mixtral: its experts split, tokens exchanged in bf16
     "d2-e2-titan": (2, {"expert_parallel_size": 2}),  # torchtitan Qwen3-MoE, its own bf16 grouped GEMMs
+    "c2": (2, {"context_parallel_size": 2}),  # keys and values gathered in bf16, the loss's shares summed
 }
 FAMILY = {"d2-e2": "hf_mixtral", "d2-e2-titan": "titan_qwen3_moe_bf16"}  # the recipe GPT elsewhere
 # bf16-mixed keeps fp32 master weights and reduces fp32 gradients (DDP, FSDP2 and the pipeline's dp
@@ -55,7 +56,8 @@ FAMILY = {"d2-e2": "hf_mixtral", "d2-e2-titan": "titan_qwen3_moe_bf16"}  # the r
 CASES = [
     pytest.param(precision, layout, marks=pytest.mark.world_size(LAYOUTS[layout][0]), id=f"{precision}-{layout}")
     for precision, layout in [("bf16-mixed", name) for name in LAYOUTS if name != "t2p2"]
-    + [("bf16-true", "t2-sp"), ("bf16-true", "p2v2"), ("bf16-true", "d2-e2"), ("bf16-mixed", "t2p2")]
+    + [("bf16-true", "t2-sp"), ("bf16-true", "p2v2"), ("bf16-true", "d2-e2"), ("bf16-true", "c2")]
+    + [("bf16-mixed", "t2p2")]
 ]
 
 

@@ -35,7 +35,8 @@ def run_epochs(
     if three_groups:
         model.configure_optimizers = lambda: three_param_groups(model)
     pipeline = pipeline or {}
-    batch = 8 // (devices // ((tensor_parallel_size or 1) * pipeline.get("pipeline_parallel_size", 1)))
+    split = pipeline.get("pipeline_parallel_size", 1) * pipeline.get("context_parallel_size", 1)
+    batch = 8 // (devices // ((tensor_parallel_size or 1) * split))
     data = MarkovDataModule(
         vocab_size=64, seq_length=32, batch_size=batch, train_tokens=STEPS_PER_EPOCH * 8 * 33 + 1, val_tokens=100
     )
@@ -91,6 +92,25 @@ def test_resume_across_pipeline_layouts(dist_pool, tmp_path):
     dist_pool(4).run(run_epochs, 4, None, 1, flat, None, 3, layers=4)  # saved sharded by ZeRO-3 over d=4
     resumed_p2v2 = dist_pool(2).run(run_epochs, 2, None, 2, None, flat, pipeline=p2v2, layers=4)
     for losses in resumed_p2v2:
+        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+
+
+@pytest.mark.world_size(4)
+def test_context_parallel_checkpoints_resume_on_other_layouts(dist_pool, tmp_path):
+    """Parameters are replicated over cp: a checkpoint saved at c2-d2 with ZeRO-3 (weights and Adam
+    moments sharded over d x c = 4) resumes at d4 and at c2-t2, and one saved at d4 resumes at c4."""
+    path, flat = str(tmp_path / "c2d2.ckpt"), str(tmp_path / "d4.ckpt")
+    c2, c4 = {"context_parallel_size": 2}, {"context_parallel_size": 4}
+    uninterrupted = dist_pool(4).run(run_epochs, 4, None, 2, None, None)[0]
+    first = dist_pool(4).run(run_epochs, 4, None, 1, path, None, 3, pipeline=c2)
+    for losses in first:
+        assert losses == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    resumed_d4 = dist_pool(4).run(run_epochs, 4, None, 2, None, path)[0]
+    assert resumed_d4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    for losses in dist_pool(4).run(run_epochs, 4, 2, 2, None, path, pipeline=c2):
+        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    dist_pool(4).run(run_epochs, 4, None, 1, flat, None)
+    for losses in dist_pool(4).run(run_epochs, 4, None, 2, None, flat, pipeline=c4):
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
 
 
