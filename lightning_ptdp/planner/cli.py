@@ -18,6 +18,7 @@ LAYOUT_KEYS = {
     "t": "tensor_parallel_size",
     "p": "pipeline_parallel_size",
     "e": "expert_parallel_size",
+    "c": "context_parallel_size",
     "v": "virtual_pipeline_size",
     "b": "micro_batch_size",
     "recompute": "activation_checkpointing",
@@ -45,7 +46,7 @@ def parse_layout(text: str) -> dict:
     missing = [k for k in ("t", "p") if LAYOUT_KEYS[k] not in out]
     if missing:
         raise ValueError(
-            f"--layout needs {' and '.join(missing)} (t and p; e, v, b and recompute are optional), "
+            f"--layout needs {' and '.join(missing)} (t and p; e, c, v, b and recompute are optional), "
             f"e.g. --layout t=8,p=64,v=1,b=1"
         )
     return out
@@ -65,6 +66,16 @@ def _model(text: str, seq_length: int | None) -> ModelSize | str:
     if seq_length:
         return replace(model_size(text), seq_length=seq_length)
     return text
+
+
+def _sizes(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{flag}={text!r} must list whole numbers >= 1, e.g. {flag} 1,2,4,8")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         parser.add_argument(f"--{flag}", type=type(default), default=default, help=f"default {default} (per GPU)")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--context-parallel", default="1", help="context-parallel sizes c to search, e.g. 1,2,4,8 (long sequences)"
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to list")
     args = parser.parse_args(argv)
     if args.model is None or args.gpus is None or args.global_batch_size is None:
@@ -114,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(format_layout(layout, cluster) + "\n")
             return 0
         layouts = plan(
-            model, cluster, args.global_batch_size, zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel
+            model,
+            cluster,
+            args.global_batch_size,
+            zero_stage=args.zero_stage,
+            sequence_parallel=args.sequence_parallel,
+            context_parallel_sizes=_sizes("--context-parallel", args.context_parallel),
         )
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")

@@ -54,6 +54,7 @@ def layout_arguments(layout: Layout, cluster: Cluster) -> LayoutArguments:
     }
     optional = {
         "expert_parallel_size": layout.expert_parallel_size > 1,
+        "context_parallel_size": layout.context_parallel_size > 1,
         "virtual_pipeline_size": layout.virtual_pipeline_size > 1,
         "micro_batch_size": pipelined,
         "sequence_parallel": layout.sequence_parallel,
@@ -76,12 +77,13 @@ def format_plan(layouts: list[Layout], cluster: Cluster, limit: int = 5) -> str:
     """A text table of the best ``limit`` layouts and the arguments that run the best one."""
     if not layouts:
         raise ValueError("format_plan needs at least one layout (plan() raises rather than return none)")
-    rows = ["rank    t    p    d    e    v    b  recompute     m    step s  TFLOP/s/GPU  GB/GPU"]
+    rows = ["rank    t    p    c    d    e    v    b  recompute     m    step s  TFLOP/s/GPU  GB/GPU"]
     for rank, x in enumerate(layouts[:limit], start=1):
         degrees = (
             rank,
             x.tensor_parallel_size,
             x.pipeline_parallel_size,
+            x.context_parallel_size,
             x.data_parallel_size,
             x.expert_parallel_size,
             x.virtual_pipeline_size,
@@ -114,6 +116,7 @@ def format_layout(x: Layout, cluster: Cluster) -> str:
         ("compute", x.compute_s),
         ("TP collectives", x.tensor_parallel_comm_s),
         ("EP all-to-alls", x.expert_parallel_comm_s),
+        ("CP key/value exchanges", x.context_parallel_comm_s),
         ("pipeline P2P + embedding", x.pipeline_comm_s),
         ("pipeline bubble", x.bubble_s),
         ("DP gradients", x.data_parallel_comm_s),
@@ -121,7 +124,8 @@ def format_layout(x: Layout, cluster: Cluster) -> str:
     ]
     lines = [
         (
-            f"t={x.tensor_parallel_size} p={x.pipeline_parallel_size} d={x.data_parallel_size} "
+            f"t={x.tensor_parallel_size} p={x.pipeline_parallel_size} "
+            f"{f'c={x.context_parallel_size} ' if x.context_parallel_size > 1 else ''}d={x.data_parallel_size} "
             f"e={x.expert_parallel_size} v={x.virtual_pipeline_size} b={x.micro_batch_size} m={x.num_microbatches} "
             f"recompute={x.activation_checkpointing} schedule={x.pipeline_schedule} on {cluster.num_gpus} GPUs"
         ),

@@ -480,7 +480,7 @@ def test_format_plan_shows_the_table_the_reason_and_the_arguments():
     layouts = plan("gpt_76.1b", cluster, 1792)
     text = format_plan(layouts, cluster, limit=3)
     lines = text.splitlines()
-    assert lines[0].split()[:7] == ["rank", "t", "p", "d", "e", "v", "b"]
+    assert lines[0].split()[:8] == ["rank", "t", "p", "c", "d", "e", "v", "b"]
     assert [line.split()[0] for line in lines[1:4]] == ["1", "2", "3"]
     assert f"best: {layouts[0].reason}" in text
     assert layout_arguments(layouts[0], cluster).python() in text
@@ -636,9 +636,9 @@ def test_ptdp_plan_layout_prints_that_layouts_estimate(capsys):
 @pytest.mark.parametrize(
     ("layout", "match"),
     [
-        ("t=8,q=2", r"--layout item 'q=2' is not KEY=VALUE with KEY one of t, p, e, v, b, recompute"),
+        ("t=8,q=2", r"--layout item 'q=2' is not KEY=VALUE with KEY one of t, p, e, c, v, b, recompute"),
         ("t=8,p=x", r"--layout p='x' must be a whole number"),
-        ("t=8", r"--layout needs p \(t and p; e, v, b and recompute are optional\)"),
+        ("t=8", r"--layout needs p \(t and p; e, c, v, b and recompute are optional\)"),
         ("t=8,p=5", r"tensor_parallel_size \* pipeline_parallel_size = 40 does not divide the cluster's 3072 GPUs"),
     ],
 )

@@ -90,3 +90,26 @@ def test_llama3_8b_at_128k_needs_context_parallelism_on_h100s():
         x.context_parallel_size for x in layouts
     }
     assert all(x.memory_bytes_per_gpu <= 72 * GB for x in layouts)
+
+
+def test_ptdp_plan_searches_and_prints_context_parallel_layouts(capsys):
+    from lightning_ptdp.planner.cli import main, parse_layout
+
+    assert parse_layout("t=4,p=1,c=4")["context_parallel_size"] == 4
+    flags = ["llama3_8b_128k", "--gpus", "64", "--global-batch-size", "8", "--zero-stage", "1", "--sequence-parallel"]
+    assert main([*flags, "--context-parallel", "1,2,4,8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    header, *rows = out.splitlines()[1:5]
+    assert header.split()[:5] == ["rank", "t", "p", "c", "d"]
+    assert all(int(row.split()[3]) > 1 for row in rows)  # every listed layout splits the sequence
+    assert "context_parallel_size=" in out  # the arguments that run the best one
+    assert main([*flags, "--layout", "t=4,p=1,c=4,recompute=selective"]) == 0
+    assert "CP key/value exchanges" in capsys.readouterr().out
+
+
+def test_ptdp_plan_refuses_a_bad_context_parallel_list(capsys):
+    from lightning_ptdp.planner.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["gpt_1.7b", "--gpus", "8", "--global-batch-size", "8", "--context-parallel", "2,x"])
+    assert "--context-parallel='2,x' must list whole numbers >= 1" in capsys.readouterr().err
