@@ -153,6 +153,14 @@ def _row(x) -> dict:
     }
 
 
+def _best_per(ranked: list, degree: str) -> list[dict]:
+    """The fastest layout at each value of ``degree``, by that value."""
+    best: dict = {}
+    for x in ranked:
+        best.setdefault(getattr(x, degree), _row(x))
+    return [best[k] for k in sorted(best)]
+
+
 def mixtral() -> dict:
     """Mixtral-8x7B at 4,096 tokens with ZeRO-1 (Megatron's distributed optimizer): the planner's
     top layouts, and its estimate at Megatron-Core's layout (v and recompute its best there)."""
@@ -161,10 +169,7 @@ def mixtral() -> dict:
     for name, (cluster, batch) in MIXTRAL_RUNS.items():
         layouts = ranked[name] = plan("mixtral_8x7b", cluster, batch, zero_stage=1)
         out[name] = {"batch": batch, "top": [_row(x) for x in layouts[:3]]}
-        by_e = {}
-        for x in layouts:
-            by_e.setdefault(x.expert_parallel_size, _row(x))
-        out[name]["best_per_e"] = [by_e[e] for e in sorted(by_e)]
+        out[name]["best_per_e"] = _best_per(layouts, "expert_parallel_size")
     m = MEGATRON_MIXTRAL
     at_megatron = [
         x
@@ -237,10 +242,8 @@ def long_context() -> dict:
         except ValueError as error:
             out[f"{gpus} H100s"] = {"error": str(error)}
             continue
-        by_c = {}
-        for x in layouts:
-            by_c.setdefault(x.context_parallel_size, _row(x))
-        out[f"{gpus} H100s"] = {"top": [_row(x) for x in layouts[:3]], "best_per_c": [by_c[c] for c in sorted(by_c)]}
+        best = _best_per(layouts, "context_parallel_size")
+        out[f"{gpus} H100s"] = {"top": [_row(x) for x in layouts[:3]], "best_per_c": best}
     return out
 
 

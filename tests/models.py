@@ -95,6 +95,43 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class DocumentAttention(NanoAttention):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # mask: (T, T), True = attend
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class DocumentBlock(NanoBlock):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__(cfg)
+        self.attn = DocumentAttention(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class PackedDocumentsGPT(NanoGPT):
+    """nanoGPT over two documents packed in each sequence: a block-diagonal causal mask (the second
+    document starting at 3/8 of the sequence, inside a context-parallel chunk) passed to the blocks."""
+
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__(cfg)
+        self.h = nn.ModuleList(DocumentBlock(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        positions = torch.arange(T, device=idx.device)
+        document = positions >= 3 * T // 8
+        mask = (positions[:, None] >= positions[None, :]) & (document[:, None] == document[None, :])
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -366,6 +403,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
     cfg = ZooConfig(**overrides)
     if family == "nanogpt":
         return CausalLM(NanoGPT(cfg))
+    if family == "nanogpt_documents":
+        return CausalLM(PackedDocumentsGPT(cfg))
     if family == "nanogpt_eager":
         return CausalLM(NanoGPT(dataclasses.replace(cfg, flash=False)))
     if family == "llama":

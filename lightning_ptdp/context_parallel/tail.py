@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_sequence, own_chunks
+from lightning_ptdp.core.subclasses import run_converted
 
 log = logging.getLogger(__name__)
 
@@ -96,26 +97,15 @@ class SequenceShard(torch.Tensor):
                     f"context parallelism: {name} writes into the sequence after the blocks with operands that span "
                     "the whole sequence, while each rank holds only its tokens; write it out of place"
                 )
-            with torch._C.DisableTorchFunctionSubclass():
-                func(*(_local(a) for a in args), **{k: _local(v) for k, v in kwargs.items()})
+            run_converted(func, args, kwargs, SequenceShard, SequenceShard.local)
             return args[0]
         if _tokenwise(cut, name, args, kwargs):
             if name in _VIEWS and args and args[0] is cut:
                 args = (cut, *_local_shape(cut, args[1:]))
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*(_local(a) for a in args), **{k: _local(v) for k, v in kwargs.items()})
-            shard = _rewrap(out, cut)
+            shard = _rewrap(run_converted(func, args, kwargs, SequenceShard, SequenceShard.local), cut)
             if shard is not None:
                 return shard
         return _run_whole(func, args, kwargs)
-
-
-def _local(value: Any) -> Any:
-    if isinstance(value, SequenceShard):
-        return value.local()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_local(v) for v in value)
-    return value
 
 
 def _in_place(name: str) -> bool:
@@ -196,15 +186,7 @@ def _run_whole(func: Any, args: tuple, kwargs: dict) -> Any:
             getattr(func, "__name__", func),
         )
 
-    def whole(value: Any) -> Any:
-        if isinstance(value, SequenceShard):
-            return value.whole()
-        if isinstance(value, (tuple, list)):
-            return type(value)(whole(v) for v in value)
-        return value
-
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*(whole(a) for a in args), **{k: whole(v) for k, v in kwargs.items()})
+    return run_converted(func, args, kwargs, SequenceShard, SequenceShard.whole)
 
 
 def _cross_entropy(

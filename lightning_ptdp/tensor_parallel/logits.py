@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from lightning_ptdp.core.subclasses import run_converted
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -140,15 +141,7 @@ def _run_gathered(func, logits: VocabParallelLogits, args, kwargs):
         VocabParallelLogits._warned_gather = True
         log.info("gathering full-vocabulary logits for %s (only F.cross_entropy stays vocab-parallel)", func)
 
-    def full(a: Any) -> Any:
-        if isinstance(a, VocabParallelLogits):
-            return a.full()
-        if isinstance(a, (tuple, list)):
-            return type(a)(full(x) for x in a)
-        return a
-
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
+    return run_converted(func, args, kwargs, VocabParallelLogits, VocabParallelLogits.full)
 
 
 def _cross_entropy(

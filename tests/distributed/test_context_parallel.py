@@ -50,6 +50,7 @@ ALL = (
     "hf_llama_tied",
     "hf_llama_padded",
     "hf_llama_shifted",
+    "nanogpt_documents",
     "hf_gpt2_eager",
     "hf_mistral",
     "hf_neox",

@@ -1,0 +1,23 @@
+"""Running a torch function on the plain tensors behind a tensor subclass: what TP's
+``VocabParallelLogits`` and CP's ``SequenceShard`` do for every operation they do not keep."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def convert(value: Any, kind: type, how: Callable[[Any], Any]) -> Any:
+    """``how(value)`` for an instance of ``kind``, inside tuples and lists too; anything else as is."""
+    if isinstance(value, kind):
+        return how(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(convert(v, kind, how) for v in value)
+    return value
+
+
+def run_converted(func: Any, args: tuple, kwargs: dict, kind: type, how: Callable[[Any], Any]) -> Any:
+    """``func`` on the arguments with every ``kind`` instance converted, subclass dispatch off."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*(convert(a, kind, how) for a in args), **{k: convert(v, kind, how) for k, v in kwargs.items()})
