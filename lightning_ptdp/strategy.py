@@ -38,6 +38,7 @@ from lightning_ptdp import probe
 from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.resume import resume_dataloader
+from lightning_ptdp.context_parallel import whole_outputs
 from lightning_ptdp.core.dims import ParallelDims, init_process_group, process_group_failed
 from lightning_ptdp.expert_parallel import check_ep_plan
 from lightning_ptdp.faults.nonfinite import check_grad_scaler
@@ -279,9 +280,9 @@ class PTDPStrategy(ParallelStrategy):
             self.expert_report.stats.reset()
         engine = self.pipeline
         if engine is None:
-            return super().training_step(*args, **kwargs)
+            return whole_outputs(super().training_step)(*args, **kwargs)
         module = self.lightning_module
-        step = functools.partial(module.training_step, **kwargs)
+        step = whole_outputs(functools.partial(module.training_step, **kwargs))
         scale = 1.0 / module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
             return engine.train_step(
@@ -317,8 +318,8 @@ class PTDPStrategy(ParallelStrategy):
     def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
         engine = self.pipeline
         if engine is None:
-            return getattr(super(), name)(*args, **kwargs)
-        step = functools.partial(getattr(self.lightning_module, name), **kwargs)
+            return whole_outputs(getattr(super(), name))(*args, **kwargs)
+        step = whole_outputs(functools.partial(getattr(self.lightning_module, name), **kwargs))
         with context():
             return engine.eval_step(step, args[0], args[1:], collect=collect, failures=self._failures)
 

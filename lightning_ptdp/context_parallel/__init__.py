@@ -2,5 +2,6 @@
 
 from lightning_ptdp.context_parallel.apply import apply_context_parallel
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length
+from lightning_ptdp.context_parallel.tail import SequenceShard, whole_outputs
 
-__all__ = ["CPGroup", "apply_context_parallel", "check_sequence_length"]
+__all__ = ["CPGroup", "SequenceShard", "apply_context_parallel", "check_sequence_length", "whole_outputs"]

@@ -8,6 +8,7 @@ argmax, returning the logits) gathers the whole sequence first, always correct, 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_sequence, own_chunks
-from lightning_ptdp.core.subclasses import run_converted
+from lightning_ptdp.core.subclasses import convert, run_converted
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,17 @@ class SequenceShard(torch.Tensor):
             if shard is not None:
                 return shard
         return _run_whole(func, args, kwargs)
+
+
+def whole_outputs(step: Any) -> Any:
+    """``step`` returning every ``SequenceShard`` in its output whole, gathered on every rank together
+    (a step's returned logits reach callbacks and ``trainer.predict``, which may use them on one rank)."""
+
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return convert(step(*args, **kwargs), SequenceShard, SequenceShard.whole)
+
+    return run
 
 
 def _in_place(name: str) -> bool:

@@ -9,11 +9,13 @@ import torch
 
 
 def convert(value: Any, kind: type, how: Callable[[Any], Any]) -> Any:
-    """``how(value)`` for an instance of ``kind``, inside tuples and lists too; anything else as is."""
+    """``how(value)`` for an instance of ``kind``, inside tuples, lists and dicts too; anything else as is."""
     if isinstance(value, kind):
         return how(value)
     if isinstance(value, (tuple, list)):
         return type(value)(convert(v, kind, how) for v in value)
+    if type(value) is dict:  # a step's output dict; other mappings (a transformers ModelOutput) as they are
+        return {k: convert(v, kind, how) for k, v in value.items()}
     return value
 
 

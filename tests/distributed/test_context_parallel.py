@@ -142,3 +142,34 @@ def test_context_parallel_composes(dist_pool, family, layout):
     assert_ranks_match_reference(
         results, _reference(family), loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL
     )
+
+
+def predict_logits(family: str, strategy_kwargs: dict | None, devices: int) -> list:
+    """``trainer.predict`` of the logits of 4 batches: what a user receives from it, on this rank."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp.testing import quiet_trainer
+    from tests.fit_utils import strategy_from
+    from tests.models import build_model
+
+    L.seed_everything(0, verbose=False)
+    model = build_model(family)
+    model.predict_step = lambda batch, batch_idx: model.logits(batch[0])
+    tokens = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))
+    trainer = quiet_trainer(devices=devices, strategy=strategy_from(strategy_kwargs))
+    predictions = trainer.predict(model, DataLoader(TensorDataset(tokens), batch_size=2))
+    return [(type(p).__name__, p.detach().cpu().as_subclass(torch.Tensor).clone()) for p in predictions]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("family", ["hf_llama", "gpt"])
+def test_predicted_logits_are_whole_on_every_rank(dist_pool, family):
+    """The logits a step returns leave it whole (gathered on every rank together), so trainer.predict
+    gives each rank the single process's logits, plain tensors a rank may use alone."""
+    reference = predict_logits(family, None, 1)
+    for result in dist_pool(2).run(predict_logits, family, {"context_parallel_size": 2}, 2):
+        assert len(result) == len(reference) == 4
+        for (kind, logits), (_, expected) in zip(result, reference):
+            assert kind == "Tensor" and logits.shape == expected.shape == (2, SEQ, VOCAB)
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
