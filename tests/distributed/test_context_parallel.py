@@ -163,7 +163,7 @@ def predict_logits(family: str, strategy_kwargs: dict | None, devices: int) -> l
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("family", ["hf_llama", "gpt"])
+@pytest.mark.parametrize("family", ["hf_llama", "nanogpt"])
 def test_predicted_logits_are_whole_on_every_rank(dist_pool, family):
     """The logits a step returns leave it whole (gathered on every rank together), so trainer.predict
     gives each rank the single process's logits, plain tensors a rank may use alone."""
@@ -172,4 +172,6 @@ def test_predicted_logits_are_whole_on_every_rank(dist_pool, family):
         assert len(result) == len(reference) == 4
         for (kind, logits), (_, expected) in zip(result, reference):
             assert kind == "Tensor" and logits.shape == expected.shape == (2, SEQ, VOCAB)
+            # fp32, attention's sums in another order: measured at most 1e-7 apart (transformers Llama's
+            # logits of ~0.1) and 1e-5 (nanoGPT's of ~10, 1e-6 of them)
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
