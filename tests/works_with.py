@@ -65,10 +65,16 @@ def _context_rows() -> list[str]:
         done = (family, layout) in CASES or (layout in EXTRAS and family in EXTRA_FAMILIES)
         return "ok" if done else "-"
 
+    from tests.distributed.test_context_parallel import MOE_FAMILIES, MOE_LAYOUTS
+
     return [
         "| context parallelism | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
         *(f"| {FAMILY_NAMES[f]} | " + " | ".join(cell(f, layout) for layout in columns) + " |" for f in ALL),
+        "",
+        "| context and expert parallelism | " + " | ".join(MOE_LAYOUTS) + " |",
+        "|---|" + "---|" * len(MOE_LAYOUTS),
+        *(f"| {FAMILY_NAMES[f]} | " + " | ".join("ok" for _ in MOE_LAYOUTS) + " |" for f in MOE_FAMILIES),
     ]
 
 

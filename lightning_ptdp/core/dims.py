@@ -51,16 +51,13 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "world_size", "ep", "cp"):
             check_positive_int(name, getattr(self, name))
-        if self.cp > 1 and self.ep > 1:
+        replicas = self.dp * self.cp
+        if replicas % self.ep:
+            fits = ", ".join(str(e) for e in range(1, replicas + 1) if replicas % e == 0)
+            what = f"data_parallel_size={self.dp}" if self.cp == 1 else f"data x context parallel size {replicas}"
             raise ValueError(
-                f"context_parallel_size={self.cp} with expert_parallel_size={self.ep} is not supported yet (the "
-                "expert groups would have to span the context-parallel ranks); use one of the two"
-            )
-        if self.dp % self.ep:
-            fits = ", ".join(str(e) for e in range(1, self.dp + 1) if self.dp % e == 0)
-            raise ValueError(
-                f"expert_parallel_size={self.ep} does not divide data_parallel_size={self.dp}: the expert-parallel "
-                f"ranks are carved out of the data-parallel ones. Choose expert_parallel_size in {fits}"
+                f"expert_parallel_size={self.ep} does not divide {what}: the expert-parallel ranks are carved out "
+                f"of the ranks holding the same parameters. Choose expert_parallel_size in {fits}"
             )
         if self.pp * self.dp * self.tp * self.cp != self.world_size:
             cp, rest = (f" * context_parallel_size({self.cp})", "*c") if self.cp > 1 else ("", "")
@@ -132,8 +129,9 @@ class ParallelDims:
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The same ranks as (pp, edp, ep, tp), dp = edp x ep with ep the faster: an expert group is e
         consecutive dp ranks (Megatron's order; within a node when t x e fits one), and edp links
-        the d / e ranks that hold the same experts (a collective over the world)."""
-        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        the d / e ranks that hold the same experts (a collective over the world). With context
+        parallelism the experts are carved out of the d x c ranks (cp faster), as Megatron's are."""
+        shape = (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
         ranks = torch.arange(self.world_size).reshape(shape)
         return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 

@@ -240,7 +240,11 @@ def step_gradients(
     if result.ep_report is not None:
         edp = expert_mesh["edp"]
         groups[EXPERTS] = ReduceGroup(
-            group=edp.get_group(), size=edp.size(), rank=edp.get_local_rank(), divisor=dims.dp, wrapped=config.fsdp
+            group=edp.get_group(),
+            size=edp.size(),
+            rank=edp.get_local_rank(),
+            divisor=dims.dp * dims.cp,  # each cp rank's share is c times its tokens' (context_parallel/layout.py)
+            wrapped=config.fsdp,
         )
         placements = {name: EXPERTS for name in result.ep_report.expert_params}
     pipeline = result.pipeline

@@ -427,7 +427,10 @@ def expert_parallel_reason(model: ModelSize, d: int, e: int) -> str | None:
 def context_parallel_reason(model: ModelSize, c: int, e: int = 1) -> str | None:
     """Why c-way context parallelism cannot split this model's sequences (None when it can)."""
     if c > 1 and e > 1:
-        return f"context_parallel_size={c} with expert_parallel_size={e} is not supported yet; use one of the two"
+        return (
+            f"context_parallel_size={c} with expert_parallel_size={e}: the planner does not model the two together "
+            "yet (ptdp runs them: the experts are carved out of the d x c ranks); estimate one of the two"
+        )
     if model.seq_length % (2 * c):
         fits = [k for k in range(1, 65) if model.seq_length % (2 * k) == 0]
         return (

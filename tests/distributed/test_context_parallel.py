@@ -175,3 +175,36 @@ def test_predicted_logits_are_whole_on_every_rank(dist_pool, family):
             # fp32, attention's sums in another order: measured at most 1e-7 apart (transformers Llama's
             # logits of ~0.1) and 1e-5 (nanoGPT's of ~10, 1e-6 of them)
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+# Mixture of experts under context parallelism: the experts are carved out of the d x c ranks holding
+# the same parameters (Megatron's order), each rank's MoE layers route its own tokens
+MOE_LAYOUTS = {
+    "c2-e2": ({"context_parallel_size": 2, "expert_parallel_size": 2}, 2),
+    "d2-c2-e4": ({"context_parallel_size": 2, "expert_parallel_size": 4}, 4),
+    "c2-t2-e2": ({"context_parallel_size": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2}, 4),
+    "c2-e2-zero1": ({"context_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1}, 2),
+    "c2-e2-zero3": ({"context_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 3}, 2),
+}
+MOE_FAMILIES = ("hf_mixtral", "hf_qwen2_moe", "moe_llama", "litgpt_moe", "titan_qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        pytest.param(f, lay, marks=pytest.mark.world_size(MOE_LAYOUTS[lay][1]))
+        for lay in MOE_LAYOUTS
+        for f in MOE_FAMILIES
+    ],
+)
+def test_context_and_expert_parallel_match_single_process(dist_pool, family, layout):
+    """Equal to one process, each rank holding n_experts / e experts (test_expert_parallel's check)."""
+    from tests.distributed.test_expert_parallel import STEPS as MOE_STEPS
+    from tests.distributed.test_expert_parallel import _check, _reference
+    from tests.fit_utils import fit_and_record
+
+    strategy_kwargs, devices = MOE_LAYOUTS[layout]
+    results = dist_pool(devices).run(
+        fit_and_record, family, strategy_kwargs=strategy_kwargs, devices=devices, steps=MOE_STEPS
+    )
+    _check(results, _reference(family), strategy_kwargs, devices)

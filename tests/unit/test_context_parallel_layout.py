@@ -56,7 +56,8 @@ def test_degrees_that_do_not_fit_are_refused():
         ParallelDims.from_config(ParallelConfig(tensor_parallel_size=2, context_parallel_size=3), world_size=8)
     with pytest.raises(ValueError, match=r"data_parallel_size\(2\) \* context_parallel_size\(2\) = 4, but the world"):
         ParallelDims(pp=1, dp=2, tp=1, cp=2, world_size=8)
-    with pytest.raises(ValueError, match=r"context_parallel_size=2 with expert_parallel_size=2 is not supported yet"):
-        ParallelDims(pp=1, dp=2, tp=1, cp=2, ep=2, world_size=4)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide data x context parallel size 2"):
+        ParallelDims(pp=1, dp=1, tp=1, cp=2, ep=4, world_size=2)
+    ParallelDims(pp=1, dp=2, tp=1, cp=2, ep=4, world_size=4)  # e=4 fits: experts over the d x c = 4 ranks
     with pytest.raises(ValueError, match=r"context_parallel_size=0 must be >= 1"):
         ParallelConfig(context_parallel_size=0)
