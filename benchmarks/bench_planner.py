@@ -81,12 +81,19 @@ def table_1() -> dict:
     return {"gemm_efficiency": GEMM_EFFICIENCY, "fit_rows": list(FIT_ROWS), "table_1": rows, "gpt3_175b": gpt3}
 
 
-def table_1_markdown(result: dict, command: str) -> str:
-    lines = [
-        f"## {today()} — planner estimate at Table 1's own layouts, and GPT-3 175B (issue 18)",
+def _head(title: str, command: str) -> list[str]:
+    """A planner section's heading, hardware (none: arithmetic) and command lines."""
+    return [
+        f"## {today()} — {title}",
         "",
         f"- Hardware: none (arithmetic); run on {cpu_description()}, Python {platform.python_version()}.",
         f"- Command: `{command}`",
+    ]
+
+
+def table_1_markdown(result: dict, command: str) -> str:
+    lines = [
+        *_head("planner estimate at Table 1's own layouts, and GPT-3 175B (issue 18)", command),
         (
             f"- One fitted constant: GEMM_EFFICIENCY = {result['gemm_efficiency']} (least squares on "
             f"{' and '.join(result['fit_rows'])}); the other rows are predictions. Layout: the paper's t and p, "
@@ -184,10 +191,7 @@ def mixtral() -> dict:
 def mixtral_markdown(result: dict, command: str) -> str:
     m, at = result["megatron_core"], result["at_megatron_layout"]
     lines = [
-        f"## {today()} — planner: Mixtral-8x7B with expert parallelism, next to Megatron-Core (issue 27)",
-        "",
-        f"- Hardware: none (arithmetic); run on {cpu_description()}, Python {platform.python_version()}.",
-        f"- Command: `{command}`",
+        *_head("planner: Mixtral-8x7B with expert parallelism, next to Megatron-Core (issue 27)", command),
         (
             "- Model: Mixtral-8x7B (46.70B parameters, 12.88B active), 4,096 tokens, ZeRO-1; H100 nodes by "
             "`Cluster.h100` (data sheet and NCCL figures; the GEMM efficiency is still the A100 fit), A100 "
@@ -249,10 +253,7 @@ def long_context() -> dict:
 
 def long_context_markdown(result: dict, command: str) -> str:
     lines = [
-        f"## {today()} — planner: Llama-3-8B at 128k tokens with context parallelism (issue 28)",
-        "",
-        f"- Hardware: none (arithmetic); run on {cpu_description()}, Python {platform.python_version()}.",
-        f"- Command: `{command}`",
+        *_head("planner: Llama-3-8B at 128k tokens with context parallelism (issue 28)", command),
         (
             f"- Model: Llama-3-8B (8.03B parameters, GQA 8 KV heads, V=128,256) at 131,072 tokens, "
             f"{LONG_CONTEXT['batch']} sequences per step, ZeRO-1, sequence parallelism; c searched over "
