@@ -160,6 +160,12 @@ def _row(x) -> dict:
     }
 
 
+def _ranked(top: list[dict], best: list[dict], degree: str):
+    """(label, row): the top rows by rank, then the best row at each value of ``degree``."""
+    yield from ((f"{i}", r) for i, r in enumerate(top, start=1))
+    yield from ((f"best, {degree}={r[degree]}", r) for r in best)
+
+
 def _best_per(ranked: list, degree: str) -> list[dict]:
     """The fastest layout at each value of ``degree``, by that value."""
     best: dict = {}
@@ -203,14 +209,12 @@ def mixtral_markdown(result: dict, command: str) -> str:
     ]
     for name in MIXTRAL_RUNS:
         run = result[name]
-        for kind, rows in (("top", run["top"]), ("best at e", run["best_per_e"])):
-            for i, r in enumerate(rows, start=1):
-                label = f"{i}" if kind == "top" else f"best, e={r['e']}"
-                lines.append(
-                    f"| {name} | {run['batch']} | {label} | {r['t']} | {r['p']} | {r['d']} | {r['e']} | {r['v']} "
-                    f"| {r['b']} | {r['recompute']} | {r['tflops']} | {r['step_s']} | {r['all_to_all_s']} "
-                    f"| {r['gb_per_gpu']} |"
-                )
+        for label, r in _ranked(run["top"], run["best_per_e"], "e"):
+            lines.append(
+                f"| {name} | {run['batch']} | {label} | {r['t']} | {r['p']} | {r['d']} | {r['e']} | {r['v']} "
+                f"| {r['b']} | {r['recompute']} | {r['tflops']} | {r['step_s']} | {r['all_to_all_s']} "
+                f"| {r['gb_per_gpu']} |"
+            )
     lines += [
         "",
         (
@@ -272,13 +276,11 @@ def long_context_markdown(result: dict, command: str) -> str:
             "  | rank | t | p | c | d | v | b | recompute | TFLOP/s/GPU | step s | K/V exchange s | GB/GPU |",
             "  |---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for kind, rows in (("top", run["top"]), ("best at c", run["best_per_c"])):
-            for i, r in enumerate(rows, start=1):
-                label = f"{i}" if kind == "top" else f"best, c={r['c']}"
-                lines.append(
-                    f"  | {label} | {r['t']} | {r['p']} | {r['c']} | {r['d']} | {r['v']} | {r['b']} | {r['recompute']} "
-                    f"| {r['tflops']} | {r['step_s']} | {r['kv_exchange_s']} | {r['gb_per_gpu']} |"
-                )
+        for label, r in _ranked(run["top"], run["best_per_c"], "c"):
+            lines.append(
+                f"  | {label} | {r['t']} | {r['p']} | {r['c']} | {r['d']} | {r['v']} | {r['b']} | {r['recompute']} "
+                f"| {r['tflops']} | {r['step_s']} | {r['kv_exchange_s']} | {r['gb_per_gpu']} |"
+            )
         lines.append("")
         if all(r["c"] > 1 for r in run["best_per_c"]):
             lines.append("  No layout without context parallelism (c = 1) fits in memory here.")

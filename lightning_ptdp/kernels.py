@@ -25,6 +25,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_ptdp.config import KERNEL_MODES
+from lightning_ptdp.core.sdpa import sdpa_args
 from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
 from lightning_ptdp.tensor_parallel.sequence_linear import sequence_parallel_linear
 
@@ -234,10 +235,6 @@ def _linear_gelu_pairs(module: nn.Module, graph: fx.Graph) -> list[tuple[str, st
     return pairs
 
 
-def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-
-
 def _linear_args(input, weight, bias=None, **extra):  # noqa: A002 - F.linear's own parameter names
     return input, weight, bias, extra  # extra: sequence_parallel_linear's shard
 
@@ -341,7 +338,7 @@ class _KernelRouter(TorchFunctionMode):
         from triton_kernels import attention_supported, flash_attention
 
         try:
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = sdpa_args(*args, **kwargs)
         except TypeError:  # an SDPA argument this version does not know: leave it to torch
             return func(*args, **kwargs)
         q, k, v = _autocast(q, k, v)

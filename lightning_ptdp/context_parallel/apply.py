@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.context_parallel.attention import ChunkMasks, ContextAttention
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length, gather_sequence, own_chunks
@@ -46,28 +47,32 @@ def apply_context_parallel(
     names = [f"{path}.{key}" if path else key for key, _ in container.named_children()]
     shrink = cp.size * sequence_parallel  # whole sequence / a block's residual stream
     masks = ChunkMasks()  # one set for all blocks
+    cuts = WeakIdKeyDictionary()  # an input each block takes (rotary tables, a mask) cut once per forward
     for index, (name, block) in enumerate(zip(names, blocks)):
         if "_ptdp_cp_forward" in block.__dict__:
             continue
         block.__dict__["_ptdp_cp_forward"] = block.forward
         block.forward = _attention_split(block, name, cp, shrink, masks)
-        block.register_forward_pre_hook(_cut_inputs(name, cp, index == 0, shrink), with_kwargs=True, prepend=True)
+        hook = _cut_inputs(name, cp, index == 0, shrink, cuts)
+        block.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
         if index == len(blocks) - 1:
             block.register_forward_hook(_leave_blocks(name, cp, cut_tail))
     return names
 
 
-def _cut_inputs(name: str, cp: CPGroup, first: bool, shrink: int) -> Any:
+def _cut_inputs(name: str, cp: CPGroup, first: bool, shrink: int, cuts: WeakIdKeyDictionary) -> Any:
     """Every input with the sequence's length cut to this rank's chunks; the first block's
-    residual stream too (later blocks receive it cut)."""
+    residual stream too (later blocks receive it cut). ``cuts``: the cut of each input tensor
+    autograd does not track, kept while that tensor lives: the blocks share one copy of what they
+    all take (rotary tables, a mask's rows) instead of each making its own."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = _residual(args, name)
         length = hidden.size(1) * (1 if first else shrink)
         if first:
             check_sequence_length(length, cp)
-        rest = (_cut(a, length, cp, name, f"argument {i}") for i, a in enumerate(args[1:], 1))
-        kwargs = {k: _cut(v, length, cp, name, f"argument {k!r}") for k, v in kwargs.items()}
+        rest = (_cut(a, length, cp, name, f"argument {i}", cuts) for i, a in enumerate(args[1:], 1))
+        kwargs = {k: _cut(v, length, cp, name, f"argument {k!r}", cuts) for k, v in kwargs.items()}
         return (own_chunks(hidden, 1, cp) if first else hidden, *rest), kwargs
 
     return hook
@@ -104,21 +109,27 @@ def _residual(args: tuple, name: str) -> torch.Tensor:
     return hidden
 
 
-def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str) -> Any:
+def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str, cuts: WeakIdKeyDictionary) -> Any:
     """This rank's chunks of every tensor in ``value`` with a dim of the sequence's length: that dim,
     or the rows of a square [..., length, length] mask."""
     if isinstance(value, torch.Tensor):
+        done = cuts.get(value)
+        if done is not None and done[0] == length:
+            return done[1]
         dims = [d for d in range(value.dim()) if value.size(d) == length]
         if not dims:
             return value
         if len(dims) == 1 or dims[-2:] == [value.dim() - 2, value.dim() - 1]:
-            return own_chunks(value, dims[0] if len(dims) == 1 else value.dim() - 2, cp)
+            cut = own_chunks(value, dims[0] if len(dims) == 1 else value.dim() - 2, cp)
+            if not value.requires_grad:  # constants of the forward; what autograd tracks is cut in each block
+                cuts[value] = (length, cut)
+            return cut
         raise ValueError(
             f"context parallelism: {what} of {block} has shape {tuple(value.shape)}, with dims {dims} all of the "
             f"sequence's length {length}, so which one is the sequence is ambiguous; use another sequence length"
         )
     if isinstance(value, (tuple, list)):
-        items = [_cut(v, length, cp, block, what) for v in value]
+        items = [_cut(v, length, cp, block, what, cuts) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 

@@ -17,16 +17,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, own_chunks
+from lightning_ptdp.core.sdpa import sdpa_args
 
 _PRODUCTS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm}
 _MATMULS = {*_PRODUCTS, torch.einsum}
 _FIX = (
     "set attn_implementation='sdpa' (transformers) or call F.scaled_dot_product_attention, or context_parallel_size=1"
 )
-
-
-def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 def _user_line() -> str:
@@ -129,7 +126,7 @@ class ContextAttention(TorchFunctionMode):
         return index
 
     def _attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)
+        q, k, v, mask, dropout_p, is_causal, scale, gqa = sdpa_args(*args, **kwargs)
         local, length = self.local, self.length
         if q.size(-2) != local or k.size(-2) != local:  # not over this block's sequence (cross-attention)
             return F.scaled_dot_product_attention(*args, **kwargs)

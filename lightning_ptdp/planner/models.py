@@ -209,7 +209,7 @@ class PaperConfiguration:
     achieved_tflops_per_gpu: float
 
 
-# Table 1 of the paper (also the Megatron-LM README of 2021); V = 51,200 and s = 2,048 for all rows.
+# Table 1 of the paper (also Megatron-LM's 2021 documentation); V = 51,200 and s = 2,048 for all rows.
 # name: (parameters in billions, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU)
 _TABLE_1_ROWS = {
     "gpt_1.7b": (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),

@@ -196,7 +196,7 @@ def test_nccl_ring_and_tree_by_hand():
 # --------------------------------------------------------------------------- Table 1 and GPT-3
 
 
-# The paper's Table 1 (Narayanan et al. 2021; also the Megatron-LM README of 2021), typed here
+# The paper's Table 1 (Narayanan et al. 2021; also Megatron-LM's 2021 documentation), typed here
 # rather than read from the planner: name -> (t, p, GPUs, batch, achieved TFLOP/s per GPU).
 PAPER_TABLE_1 = {
     "gpt_1.7b": (1, 1, 32, 512, 137),
