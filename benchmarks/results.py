@@ -3,6 +3,7 @@
 Each script owns one section, fenced by HTML comments (invisible in the rendered Markdown):
 ``<!-- section:NAME -->`` ... ``<!-- /section:NAME -->``. Writing replaces the section in place,
 or appends it when the file has none yet, so a rerun updates the figures instead of adding more.
+Every section records the commit its figures came from (``code_version``, read when the run starts).
 ``stats`` and ``paired_ratio`` are the one way every benchmark reports repeated rounds: median and
 spread (min..max), never one run.
 """
@@ -15,16 +16,42 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
-def write_section(name: str, markdown: str, *, path: Path = RESULTS) -> Path:
-    """Put ``markdown`` (starting with its ``## `` heading) in section ``name`` of ``path``."""
+# what a run writes itself: a change there is no change to the code that produced the figures
+_OUTPUTS = ("benchmarks/RESULTS.md", "benchmarks/results/")
+
+
+def code_version(root: Path = RESULTS.parent.parent) -> str:
+    """The commit the figures come from: 'commit abc1234', with the count of files changed since
+    (outputs aside) when the tree is dirty, or 'unknown' outside a git checkout."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short=10", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    changed = [f for f in changed if not f.startswith(_OUTPUTS)]
+    return f"commit {commit}" + (f" plus uncommitted changes to {len(changed)} files" if changed else "")
+
+
+def write_section(name: str, markdown: str, *, commit: str | None = None, path: Path = RESULTS) -> Path:
+    """Put ``markdown`` (starting with its ``## `` heading) in section ``name`` of ``path``, with a
+    ``- Code:`` line under the heading: ``commit`` (``code_version()`` as the run started), or the
+    checkout's now when None."""
     start, end = f"<!-- section:{name} -->", f"<!-- /section:{name} -->"
-    block = f"{start}\n{markdown.strip()}\n{end}"
+    heading, _, rest = markdown.strip().partition("\n")
+    rest = rest.lstrip("\n")
+    code = f"- Code: {commit or code_version()}." + ("\n" if rest.startswith("- ") else "\n\n")  # one list, or two blocks
+    block = f"{start}\n{heading}\n\n{code}{rest}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     first = pattern.search(text)

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import RESULTS, cpu_description, today, write_section
+from benchmarks.results import RESULTS, code_version, cpu_description, today, write_section
 
 # name -> (module, sizes for --cpu, sizes for --cpu --quick, world size of the pool it runs on)
 SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
@@ -218,16 +218,22 @@ def main(argv: list[str] | None = None) -> int:
             write_section(
                 name,
                 section_markdown(name, result, record["info"], record["info"]["command"]),
+                commit=record["info"].get("commit", "not recorded by that run"),
                 path=results_path or RESULTS,
             )
         if list(record["sections"]) == list(SECTIONS):  # a subset's JSON leaves the whole run's summary alone
-            write_section("cpu-run", run_markdown(record), path=results_path or RESULTS)
+            write_section(
+                "cpu-run",
+                run_markdown(record),
+                commit=record["info"].get("commit", "not recorded by that run"),
+                path=results_path or RESULTS,
+            )
         return 0
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     from lightning_ptdp.testing import DistributedPool
 
-    info = {"date": today(), **hardware(), "command": command, "quick": args.quick}
+    info = {"date": today(), **hardware(), "command": command, "quick": args.quick, "commit": code_version()}
     record: dict[str, Any] = {"info": info, "sections": {}}
     started = time.perf_counter()
     pools: dict[int, Any] = {}
@@ -243,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[run_all] {name}: {result['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
             record["sections"][name] = result
             if results_path is not None:
-                write_section(name, section_markdown(name, result, info, command), path=results_path)
+                write_section(name, section_markdown(name, result, info, command), commit=info["commit"], path=results_path)
     finally:
         for pool in pools.values():
             pool.close()
     record["elapsed_s"] = time.perf_counter() - started
     if results_path is not None and names == list(SECTIONS):  # a subset leaves the whole run's summary as it is
-        write_section("cpu-run", run_markdown(record), path=results_path)
+        write_section("cpu-run", run_markdown(record), commit=info["commit"], path=results_path)
     text = json.dumps(record, indent=1, default=str)
     print(text)
     if args.json is not None:

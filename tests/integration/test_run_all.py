@@ -3,13 +3,14 @@ command that regenerates benchmarks/RESULTS.md cannot rot; it writes only into a
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.results import paired_ratio, stats, write_section
+from benchmarks.results import RESULTS, code_version, paired_ratio, stats, write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,13 +96,41 @@ def test_write_section_replaces_its_own_and_keeps_the_rest(tmp_path):
     write_section("gpu-suite", "## GPU\nkept", path=path)
     write_section("a", "## A\nnew", path=path)
     text = path.read_text()
-    assert "new" in text and "old" not in text and "## GPU\nkept" in text
+    assert "new" in text and "old" not in text and "## GPU" in text and "kept" in text
     assert text.index("## A") < text.index("## GPU")
     # a stale second copy of a section (an older script wrote it elsewhere) goes on the next write
     path.write_text(text + "\n<!-- section:a -->\n## A\nstale\n<!-- /section:a -->\n")
     write_section("a", "## A\nnewer", path=path)
     text = path.read_text()
     assert text.count("<!-- section:a -->") == 1 and "newer" in text and "stale" not in text and "kept" in text
+
+
+def test_each_section_records_the_commit_it_ran_on(tmp_path):
+    path = tmp_path / "R.md"
+    write_section("a", "## A\n\n- Sizes: s", commit="commit 0123abcd", path=path)
+    write_section("b", "## B\nA paragraph.", path=path)  # no commit given: the checkout's, now
+    text = path.read_text()
+    assert "## A\n\n- Code: commit 0123abcd.\n- Sizes: s" in text  # one list under the heading
+    assert f"## B\n\n- Code: {code_version()}.\n\nA paragraph." in text
+
+
+def test_code_version_counts_changed_code_not_written_results(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("# r\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    clean = code_version(tmp_path)
+    assert clean.startswith("commit ") and "uncommitted" not in clean
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("# r\nfigures\n")  # what a run writes is not code
+    assert code_version(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert code_version(tmp_path) == f"{clean} plus uncommitted changes to 1 files"
+    assert code_version(tmp_path / "nowhere").startswith("unknown")
 
 
 def test_quick_without_results_writes_nothing(monkeypatch):
