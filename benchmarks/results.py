@@ -50,7 +50,9 @@ def write_section(name: str, markdown: str, *, commit: str | None = None, path: 
     start, end = f"<!-- section:{name} -->", f"<!-- /section:{name} -->"
     heading, _, rest = markdown.strip().partition("\n")
     rest = rest.lstrip("\n")
-    code = f"- Code: {commit or code_version()}." + ("\n" if rest.startswith("- ") else "\n\n")  # one list, or two blocks
+    code = f"- Code: {commit or code_version()}." + (
+        "\n" if rest.startswith("- ") else "\n\n"
+    )  # one list, or two blocks
     block = f"{start}\n{heading}\n\n{code}{rest}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)

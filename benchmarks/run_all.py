@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[run_all] {name}: {result['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
             record["sections"][name] = result
             if results_path is not None:
-                write_section(name, section_markdown(name, result, info, command), commit=info["commit"], path=results_path)
+                write_section(
+                    name, section_markdown(name, result, info, command), commit=info["commit"], path=results_path
+                )
     finally:
         for pool in pools.values():
             pool.close()

@@ -3,14 +3,13 @@ command that regenerates benchmarks/RESULTS.md cannot rot; it writes only into a
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.results import RESULTS, code_version, paired_ratio, stats, write_section
+from benchmarks.results import code_version, paired_ratio, stats, write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 
