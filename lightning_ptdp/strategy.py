@@ -155,7 +155,7 @@ class PTDPStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The (pp, dp, tp) mesh; it exists after ``setup_environment``."""
+        """The (pp, dp, tp) mesh, or (pp, dp, cp, tp) when c > 1; it exists after ``setup_environment``."""
         if self._device_mesh is None:
             raise RuntimeError(
                 "PTDPStrategy.device_mesh is built in setup_environment(); access it from configure_model() "
@@ -199,7 +199,7 @@ class PTDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Called on every rank before the model is set up: process group, then the 3D mesh."""
+        """Called on every rank before the model is set up: process group, then the (pp, dp[, cp], tp) mesh."""
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

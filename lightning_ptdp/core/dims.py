@@ -33,7 +33,7 @@ def _factor_suggestions(world_size: int, limit: int = 6) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Resolved degrees; ``pp * dp * tp == world_size`` holds by construction."""
+    """Resolved degrees; ``pp * dp * cp * tp == world_size`` holds by construction."""
 
     pp: int
     """Pipeline-parallel degree p."""
@@ -115,7 +115,7 @@ class ParallelDims:
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 3D (4D with cp) mesh (a collective over the world: every rank must call it)."""
+        """Create the (pp, dp, tp) mesh, or (pp, dp, cp, tp) when c > 1 (a collective: every rank calls it)."""
         names = MESH_DIM_NAMES if self.cp == 1 else CP_MESH_DIM_NAMES
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=names)
 

@@ -23,7 +23,7 @@ from lightning_ptdp.tensor_parallel.collectives import (
     reduce_scatter_to_sp_region,
 )
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
-from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard, sequence_parallel_linear
+from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard, sequence_parallel_linear
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = self.weight.shape[0]
         self.region = None  # RegionEntry of a discovered block
 
-    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shard: SavedInputShard | None = None) -> torch.Tensor:
         """``x`` whole; under sequence parallelism ``shard`` is this rank's 1/t of it (saved instead)."""
         if self.region is not None:
             x, shard = self.region.enter(x)

@@ -24,7 +24,7 @@ from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
 from lightning_ptdp.tensor_parallel.recording import CallSite, SiteCounter, is_leaf
-from lightning_ptdp.tensor_parallel.sequence_linear import SequenceShard
+from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
 
 @torch.compiler.disable  # eagerly: the message reads the user's source line, which dynamo cannot
@@ -153,12 +153,12 @@ class RegionEntry:
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.source: torch.Tensor | None = None
         self.entered: torch.Tensor | None = None
-        self.shard: SequenceShard | None = None
+        self.shard: SavedInputShard | None = None
 
     def activate(self, tensor: torch.Tensor) -> None:
         self.source, self.entered, self.shard = tensor, None, None
 
-    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, SequenceShard | None]:
+    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, SavedInputShard | None]:
         if x is self.entered:
             return x, self.shard
         if x is not self.source:
@@ -168,7 +168,7 @@ class RegionEntry:
                 self.entered = C.gather_from_sp_region(x, self.tp)
                 # compiled: dynamo cannot trace the shared Regather's side effects, so the Linears save X whole
                 saving_shard = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                self.shard = SequenceShard(x, self.tp) if saving_shard else None
+                self.shard = SavedInputShard(x, self.tp) if saving_shard else None
             else:
                 self.entered = C.copy_to_tp_region(x, self.tp)
         return self.entered, self.shard

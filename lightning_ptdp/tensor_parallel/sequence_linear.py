@@ -2,7 +2,7 @@
 
 Under SP a region's input X = [X_1; ...; X_t] is all-gathered once at the region's entry for the
 column Linears Y = X A_i, whose weight gradient needs all of X. As Korthikanti et al. 2022 (4.2.2)
-and Megatron do, each column Linear gets ``SequenceShard`` (X_r and one ``Regather`` shared by the
+and Megatron do, each column Linear gets ``SavedInputShard`` (X_r and one ``Regather`` shared by the
 region, so q, k, v gather once in backward), saves X_r, and returns dX at full length; the entry's
 reduce-scatter makes it 1/t again. A Function, not saved-tensor hooks on the region: those would
 shadow active hooks (recompute, offload) and could not recognise autocast's casts of X.
@@ -42,7 +42,7 @@ class Regather:
         return whole
 
 
-class SequenceShard:
+class SavedInputShard:
     """This rank's X_r of one region input in one forward (it lives only while that forward runs:
     the Linears' autograd nodes keep the saved tensor and the ``Regather``, not this object)."""
 
@@ -61,7 +61,7 @@ class _SequenceParallelLinear(Function):
     """Y = X A_i (+ b_i) on the all-gathered X; saves X_r and A_i; dA_i = dY^T Regather(X_r)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, shard: SequenceShard):
+    def forward(ctx, x, weight, bias, shard: SavedInputShard):
         y = F.linear(x, weight, bias)
         ctx.save_for_backward(shard.saved(y.dtype), weight)
         ctx.regather, ctx.x_dtype = shard.regather, x.dtype
@@ -91,7 +91,7 @@ def sequence_parallel_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    shard: SequenceShard,  # noqa: A002
+    shard: SavedInputShard,  # noqa: A002
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` for an all-gathered ``input``, saving ``shard`` instead of it.
 

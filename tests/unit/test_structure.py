@@ -1,8 +1,8 @@
 """The code base's shape, held by tests: one home per concern, imports only downward, short modules.
 
 Layers, lowest first (docs/architecture.md draws them). A module imports from its own layer or
-below; the parallelism axes (tensor_parallel, pipeline, data_parallel, expert_parallel) never import each
-other: what they share lives in layer 0.
+below; the parallelism axes (layer 1: tensor_parallel, pipeline, data_parallel, expert_parallel,
+context_parallel) never import each other: what they share lives in layer 0.
 """
 
 import ast
@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "faults": 0,
     "testing": 0,
     "flops": 0,  # deprecated path of core.flops
+    "triton_kernels": 0,  # the kernels and their torch references
     # 1: the parallelism axes, side by side
     "tensor_parallel": 1,
     "pipeline": 1,
@@ -40,7 +41,7 @@ LAYERS: dict[str, int] = {
     "planner": 5,
     "": 5,
 }
-AXES = {"tensor_parallel", "pipeline", "data_parallel", "expert_parallel"}
+AXES = {name for name, level in LAYERS.items() if level == 1}  # every axis, so a new one has no hole
 MAX_LINES, MAX_STRATEGY_LINES, MAX_DOCSTRING_LINES = 500, 500, 8
 OUTSIDE_MARKERS = ("DESIGN" + ".md", ".." + "/shared")  # split so this file does not match itself
 
@@ -137,6 +138,9 @@ def test_the_layer_check_fails_on_a_violation():
     assert violations({"pipeline.engine": {"tensor_parallel.layers"}}) == [
         "pipeline.engine imports tensor_parallel.layers: sideways between parallelism axes"
     ]
+    assert violations({"context_parallel.tail": {"tensor_parallel.logits"}}) == [
+        "context_parallel.tail imports tensor_parallel.logits: sideways between parallelism axes"
+    ]
     assert violations({"core.comm": {"checkpoint.full"}}) == [
         "core.comm (layer 0) imports checkpoint.full (layer 2): upward"
     ]
@@ -164,3 +168,22 @@ def test_nothing_refers_to_files_outside_the_repository():
         if "venv" not in p.parts and any(marker in p.read_text() for marker in OUTSIDE_MARKERS)
     ]
     assert offenders == []
+
+
+def classes_sharing_a_name(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Class names defined (at any depth) in more than one place among ``paths``, with where."""
+    where: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{name}:{node.lineno}")
+    return {cls: places for cls, places in where.items() if len(places) > 1}
+
+
+def test_no_two_classes_share_a_name(tmp_path):
+    """One name, one class: a reader (or a traceback) naming a class means one thing."""
+    assert classes_sharing_a_name(_modules()) == {}
+    (tmp_path / "a.py").write_text("class Shard:\n    pass\n")
+    (tmp_path / "b.py").write_text("def f():\n    class Shard:\n        pass\n")
+    found = classes_sharing_a_name({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
+    assert found == {"Shard": ["a:1", "b:2"]}
