@@ -10,6 +10,8 @@ import pytest
 PUBLIC = (
     "lightning_ptdp",
     "lightning_ptdp.callbacks",
+    "lightning_ptdp.parallel.init",
+    "lightning_ptdp.tensor_parallel",
     "lightning_ptdp.core.flops",
     "lightning_ptdp.planner",
     "lightning_ptdp.testing",
