@@ -1,6 +1,6 @@
 """Slot the Triton kernels into an ordinary model, without the model changing a line.
 
-Attention: the model's ``F.scaled_dot_product_attention`` calls go to ``triton_kernels.flash_attention``
+Attention: the model's ``F.scaled_dot_product_attention`` calls go to ``lightning_ptdp.triton_kernels.flash_attention``
 where it can run them, else to torch. Bias + GeLU: a biased Linear whose only user is a GeLU (found
 by torch.fx tracing each module's own forward) computes ``x @ W^T`` and the GeLU becomes
 ``bias_gelu(x, linear.bias)``; the bias stays that Linear's parameter. Mechanism: ``_KernelRouter``,
@@ -85,7 +85,7 @@ def apply_kernels(
     remove_kernels(module)
     if mode == "torch":
         return KernelReport(mode, "torch", reason="kernels='torch' keeps the model's own torch code")
-    from triton_kernels.support import device_reason, triton_importable
+    from lightning_ptdp.triton_kernels.support import device_reason, triton_importable
 
     target = _target_device(module, device)
     reason = device_reason(target, allow_interpreter=mode == "triton")
@@ -335,7 +335,7 @@ class _KernelRouter(TorchFunctionMode):
         return self._names.get(stack[-1], type(stack[-1]).__name__) if stack else "?"
 
     def _attention(self, func, args, kwargs):
-        from triton_kernels import attention_supported, flash_attention
+        from lightning_ptdp.triton_kernels import attention_supported, flash_attention
 
         try:
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = sdpa_args(*args, **kwargs)
@@ -372,14 +372,14 @@ class _KernelRouter(TorchFunctionMode):
         if hasattr(bias, "to_local") and not hasattr(x, "to_local"):
             bias = bias.to_local()  # tensor parallel: this rank's shard of the bias
         if self._bias_gelu_reason(x, bias) is None:
-            from triton_kernels import bias_gelu
+            from lightning_ptdp.triton_kernels import bias_gelu
 
             return bias_gelu(x, bias, approximate=approximate)
         return func(x + bias, approximate=approximate)
 
     def _bias_gelu_reason(self, x: torch.Tensor, bias: torch.Tensor) -> str | None:
-        from triton_kernels._config import SUPPORTED_DTYPES
-        from triton_kernels.support import device_reason
+        from lightning_ptdp.triton_kernels._config import SUPPORTED_DTYPES
+        from lightning_ptdp.triton_kernels.support import device_reason
 
         if hasattr(x, "to_local"):
             return "distributed tensor"

@@ -113,7 +113,7 @@ def _dynamo_counts() -> dict[str, int]:
 
 def _count_kernel_calls() -> dict[str, int]:
     """Wrap the Triton entry points so the test sees that they really ran (worker process only)."""
-    import triton_kernels
+    from lightning_ptdp import triton_kernels
 
     calls: dict[str, int] = {}
     for name in ("flash_attention", "bias_gelu"):

@@ -29,7 +29,7 @@ def _sdpa(backend_name: str):
 
 
 def contenders(ctx: Context) -> dict:
-    from triton_kernels import flash_attention
+    from lightning_ptdp.triton_kernels import flash_attention
 
     impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=True)}
     if not ctx.cuda:  # smoke: the CPU's default SDPA

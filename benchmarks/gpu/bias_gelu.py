@@ -28,7 +28,7 @@ def _eager_backward(grad, x, bias):
 
 
 def _row(ctx: Context, rows: int, cols: int) -> dict:
-    from triton_kernels import bias_gelu
+    from lightning_ptdp.triton_kernels import bias_gelu
 
     x = torch.randn(rows, cols, device=ctx.device, dtype=torch.bfloat16)
     bias = torch.randn(cols, device=ctx.device, dtype=torch.bfloat16)
@@ -36,7 +36,7 @@ def _row(ctx: Context, rows: int, cols: int) -> dict:
     # smoke: torch.compile's eager backend walks the same dynamo path without a C++ compile
     backend = "inductor" if ctx.cuda else "eager"
     contenders = {
-        "triton": (bias_gelu, lambda: torch.ops.triton_kernels.bias_gelu_backward(grad, x, bias, False)),
+        "triton": (bias_gelu, lambda: torch.ops.lightning_ptdp.bias_gelu_backward(grad, x, bias, False)),
         "eager": (_eager, lambda: _eager_backward(grad, x, bias)),
         "compile": (
             torch.compile(_eager, dynamic=False, backend=backend),

@@ -38,7 +38,7 @@ def _max_errors(outputs, reference) -> list[float]:
 
 
 def _attention_row(ctx: Context, dtype_name: str, head_dim: int, causal: bool, case: dict) -> dict:
-    from triton_kernels import flash_attention
+    from lightning_ptdp.triton_kernels import flash_attention
 
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(head_dim * 1009 + case["q"] * 7 + case["k"])
@@ -76,7 +76,7 @@ def _attention_row(ctx: Context, dtype_name: str, head_dim: int, causal: bool, c
 
 
 def _bias_gelu_row(ctx: Context, dtype_name: str, approximate: str, rows: int, cols: int) -> dict:
-    from triton_kernels import bias_gelu
+    from lightning_ptdp.triton_kernels import bias_gelu
 
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(rows + cols)
@@ -113,7 +113,7 @@ def _verdict(row: dict, names: tuple[str, ...], kernel: list[float], torch_: lis
 def _forget_untuned_choices() -> None:
     """The configs this part cached untimed must not stand in for autotune's in the parts after it."""
     try:
-        from triton_kernels import tuning
+        from lightning_ptdp.triton_kernels import tuning
     except ImportError:  # no triton: nothing was cached
         return
     tuning.clear()

@@ -8,8 +8,8 @@ BUDGET_S = 5.0
 
 
 def run(ctx: Context, rows: list[dict]) -> dict:
-    from triton_kernels import _config
-    from triton_kernels.tuning import chosen
+    from lightning_ptdp.triton_kernels import _config
+    from lightning_ptdp.triton_kernels.tuning import chosen
 
     rows.extend(chosen())
     return {

@@ -21,10 +21,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from triton_kernels._config import attention_candidates, attention_tiles, dot_precision, elementwise_tiles  # noqa: E402
-from triton_kernels.attention_bwd import _attn_bwd_delta, _attn_bwd_dkdv, _attn_bwd_dq  # noqa: E402
-from triton_kernels.attention_fwd import _attn_fwd  # noqa: E402
-from triton_kernels.bias_gelu_kernels import _bias_gelu_bwd, _bias_gelu_fwd  # noqa: E402
+from lightning_ptdp.triton_kernels._config import (  # noqa: E402
+    attention_candidates,
+    attention_tiles,
+    dot_precision,
+    elementwise_tiles,
+)
+from lightning_ptdp.triton_kernels.attention_bwd import _attn_bwd_delta, _attn_bwd_dkdv, _attn_bwd_dq  # noqa: E402
+from lightning_ptdp.triton_kernels.attention_fwd import _attn_fwd  # noqa: E402
+from lightning_ptdp.triton_kernels.bias_gelu_kernels import _bias_gelu_bwd, _bias_gelu_fwd  # noqa: E402
 
 # Opt-in maximum dynamic shared memory per block, bytes (CUDA programming guide, per arch).
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

@@ -8,7 +8,7 @@ pytest.importorskip("triton"), so the directory reads as skipped where triton is
 import pytest
 import torch
 
-from triton_kernels._config import interpreting
+from lightning_ptdp.triton_kernels._config import interpreting
 
 
 def pytest_collection_modifyitems(config, items):

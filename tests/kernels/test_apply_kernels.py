@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 pytest.importorskip("triton")
 
-import triton_kernels  # noqa: E402
+from lightning_ptdp import triton_kernels  # noqa: E402
 from lightning_ptdp.kernels import KernelReport, apply_kernels, remove_kernels  # noqa: E402
 
 # fp32 end to end: flash attention and the fused GeLU differ from torch only in summation order

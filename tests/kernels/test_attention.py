@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_kernels import attention_supported, flash_attention  # noqa: E402
-from triton_kernels.reference import attention_reference  # noqa: E402
+from lightning_ptdp.triton_kernels import attention_supported, flash_attention  # noqa: E402
+from lightning_ptdp.triton_kernels.reference import attention_reference  # noqa: E402
 
 # Reference is computed in fp64 from the same (already rounded) inputs.
 # fp32: fp32 accumulation over <= 65 keys, summed in a different order by the online softmax.

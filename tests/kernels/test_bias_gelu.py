@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_kernels import bias_gelu  # noqa: E402
-from triton_kernels.reference import bias_gelu_reference  # noqa: E402
+from lightning_ptdp.triton_kernels import bias_gelu  # noqa: E402
+from lightning_ptdp.triton_kernels.reference import bias_gelu_reference  # noqa: E402
 
 # Reference in fp64 from the same inputs; the kernel computes in fp32 and rounds once on store.
 # fp32: a few ulps from erf/exp; dbias sums <= 70 rows in a different order.

@@ -23,7 +23,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert proc.stdout, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert report["failures"] == [] and proc.returncode == 0, report["failures"]
-    from triton_kernels._config import ATTENTION_CANDIDATES
+    from lightning_ptdp.triton_kernels._config import ATTENTION_CANDIDATES
 
     # bf16 d=128 causal: every attention candidate, the delta pass, bias-GeLU forward and backward
     assert len(report["compiled"]) == sum(len(tiles) for tiles in ATTENTION_CANDIDATES.values()) + 3

@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_kernels import bias_gelu, flash_attention  # noqa: E402
-from triton_kernels.reference import attention_reference, bias_gelu_reference  # noqa: E402
+from lightning_ptdp.triton_kernels import bias_gelu, flash_attention  # noqa: E402
+from lightning_ptdp.triton_kernels.reference import attention_reference, bias_gelu_reference  # noqa: E402
 
 # fp32 against the fp64 reference, as test_attention.py / test_bias_gelu.py measure the kernels
 # themselves: the compiled graph launches the same kernels, so the same budget holds.
@@ -53,4 +53,4 @@ def test_the_compiled_graph_holds_the_kernels_as_ops(device):
     torch.compile(lambda x, b: bias_gelu(x, b) * 2, backend=keep, fullgraph=True)(x, bias)
     (graph,) = graphs
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert "triton_kernels.bias_gelu_forward.default" in targets, targets
+    assert "lightning_ptdp.bias_gelu_forward.default" in targets, targets

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton_kernels import flash_attention
-from triton_kernels._config import (
+from lightning_ptdp.triton_kernels import flash_attention
+from lightning_ptdp.triton_kernels._config import (
     ATTENTION_CANDIDATES,
     FP32_CANDIDATES,
     SUPPORTED_DTYPES,
@@ -17,7 +17,7 @@ from triton_kernels._config import (
     attention_tiles,
     seq_bucket,
 )
-from triton_kernels.reference import attention_reference
+from lightning_ptdp.triton_kernels.reference import attention_reference
 
 STAGES = ("fwd", "dkdv", "dq")
 
@@ -48,8 +48,8 @@ CASES = list(zip_longest(*(_block_shapes(stage) for stage in STAGES)))
 def test_every_candidate_tile_is_correct(monkeypatch, blocks):
     import triton
 
-    from triton_kernels import attention_bwd, attention_fwd  # noqa: F401 - builds the tuned kernels
-    from triton_kernels.tuning import _TUNED
+    from lightning_ptdp.triton_kernels import attention_bwd, attention_fwd  # noqa: F401 - builds the tuned kernels
+    from lightning_ptdp.triton_kernels.tuning import _TUNED
 
     for stage, shape in zip(STAGES, blocks):
         if shape is not None:
@@ -72,7 +72,7 @@ def test_every_candidate_tile_is_correct(monkeypatch, blocks):
 def test_clear_forgets_what_an_untuned_part_cached(monkeypatch, device):
     """The GPU suite's correctness part runs with TRITON_KERNELS_AUTOTUNE=0; the attention benchmark
     after it must tune its keys itself, not reuse that part's one config (benchmarks/gpu/correctness.py)."""
-    from triton_kernels import flash_attention, tuning
+    from lightning_ptdp.triton_kernels import flash_attention, tuning
 
     monkeypatch.setenv("TRITON_KERNELS_AUTOTUNE", "0")
     q = torch.randn(1, 2, 64, 16, device=device)

@@ -15,7 +15,7 @@ from .support import attention_supported
 
 # Custom ops (torch.library): eager runs them as launched; torch.compile sees one opaque op per
 # direction, traced by its fake (shape-only) implementation, so a compiled graph keeps the kernel.
-@torch.library.custom_op("triton_kernels::flash_attention_forward", mutates_args=())
+@torch.library.custom_op("lightning_ptdp::flash_attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +30,7 @@ def _(q, k, v, causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("triton_kernels::flash_attention_backward", mutates_args=())
+@torch.library.custom_op("lightning_ptdp::flash_attention_backward", mutates_args=())
 def _backward_op(
     grad_out: torch.Tensor,
     q: torch.Tensor,

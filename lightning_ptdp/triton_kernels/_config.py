@@ -124,8 +124,8 @@ def check_interpreted(kernel: object) -> None:
     """Fail clearly if TRITON_INTERPRET=1 was set only after the kernels were defined."""
     if interpreting() and type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton_kernels compiled its kernels for the GPU; "
-            "set it before the first `import triton_kernels.attention` / `.bias_gelu`."
+            "TRITON_INTERPRET=1 was set after lightning_ptdp.triton_kernels compiled its kernels for the GPU; "
+            "set it before the first `import lightning_ptdp.triton_kernels.attention` / `.bias_gelu`."
         )
 
 

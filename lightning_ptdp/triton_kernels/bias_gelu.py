@@ -13,7 +13,7 @@ _APPROXIMATIONS = ("none", "tanh")
 
 
 # Custom ops, as attention.py's: opaque to torch.compile, traced by their fake implementations.
-@torch.library.custom_op("triton_kernels::bias_gelu_forward", mutates_args=())
+@torch.library.custom_op("lightning_ptdp::bias_gelu_forward", mutates_args=())
 def _forward_op(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
     from .bias_gelu_kernels import bias_gelu_forward
 
@@ -25,7 +25,7 @@ def _(x, bias, tanh):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("triton_kernels::bias_gelu_backward", mutates_args=())
+@torch.library.custom_op("lightning_ptdp::bias_gelu_backward", mutates_args=())
 def _backward_op(
     grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
