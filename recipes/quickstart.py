@@ -19,8 +19,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ptdp import PTDPStrategy
-from recipes.data import MarkovDataModule
-from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig
+
+from .data import MarkovDataModule
+from .gpt import GPTConfig, GPTLightningModule, OptimConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

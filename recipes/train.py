@@ -78,7 +78,7 @@ def checked_kwargs(target: Callable, node: Any, group: str) -> dict[str, Any]:
 
 def build_module(cfg: DictConfig):
     """The reference GPT from ``cfg.model`` (GPTConfig) and ``cfg.optim`` (OptimConfig)."""
-    from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig
+    from .gpt import GPTConfig, GPTLightningModule, OptimConfig
 
     optim = checked_kwargs(OptimConfig, cfg.optim, "optim")
     optim["betas"] = tuple(optim["betas"])

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import lightning as L
@@ -121,11 +120,6 @@ def parse(monkeypatch):
 
 
 # ---------------------------------------------------------------- argument forms
-def test_console_script_is_the_cli_main():
-    (script,) = entry_points(group="console_scripts", name="ptdp")
-    assert script.load() is recipes_cli.main
-
-
 @pytest.mark.parametrize(
     "strategy_args",
     [

@@ -15,7 +15,7 @@ PUBLIC = (
     "lightning_ptdp.core.flops",
     "lightning_ptdp.planner",
     "lightning_ptdp.testing",
-    "triton_kernels",
+    "lightning_ptdp.triton_kernels",
 )
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
