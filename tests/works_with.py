@@ -1,17 +1,21 @@
-"""README.md's "Works with" table, rendered from the conformance matrix's definition.
+"""The "Works with" tables, rendered from the conformance matrices' definitions.
 
-Every cell is a test, `tests/distributed/test_real_models.py::test_conformance[family-layout]`, that
-CI runs on every change; a failing cell fails CI, so the table shows what passes. Nothing under
-tests/ writes the README: ``python .ci/works_with.py`` rewrites the table after the matrix changes,
-and `tests/unit/test_works_with.py` checks that the README holds what this renders.
+Every cell is a test that CI runs on every change; a failing cell fails CI, so a table shows what
+passes. ``BLOCKS`` says which table goes where: the dense and MoE matrices into README.md, the
+context-parallel ones into docs/user_guide.md, each between its pair of markers. Nothing under
+tests/ writes a document: ``python .ci/works_with.py`` rewrites every block after a matrix
+changes, and `tests/unit/test_works_with.py` checks that each document holds what this renders.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BEGIN, END = "<!-- works-with:begin -->", "<!-- works-with:end -->"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+USER_GUIDE = ROOT / "docs" / "user_guide.md"
 STAMP = (
     "Each cell is `tests/distributed/test_real_models.py::test_conformance[family-layout]`, which CI runs: "
     "3 steps with the Trainer equal to one process (fp32, losses and gradients 1e-5 relative), each rank "
@@ -22,62 +26,90 @@ MOE_STAMP = (
     "data-parallel ones split the experts (dN-eM), each holding n_experts / e of them; under t the experts stay "
     "whole on each tp rank (Megatron's expert tensor parallel size 1)."
 )
-
-
 CP_STAMP = (
-    "Context parallelism, `tests/distributed/test_context_parallel.py`, the same check: each sequence split over "
-    "c ranks (cN), every block holding 1/c of it (1/(c*t) under SP) and, without TP, the head too."
+    "Context parallelism, `tests/distributed/test_context_parallel.py`, the same check as the README's table "
+    "(3 steps equal to one process, fp32, 1e-5): each sequence split over c ranks (cN), every block holding 1/c "
+    "of it (1/(c*t) under SP) and, without TP, the head too. Regenerate with `python .ci/works_with.py`."
 )
 
 
-def render() -> str:
-    """The block between the markers, markers included: the dense matrix, the MoE one, the CP one."""
+def table(corner: str, columns: Iterable[str], rows: Iterable[tuple[str, Iterable[bool]]]) -> list[str]:
+    """A markdown table: ``ok`` where a cell is tested, ``-`` where it is not."""
+    columns = list(columns)
+    return [
+        f"| {corner} | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+        *(f"| {name} | " + " | ".join("ok" if done else "-" for done in cells) + " |" for name, cells in rows),
+    ]
+
+
+def render_dense_and_moe() -> str:
+    """README's block: the dense matrix, then the MoE one."""
     from tests.distributed.test_expert_parallel import CASES
     from tests.distributed.test_expert_parallel import LAYOUTS as MOE_LAYOUTS
     from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
     from tests.real_models import FAMILY_NAMES, MOE_FAMILIES
 
-    rows = [
-        "| model | " + " | ".join(LAYOUTS) + " |",
-        "|---|" + "---|" * len(LAYOUTS),
-        *(f"| {FAMILY_NAMES[family]} | " + " | ".join("ok" for _ in LAYOUTS) + " |" for family in MATRIX_FAMILIES),
-    ]
-    moe = [
-        "| mixture of experts | " + " | ".join(MOE_LAYOUTS) + " |",
-        "|---|" + "---|" * len(MOE_LAYOUTS),
-        *(
-            f"| {FAMILY_NAMES[family]} | "
-            + " | ".join("ok" if (family, layout) in CASES else "-" for layout in MOE_LAYOUTS)
-            + " |"
-            for family in sorted(MOE_FAMILIES)
-        ),
-    ]
-    return "\n".join([BEGIN, STAMP, "", *rows, "", MOE_STAMP, "", *moe, "", CP_STAMP, "", *_context_rows(), END])
+    dense = table("model", LAYOUTS, ((FAMILY_NAMES[f], (True for _ in LAYOUTS)) for f in MATRIX_FAMILIES))
+    moe = table(
+        "mixture of experts",
+        MOE_LAYOUTS,
+        ((FAMILY_NAMES[f], ((f, layout) in CASES for layout in MOE_LAYOUTS)) for f in sorted(MOE_FAMILIES)),
+    )
+    return "\n".join([STAMP, "", *dense, "", MOE_STAMP, "", *moe])
 
 
-def _context_rows() -> list[str]:
-    from tests.distributed.test_context_parallel import ALL, CASES, EXTRA_FAMILIES, EXTRAS, LAYOUTS
+def render_context() -> str:
+    """The user guide's block: the context-parallel matrix, then context with expert parallelism."""
+    from tests.distributed import test_context_parallel as cp
     from tests.real_models import FAMILY_NAMES
 
-    columns = [*LAYOUTS, *EXTRAS]
+    columns = [*cp.LAYOUTS, *cp.EXTRAS]
 
-    def cell(family: str, layout: str) -> str:
-        done = (family, layout) in CASES or (layout in EXTRAS and family in EXTRA_FAMILIES)
-        return "ok" if done else "-"
+    def done(family: str, layout: str) -> bool:
+        return (family, layout) in cp.CASES or (layout in cp.EXTRAS and family in cp.EXTRA_FAMILIES)
 
-    from tests.distributed.test_context_parallel import MOE_FAMILIES, MOE_LAYOUTS
-
-    return [
-        "| context parallelism | " + " | ".join(columns) + " |",
-        "|---|" + "---|" * len(columns),
-        *(f"| {FAMILY_NAMES[f]} | " + " | ".join(cell(f, layout) for layout in columns) + " |" for f in ALL),
-        "",
-        "| context and expert parallelism | " + " | ".join(MOE_LAYOUTS) + " |",
-        "|---|" + "---|" * len(MOE_LAYOUTS),
-        *(f"| {FAMILY_NAMES[f]} | " + " | ".join("ok" for _ in MOE_LAYOUTS) + " |" for f in MOE_FAMILIES),
-    ]
+    dense = table("context parallelism", columns, ((FAMILY_NAMES[f], (done(f, c) for c in columns)) for f in cp.ALL))
+    moe = table(
+        "context and expert parallelism",
+        cp.MOE_LAYOUTS,
+        ((FAMILY_NAMES[f], (True for _ in cp.MOE_LAYOUTS)) for f in cp.MOE_FAMILIES),
+    )
+    return "\n".join([CP_STAMP, "", *dense, "", *moe])
 
 
-def readme_block(text: str) -> str:
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[start:end]
+@dataclass(frozen=True)
+class Block:
+    """A generated block: the document it lives in, its marker name, what renders its body."""
+
+    path: Path
+    name: str
+    render: Callable[[], str]
+
+    @property
+    def begin(self) -> str:
+        return f"<!-- {self.name}:begin -->"
+
+    @property
+    def end(self) -> str:
+        return f"<!-- {self.name}:end -->"
+
+    def rendered(self) -> str:
+        """The block as it should stand in the document, markers included."""
+        return "\n".join([self.begin, self.render(), self.end])
+
+    def held(self, text: str) -> str:
+        """The block as ``text`` holds it, markers included."""
+        start, end = text.find(self.begin), text.find(self.end)
+        if start < 0 or end < start:
+            raise ValueError(f"{self.path.name} lacks the markers {self.begin} ... {self.end}")
+        return text[start : end + len(self.end)]
+
+    def rewrite(self, text: str) -> str:
+        return text.replace(self.held(text), self.rendered())
+
+
+BLOCKS = (
+    Block(README, "works-with", render_dense_and_moe),
+    Block(USER_GUIDE, "works-with-context", render_context),
+)

@@ -1,17 +1,29 @@
-"""The README's "Works with" table is the conformance matrix's, as tests/works_with.py renders it (`python .ci/works_with.py` writes it)."""
+"""The "Works with" tables are the conformance matrices', as tests/works_with.py renders them into
+README.md and docs/user_guide.md (`python .ci/works_with.py` writes them)."""
 
-from tests.works_with import README, readme_block, render
+import pytest
+
+from tests.works_with import BLOCKS, README, USER_GUIDE, render_context, render_dense_and_moe
 
 
-def test_readme_holds_the_rendered_table():
-    assert readme_block(README.read_text()) == render(), "run `python .ci/works_with.py` and commit README.md"
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
+def test_each_document_holds_its_rendered_block(block):
+    held = block.held(block.path.read_text())
+    assert held == block.rendered(), f"run `python .ci/works_with.py` and commit {block.path.name}"
+
+
+def test_the_readme_keeps_the_dense_and_moe_tables_and_the_guide_the_context_parallel_ones():
+    assert [(b.path, b.render) for b in BLOCKS] == [(README, render_dense_and_moe), (USER_GUIDE, render_context)]
+
+
+def ok_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and " ok " in line]
 
 
 def test_every_matrix_cell_is_a_row_entry():
     from tests.distributed.test_real_models import LAYOUTS, MATRIX_FAMILIES
 
-    dense = render().split("Mixture-of-experts families")[0]
-    rows = [line for line in dense.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    rows = ok_rows(render_dense_and_moe().split("Mixture-of-experts families")[0])
     assert len(rows) == len(MATRIX_FAMILIES)
     assert all(row.count(" ok ") == len(LAYOUTS) for row in rows)
 
@@ -19,15 +31,12 @@ def test_every_matrix_cell_is_a_row_entry():
 def test_every_moe_case_is_an_ok_cell():
     from tests.distributed.test_expert_parallel import CASES
 
-    moe = render().split("Mixture-of-experts families")[1].split("Context parallelism,")[0]
-    assert sum(line.count(" ok ") for line in moe.splitlines() if line.startswith("| ") and " ok " in line) == len(
-        CASES
-    )
+    moe = render_dense_and_moe().split("Mixture-of-experts families")[1]
+    assert sum(row.count(" ok ") for row in ok_rows(moe)) == len(CASES)
 
 
 def test_every_context_parallel_case_is_an_ok_cell():
     from tests.distributed.test_context_parallel import CASES, EXTRA_FAMILIES, EXTRAS, MOE_FAMILIES, MOE_LAYOUTS
 
-    cp = render().split("Context parallelism,")[1]
-    cells = sum(line.count(" ok ") for line in cp.splitlines() if line.startswith("| ") and " ok " in line)
+    cells = sum(row.count(" ok ") for row in ok_rows(render_context()))
     assert cells == len(CASES) + len(EXTRAS) * len(EXTRA_FAMILIES) + len(MOE_LAYOUTS) * len(MOE_FAMILIES)
