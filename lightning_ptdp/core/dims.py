@@ -17,6 +17,7 @@ from lightning_ptdp.config import ParallelConfig, check_positive_int
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 CP_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+EXPERT_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "edp", "ep", "tp")
 
 
 def _factor_suggestions(world_size: int, limit: int = 6) -> str:
@@ -131,9 +132,26 @@ class ParallelDims:
         consecutive dp ranks (Megatron's order; within a node when t x e fits one), and edp links
         the d / e ranks that hold the same experts (a collective over the world). With context
         parallelism the experts are carved out of the d x c ranks (cp faster), as Megatron's are."""
-        shape = (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
-        ranks = torch.arange(self.world_size).reshape(shape)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        ranks = torch.arange(self.world_size).reshape(self.expert_mesh_shape)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIM_NAMES)
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` (pp, dp, cp, tp, or ep) as global ranks, without a process group:
+        the groups build_mesh and build_expert_mesh form (both lay out arange(world_size) row-major)."""
+        if axis == "ep":
+            names, shape = EXPERT_MESH_DIM_NAMES, self.expert_mesh_shape
+        else:
+            names, shape = (MESH_DIM_NAMES if self.cp == 1 else CP_MESH_DIM_NAMES), self.mesh_shape
+        if axis not in CP_MESH_DIM_NAMES + ("ep",):
+            raise ValueError(f"axis={axis!r} is not one of pp, dp, cp, tp, ep")
+        if axis not in names:  # cp when c = 1: one rank a group
+            return [[rank] for rank in range(self.world_size)]
+        grid = torch.arange(self.world_size).reshape(shape).movedim(names.index(axis), -1)
+        return grid.reshape(-1, grid.shape[-1]).tolist()
 
 
 _AT_EXIT = {"registered": False, "failed": False}

@@ -1,11 +1,11 @@
 """``ptdp doctor``: a preflight before a big run, one OK / WARN / FAIL line per check.
 
-    ptdp doctor -t 8 -p 4 --devices 8 --num-nodes 16      # + this layout; --json for machines
-    torchrun --nproc_per_node=8 -m lightning_ptdp.tools.doctor --bench   # + collectives (nccl)
+    ptdp doctor -t 8 -p 4 -c 2 -e 4 --devices 8 --num-nodes 16   # + this layout; --json for machines
+    torchrun --nproc_per_node=8 -m lightning_ptdp.tools.doctor -e 8 --bench   # + collectives (nccl)
 
 Checks: Python, torch (>= 2.11) and packages; CUDA, GPUs, peer access / NVLink; NCCL, gloo and slow
-NCCL variables; the launcher against devices x num_nodes; the layout through ``ParallelConfig`` /
-``ParallelDims``. Exit code 0 when nothing FAILs. Checks return :class:`Check`; only :func:`main` prints.
+NCCL variables; the launcher against devices x num_nodes; the layout and its groups (layout_checks).
+Exit code 0 when nothing FAILs. Checks return :class:`Check`; only :func:`main` prints.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_ptdp.config import ParallelConfig, check_positive_int
-from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.core.flops import device_peak_flops
 from lightning_ptdp.tools.checks import FAIL, OK, WARN, Check
 from lightning_ptdp.tools.interconnect import (
+    AXIS_OPS,
     BenchRow,
     format_benchmark,
     format_size,
@@ -44,6 +43,7 @@ from lightning_ptdp.tools.launch_checks import (  # noqa: F401  (part of the doc
     env_int,
     under_slurm,
 )
+from lightning_ptdp.tools.layout_checks import check_groups, check_layout, layout_dims  # noqa: F401
 
 MIN_PYTHON = (3, 10)
 
@@ -210,65 +210,12 @@ def check_backends(cuda: bool, nccl: bool, gloo: bool, nccl_version: Optional[st
     return [nccl_check, gloo_check]
 
 
-def check_layout(
-    tensor_parallel_size: int,
-    pipeline_parallel_size: int,
-    data_parallel_size: int | str,
-    devices: int,
-    num_nodes: int,
-    gpus_on_node: int = 0,
-) -> list[Check]:
-    """The proposed (t, p, d) on devices x num_nodes, validated exactly as the strategy will."""
-    try:
-        check_positive_int("devices", devices)
-        check_positive_int("num_nodes", num_nodes)
-        config = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-        )
-        dims = ParallelDims.from_config(config, devices * num_nodes)
-    except ValueError as err:
-        return [Check("layout", FAIL, str(err))]
-    checks = [
-        Check(
-            "layout",
-            OK,
-            f"t={dims.tp} p={dims.pp} d={dims.dp} on {dims.world_size} processes "
-            f"(devices={devices} x num_nodes={num_nodes})",
-        )
-    ]
-    if devices % dims.tp:
-        why = (
-            f"t={dims.tp} > {devices} GPUs per node"
-            if dims.tp > devices
-            else f"t={dims.tp} does not divide devices={devices}"
-        )
-        checks.append(
-            Check(
-                "tp placement",
-                WARN,
-                f"tensor-parallel groups cross nodes: {why}; their all-reduces "
-                "(every layer) would run over the network",
-                "keep t <= devices and dividing it; span nodes with p or d",
-            )
-        )
-    if gpus_on_node and devices > gpus_on_node:
-        checks.append(
-            Check(
-                "devices",
-                FAIL,
-                f"devices={devices} but this node has {gpus_on_node} visible GPU(s)",
-                "lower devices, or check CUDA_VISIBLE_DEVICES",
-            )
-        )
-    return checks
-
-
 def check_benchmark(backend: str, world_size: int, rows: Sequence[BenchRow]) -> Check:
     """Summarise the largest size of each collective; gloo numbers measure the host, not the fabric."""
-    largest = {row.op: row for row in rows}  # rows are in increasing size per op
-    summary = ", ".join(f"{op} {row.busbw_gbps:.2f}" for op, row in largest.items())
+    largest = {(row.group, row.op): row for row in rows}  # rows are in increasing size per op
+    summary = ", ".join(
+        f"{op if group == 'world' else f'{group} {op}'} {row.busbw_gbps:.2f}" for (group, op), row in largest.items()
+    )
     detail = f"{backend}, {world_size} ranks, busbw GB/s at {format_size(max(r.size_bytes for r in rows))}: {summary}"
     if backend == "gloo":
         return Check(
@@ -365,7 +312,14 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str] = os.environ) ->
         check_nccl_env(env, num_nodes),
         check_launch(env, devices, num_nodes),
         *check_layout(
-            args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, devices, num_nodes, gpus
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.data_parallel_size,
+            devices,
+            num_nodes,
+            gpus,
+            expert_parallel_size=args.expert_parallel_size,
+            context_parallel_size=args.context_parallel_size,
         ),
     ]
     report = Report(checks)
@@ -374,15 +328,32 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str] = os.environ) ->
     return report
 
 
+def axis_groups(args: argparse.Namespace, world_size: int) -> dict[str, list[list[int]]]:
+    """The ep and cp groups of the layout on the benchmark's ``world_size`` ranks (none where it does not fit)."""
+    try:
+        dims = layout_dims(
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.data_parallel_size,
+            world_size,
+            args.expert_parallel_size,
+            args.context_parallel_size,
+        )
+    except ValueError:
+        return {}
+    return {axis: dims.group_ranks(axis) for axis in AXIS_OPS if getattr(dims, axis) > 1}
+
+
 def _add_benchmark(report: Report, args: argparse.Namespace, env: Mapping[str, str]) -> None:
     launched = "WORLD_SIZE" in env and "RANK" in env
+    world_size = int(env["WORLD_SIZE"]) if launched else args.bench_ranks
+    groups = axis_groups(args, world_size)
     try:
         if launched:
-            backend, rows = run_launched_benchmark(args.bench_bytes, args.bench_iters)
-            world_size = int(env["WORLD_SIZE"])
+            backend, rows = run_launched_benchmark(args.bench_bytes, args.bench_iters, groups)
         else:
-            backend, world_size = "gloo", args.bench_ranks
-            rows = run_local_benchmark(world_size, args.bench_bytes, args.bench_iters)
+            backend = "gloo"
+            rows = run_local_benchmark(world_size, args.bench_bytes, args.bench_iters, axis_groups=groups)
     except Exception as err:  # any failure of the group or a collective is the finding
         report.checks.append(
             Check(
@@ -395,6 +366,17 @@ def _add_benchmark(report: Report, args: argparse.Namespace, env: Mapping[str, s
         return
     report.benchmark = rows
     report.checks.append(check_benchmark(backend, world_size, rows))
+    sizes = {"ep": args.expert_parallel_size, "cp": args.context_parallel_size}
+    wanted = [axis for axis in AXIS_OPS if sizes[axis] > 1]
+    if set(wanted) - set(groups):
+        report.checks.append(
+            Check(
+                "axis collectives",
+                WARN,
+                f"the layout does not fit the {world_size} benchmark ranks: no {', '.join(wanted)} groups measured",
+                "pass --bench-ranks equal to a world size the layout fits (or launch with that many)",
+            )
+        )
 
 
 def _data_parallel_size(text: str) -> int | str:
@@ -406,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", "-t", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-p", type=int, default=1)
     parser.add_argument("--data-parallel-size", "-d", type=_data_parallel_size, default="auto")
+    parser.add_argument("--expert-parallel-size", "-e", type=int, default=1, help="ranks an MoE layer's experts span")
+    parser.add_argument("--context-parallel-size", "-c", type=int, default=1, help="ranks a sequence is cut over")
     parser.add_argument(
         "--devices",
         type=int,
@@ -414,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-nodes", type=int, default=None, help="default: the launcher's, else 1")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--bench", action="store_true", help="benchmark the collectives (nccl-tests bandwidths)")
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="benchmark the collectives (nccl-tests bandwidths), with the all-to-all in the ep groups and the "
+        "all-gather in the cp groups",
+    )
     parser.add_argument("--bench-ranks", type=int, default=2, help="local gloo processes when not launched (default 2)")
     parser.add_argument("--bench-bytes", type=parse_bytes, default=parse_bytes("1M,16M"), help="sizes, e.g. 1M,64M,1G")
     parser.add_argument("--bench-iters", type=int, default=5)

@@ -1,11 +1,10 @@
 """The GPU interconnect: NVLink pairs from ``nvidia-smi topo -m``, and collective bandwidth
-measured the way nccl-tests reports it (its PERFORMANCE.md).
-
-For a collective over n ranks on S bytes taking t seconds: ``algbw = S / t`` and
-``busbw = algbw * factor(n)``, the traffic per link, comparable with the hardware's peak for any n.
-S is the whole buffer (all ranks' chunks for all-gather and reduce-scatter); times are the mean
-over ranks. ``run_local_benchmark`` uses n local gloo processes, ``run_launched_benchmark`` the
-launched group (nccl on GPUs); ``ptdp doctor --bench`` calls one of them.
+measured the way nccl-tests reports it (its PERFORMANCE.md). For a collective over n ranks on S
+bytes taking t seconds: ``algbw = S / t`` and ``busbw = algbw * factor(n)``, the traffic per link,
+comparable with the hardware's peak for any n. S is the whole buffer (all ranks' chunks for
+all-gather and reduce-scatter); times are the mean over ranks. ``run_local_benchmark`` uses n local
+gloo processes, ``run_launched_benchmark`` the launched group (nccl on GPUs); ``ptdp doctor --bench``
+calls one of them. Given a layout's groups, ``AXIS_OPS`` also run inside them, side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +53,8 @@ BUS_FACTORS: dict[str, Callable[[int], float]] = {  # busbw = algbw * factor(n)
     "all_to_all": lambda n: (n - 1) / n,
     "send_recv": lambda n: 1.0,
 }
+AXIS_OPS: dict[str, str] = {"ep": "all_to_all", "cp": "all_gather"}
+"""Axis -> the collective its groups run every layer (the tokens to their experts, the keys and values)."""
 
 
 @dataclass(frozen=True)
@@ -65,26 +66,29 @@ class BenchRow:
     time_us: float
     algbw_gbps: float
     busbw_gbps: float
+    group: str = "world"
+    """"world", or the layout axis (ep, cp) whose groups ran the collective side by side."""
 
 
-def bench_row(op: str, size_bytes: int, seconds: float, world_size: int) -> BenchRow:
+def bench_row(op: str, size_bytes: int, seconds: float, world_size: int, group: str = "world") -> BenchRow:
     algbw = size_bytes / seconds / 1e9  # GB/s with GB = 1e9, as nccl-tests
-    return BenchRow(op, size_bytes, seconds * 1e6, algbw, algbw * BUS_FACTORS[op](world_size))
+    return BenchRow(op, size_bytes, seconds * 1e6, algbw, algbw * BUS_FACTORS[op](world_size), group)
 
 
-def _collective(op: str, nbytes: int, device: torch.device) -> tuple[Callable[[], object], int]:
-    """A zero-argument call running ``op`` on preallocated float32 buffers, and its size S in bytes."""
-    n, rank = dist.get_world_size(), dist.get_rank()
+def _collective(op: str, nbytes: int, device: torch.device, group=None) -> tuple[Callable[[], object], int]:
+    """A zero-argument call running ``op`` in ``group`` (default: the world) on preallocated float32
+    buffers, and its size S in bytes. send_recv is the world's ring."""
+    n, rank = dist.get_world_size(group), dist.get_rank()
     x = torch.ones(max(n, nbytes // 4 // n * n), device=device)
     out, chunk = torch.empty_like(x), x.numel() // n
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     pair = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, out, (rank - 1) % n)]
     calls = {
-        "all_reduce": lambda: dist.all_reduce(x),
-        "all_gather": lambda: gather(out, x[:chunk]),
-        "reduce_scatter": lambda: scatter(out[:chunk], x),
-        "all_to_all": lambda: dist.all_to_all_single(out, x),
+        "all_reduce": lambda: dist.all_reduce(x, group=group),
+        "all_gather": lambda: gather(out, x[:chunk], group=group),
+        "reduce_scatter": lambda: scatter(out[:chunk], x, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(out, x, group=group),
         "send_recv": lambda: [work.wait() for work in dist.batch_isend_irecv(pair)],
     }
     return calls[op], x.numel() * 4
@@ -95,37 +99,57 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time(run: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Seconds per call of ``run``, the mean over every rank of the world."""
+    for _ in range(warmup):
+        run()
+    _synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    _synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed)
+    return elapsed.item() / dist.get_world_size()
+
+
 def benchmark_collectives(
-    sizes: Sequence[int], device: torch.device, iters: int = 5, warmup: int = 2
+    sizes: Sequence[int],
+    device: torch.device,
+    iters: int = 5,
+    warmup: int = 2,
+    axis_groups: Optional[Mapping[str, list[list[int]]]] = None,
 ) -> list[BenchRow]:
-    """Run on every rank of the default group; the time is the mean over ranks (nccl-tests' default)."""
+    """Every collective over the default group, then each ``AXIS_OPS`` op in every group of its axis
+    at once (``axis_groups``: axis -> global ranks of each group, as ParallelDims.group_ranks gives);
+    called on every rank; the time is the mean over ranks (nccl-tests' default)."""
     rows, n = [], dist.get_world_size()
     if n < 2:
         raise ValueError(f"the collective benchmark needs at least 2 ranks, the group has {n}")
     for op in BUS_FACTORS:
         for nbytes in sizes:
             run, size = _collective(op, nbytes, device)
-            for _ in range(warmup):
-                run()
-            _synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                run()
-            _synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed)
-            rows.append(bench_row(op, size, elapsed.item() / n, n))
+            rows.append(bench_row(op, size, _time(run, device, iters, warmup), n))
+    for axis, groups in (axis_groups or {}).items():
+        if len(groups[0]) < 2:
+            continue
+        group, _ = dist.new_subgroups_by_enumeration(groups)
+        for nbytes in sizes:
+            run, size = _collective(AXIS_OPS[axis], nbytes, device, group)
+            rows.append(bench_row(AXIS_OPS[axis], size, _time(run, device, iters, warmup), len(groups[0]), axis))
     return rows
 
 
-def _local_worker(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, results) -> None:
+def _local_worker(
+    rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, results, axis_groups
+) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=BENCH_TIMEOUT
         )
-        rows = benchmark_collectives(sizes, torch.device("cpu"), iters)
+        rows = benchmark_collectives(sizes, torch.device("cpu"), iters, axis_groups=axis_groups)
         dist.destroy_process_group()
         results.put((rank, "ok", rows))
     except BaseException:  # reported to the parent as a FAIL line
@@ -133,7 +157,11 @@ def _local_worker(rank: int, world_size: int, port: int, sizes: Sequence[int], i
 
 
 def run_local_benchmark(
-    world_size: int, sizes: Sequence[int], iters: int = 5, start_method: str = "spawn"
+    world_size: int,
+    sizes: Sequence[int],
+    iters: int = 5,
+    start_method: str = "spawn",
+    axis_groups: Optional[Mapping[str, list[list[int]]]] = None,
 ) -> list[BenchRow]:
     """Start ``world_size`` local processes on gloo (CPU) and benchmark the collectives between them."""
     if world_size < 2:
@@ -141,7 +169,7 @@ def run_local_benchmark(
     ctx = mp.get_context(start_method)
     results, port = ctx.Queue(), free_port()
     procs = [
-        ctx.Process(target=_local_worker, args=(r, world_size, port, sizes, iters, results), daemon=True)
+        ctx.Process(target=_local_worker, args=(r, world_size, port, sizes, iters, results, axis_groups), daemon=True)
         for r in range(world_size)
     ]
     for proc in procs:
@@ -177,7 +205,9 @@ def _collect(results, procs: list, deadline: float) -> dict[int, tuple[str, obje
     return outcomes
 
 
-def run_launched_benchmark(sizes: Sequence[int], iters: int = 5) -> tuple[str, list[BenchRow]]:
+def run_launched_benchmark(
+    sizes: Sequence[int], iters: int = 5, axis_groups: Optional[Mapping[str, list[list[int]]]] = None
+) -> tuple[str, list[BenchRow]]:
     """Under torchrun/SLURM: join the launched group (nccl on GPUs, else gloo) and benchmark it."""
     use_nccl = torch.cuda.is_available() and dist.is_nccl_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_nccl else torch.device("cpu")
@@ -185,14 +215,17 @@ def run_launched_benchmark(sizes: Sequence[int], iters: int = 5) -> tuple[str, l
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_nccl else "gloo", timeout=BENCH_TIMEOUT)
     try:
-        return dist.get_backend(), benchmark_collectives(sizes, device, iters)
+        return dist.get_backend(), benchmark_collectives(sizes, device, iters, axis_groups=axis_groups)
     finally:
         dist.destroy_process_group()
 
 
 def format_benchmark(rows: Sequence[BenchRow]) -> str:
-    lines = [f"{'op':<15}{'size (B)':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
-    lines += [f"{r.op:<15}{r.size_bytes:>12}{r.time_us:>12.1f}{r.algbw_gbps:>12.3f}{r.busbw_gbps:>12.3f}" for r in rows]
+    lines = [f"{'op':<15}{'group':<7}{'size (B)':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    lines += [
+        f"{r.op:<15}{r.group:<7}{r.size_bytes:>12}{r.time_us:>12.1f}{r.algbw_gbps:>12.3f}{r.busbw_gbps:>12.3f}"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

@@ -246,21 +246,67 @@ def test_invalid_values_fail_with_the_config_message(t, devices, nodes, message)
 
 def test_a_paper_layout_passes():
     checks = doctor.check_layout(8, 4, "auto", 8, 16, gpus_on_node=8)
-    assert checks == [Check("layout", OK, "t=8 p=4 d=4 on 128 processes (devices=8 x num_nodes=16)")]
+    assert checks == [
+        Check("layout", OK, "t=8 p=4 d=4 on 128 processes (devices=8 x num_nodes=16)"),
+        Check(
+            "groups",
+            OK,
+            "tp 16 x 8 ranks, stride 1, within a node (all-reduce every layer); "
+            "dp 32 x 4 ranks, stride 8, across 4 nodes (gradient all-reduce / reduce-scatter every step); "
+            "pp 32 x 4 ranks, stride 32, across 4 nodes (activation send/recv every micro-batch)",
+        ),
+    ]
+
+
+def test_context_and_expert_parallel_groups_are_mapped():
+    layout, groups = doctor.check_layout(2, 2, "auto", 8, 2, expert_parallel_size=4, context_parallel_size=2)
+    assert layout == Check("layout", OK, "t=2 p=2 d=2 c=2 e=4 on 16 processes (devices=8 x num_nodes=2)")
+    assert "cp 8 x 2 ranks, stride 2, within a node (key/value all-gather every layer)" in groups.detail
+    assert "ep 4 x 4 ranks, stride 2, within a node (token all-to-all every MoE layer)" in groups.detail
+    assert "pp 8 x 2 ranks, stride 8, across 2 nodes" in groups.detail
+    # an ep group spanning nodes says so: e=4 over d x c = 4 with one process per node
+    (_, wide) = doctor.check_layout(1, 1, "auto", 1, 8, expert_parallel_size=4, context_parallel_size=2)
+    assert (
+        "ep 2 x 4 ranks, stride 1, across 4 nodes" in wide.detail
+        and "cp 4 x 2 ranks, stride 1, across 2" in wide.detail
+    )
+
+
+@pytest.mark.parametrize("t, p, c, e", [(2, 2, 2, 4), (1, 2, 4, 2), (2, 1, 1, 2)])
+def test_groups_are_the_meshes_groups(t, p, c, e):
+    """Each axis's groups hold the ranks whose other mesh coordinates agree (the mesh's rank order);
+    an expert group is e ranks of one (pp, tp) slice, consecutive in d x c with cp the faster."""
+    dims = doctor.layout_dims(t, p, "auto", 16, e, c)
+    for axis in ("pp", "dp", "cp", "tp"):
+        others = [name for name in ("pp", "dp", "cp", "tp") if name != axis]
+        groups = dims.group_ranks(axis)
+        assert sorted(r for g in groups for r in g) == list(range(16)) and len(groups[0]) == getattr(dims, axis)
+        for group in groups:
+            assert len({tuple(dims.coordinates(r)[o] for o in others) for r in group}) == 1
+    for group in dims.group_ranks("ep"):
+        coords = [dims.coordinates(r) for r in group]
+        assert len({(k["pp"], k["tp"]) for k in coords}) == 1
+        flat = [k["dp"] * dims.cp + k["cp"] for k in coords]
+        assert len(group) == e and flat == list(range(flat[0], flat[0] + e))
+
+
+def test_an_expert_degree_that_does_not_divide_fails_with_the_rule():
+    (check,) = doctor.check_layout(1, 1, "auto", 4, 1, expert_parallel_size=3)
+    assert check.status == FAIL and "expert_parallel_size=3 does not divide data_parallel_size=4" in check.detail
 
 
 @pytest.mark.parametrize(
     "t, devices, nodes, why", [(16, 8, 4, "t=16 > 8 GPUs per node"), (4, 6, 2, "t=4 does not divide devices=6")]
 )
 def test_tensor_parallel_groups_crossing_nodes_warn(t, devices, nodes, why):
-    layout, placement = doctor.check_layout(t, 1, "auto", devices, nodes)
-    assert layout.status == OK and placement.status == WARN
+    layout, groups, placement = doctor.check_layout(t, 1, "auto", devices, nodes)
+    assert layout.status == OK and groups.status == OK and placement.status == WARN
     assert why in placement.detail and "cross nodes" in placement.detail and "t <= devices" in placement.fix
 
 
 def test_more_devices_than_gpus_on_the_node_fails():
     checks = doctor.check_layout(1, 1, "auto", 8, 1, gpus_on_node=4)
-    assert statuses(checks) == {"layout": OK, "devices": FAIL}
+    assert statuses(checks) == {"layout": OK, "groups": OK, "devices": FAIL}
     assert doctor.check_layout(1, 1, "auto", 8, 1, gpus_on_node=0)[0].status == OK  # CPU: processes, not GPUs
 
 
@@ -295,6 +341,36 @@ def test_collectives_on_two_gloo_processes():
     check = doctor.check_benchmark("gloo", 2, rows)
     assert check.status == WARN and check.detail.startswith("gloo, 2 ranks, busbw GB/s at 64 KiB: all_reduce ")
     assert doctor.check_benchmark("nccl", 2, rows).status == OK
+
+
+def test_expert_all_to_all_and_context_all_gather_in_their_groups():
+    args = doctor.build_parser().parse_args(["-c", "2", "-e", "4", "--bench"])
+    groups = doctor.axis_groups(args, 4)
+    assert groups == {"ep": [[0, 1, 2, 3]], "cp": [[0, 1], [2, 3]]}
+    rows = interconnect.run_local_benchmark(4, [4096], iters=1, start_method="fork", axis_groups=groups)
+    by_group = {(r.group, r.op): r for r in rows}
+    assert {("ep", "all_to_all"), ("cp", "all_gather")} <= set(by_group) and len(rows) == len(BUS_FACTORS) + 2
+    assert by_group["cp", "all_gather"].busbw_gbps == pytest.approx(by_group["cp", "all_gather"].algbw_gbps * 0.5)
+    assert by_group["ep", "all_to_all"].busbw_gbps == pytest.approx(by_group["ep", "all_to_all"].algbw_gbps * 0.75)
+    detail = doctor.check_benchmark("gloo", 4, rows).detail
+    assert ", ep all_to_all " in detail and ", cp all_gather " in detail
+    assert "all_to_all     ep" in interconnect.format_benchmark(rows)
+
+
+def test_bench_measures_the_layouts_groups_or_says_it_could_not(monkeypatch, clean_env):
+    seen = {}
+
+    def recorded(world_size, sizes, iters, axis_groups=None):
+        seen[world_size] = axis_groups
+        return [bench_row("all_reduce", 4096, 1e-3, world_size)]
+
+    monkeypatch.setattr(doctor, "run_local_benchmark", recorded)
+    fits = doctor.run_checks(doctor.build_parser().parse_args(["-e", "2", "--bench"]))
+    assert seen[2] == {"ep": [[0, 1]]} and "axis collectives" not in statuses(fits.checks)
+    too_big = doctor.run_checks(doctor.build_parser().parse_args(["-c", "2", "-e", "4", "--bench"]))
+    warning = too_big.checks[-1]
+    assert warning.name == "axis collectives" and warning.status == WARN and "--bench-ranks" in warning.fix
+    assert "does not fit the 2 benchmark ranks: no ep, cp groups measured" in warning.detail
 
 
 def test_a_failing_rank_is_reported(monkeypatch):
