@@ -9,6 +9,7 @@ import torch
 
 from tests.fit_utils import SEQ, VOCAB
 from tests.real_models import MORE_HF
+from tests.tolerance import reordered_sum_tolerance
 
 # fp32: the same arithmetic but for the order of sums (keys and values in other chunks, the
 # gradient's c shares summed), measured 1e-8..5e-7 relative; 1e-5 as the other equivalence tests.
@@ -174,9 +175,9 @@ def test_predicted_logits_are_whole_on_every_rank(dist_pool, family):
         assert len(result) == len(reference) == 4
         for (kind, logits), (_, expected) in zip(result, reference):
             assert kind == "Tensor" and logits.shape == expected.shape == (2, SEQ, VOCAB)
-            # fp32, attention's sums in another order: measured at most 1e-7 apart (transformers Llama's
-            # logits of ~0.1) and 1e-5 (nanoGPT's of ~10, 1e-6 of them)
-            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+            # fp32, attention's sums in another order: measured at most 2.7 eps x the largest logit apart
+            # (transformers Llama's of ~0.4, nanoGPT's of ~35), also on the small logits
+            torch.testing.assert_close(logits, expected, **reordered_sum_tolerance(expected))
 
 
 # Mixture of experts under context parallelism: the experts are carved out of the d x c ranks holding

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from lightning_ptdp.parallel.recompute import SavedActivations, apply_activation_checkpointing
 from tests.models import build_model
+from tests.tolerance import reordered_sum_tolerance
 
 B, T = 2, 32
 
@@ -30,10 +31,11 @@ def _step(family: str, mode: str | None) -> tuple[float, dict, int]:
 def test_recompute_keeps_losses_and_gradients(family, mode):
     loss, grads, saved_none = _step(family, None)
     loss_ac, grads_ac, saved_ac = _step(family, mode)
-    # recompute runs the same kernels on the same inputs in the same order: equal to round-off
+    # recompute runs the same kernels on the same inputs in the same order: equal (bitwise here), at most
+    # a reordered sum apart on another machine
     assert loss_ac == pytest.approx(loss, rel=1e-6)
     for name, grad in grads.items():
-        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(grads_ac[name], grad, **reordered_sum_tolerance(grad), msg=name)
     assert saved_ac < saved_none
 
 
