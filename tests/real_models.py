@@ -193,7 +193,8 @@ def titan_llama3() -> nn.Module:
 def _grouped_experts_in_model_dtype(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """torchtitan's GroupedExperts forward, the same three GEMMs per expert, in the model's dtype: its
     own casts rows and weights to bf16 inside (whose one rounding of each gradient moves with the
-    order EP delivers rows in), which an fp32 comparison at 1e-5 cannot take. test_bf16.py runs its own."""
+    order EP delivers rows in), which an fp32 comparison at 1e-5 cannot take. Its own forward is checked
+    in bf16 within the noise floor (test_bf16.py at d2-e2, test_expert_parallel.py at more layouts)."""
     ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
     out, start = [], 0
     for expert, end in enumerate(ends):
@@ -352,7 +353,8 @@ FAMILY_NAMES = {
     "hf_olmoe": "transformers OlmoeForCausalLM",
     "litgpt_moe": "litgpt GPT, LLaMAMoE (ModuleList of experts)",
     "moe_llama": "a plain PyTorch MoE (ModuleList, empty experts skipped)",
-    "titan_qwen3_moe": "torchtitan Qwen3-MoE (RoutedExperts, GroupedExperts in bf16)",
+    "titan_qwen3_moe": "torchtitan Qwen3-MoE (RoutedExperts; GroupedExperts' GEMMs in fp32, a test-written forward)",
+    "titan_qwen3_moe_bf16": "torchtitan Qwen3-MoE, its own GroupedExperts forward (bf16 GEMMs), bf16-mixed",
     "hf_llama_eager": "transformers Llama, eager attention",
     "hf_gpt2_eager": "transformers GPT-2, eager attention",
     "hf_llama_padded": "transformers Llama, padded batches (attention_mask, labels -100, its own loss)",

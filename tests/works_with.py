@@ -24,7 +24,9 @@ STAMP = (
 MOE_STAMP = (
     "Mixture-of-experts families, `tests/distributed/test_expert_parallel.py`, the same check: e ranks of the d "
     "data-parallel ones split the experts (dN-eM), each holding n_experts / e of them; under t the experts stay "
-    "whole on each tp rank (Megatron's expert tensor parallel size 1)."
+    "whole on each tp rank (Megatron's expert tensor parallel size 1). The bf16 row trains torchtitan's own "
+    "GroupedExperts forward (its grouped GEMMs in bf16) bf16-mixed, within a measured multiple of the "
+    "single-process bf16 run's noise floor (`tests/distributed/test_bf16.py`'s check)."
 )
 CP_STAMP = (
     "Context parallelism, `tests/distributed/test_context_parallel.py`, the same check as the README's table "
@@ -51,12 +53,28 @@ def render_dense_and_moe() -> str:
     from tests.real_models import FAMILY_NAMES, MOE_FAMILIES
 
     dense = table("model", LAYOUTS, ((FAMILY_NAMES[f], (True for _ in LAYOUTS)) for f in MATRIX_FAMILIES))
+    bf16 = titan_bf16_layouts()
     moe = table(
         "mixture of experts",
         MOE_LAYOUTS,
-        ((FAMILY_NAMES[f], ((f, layout) in CASES for layout in MOE_LAYOUTS)) for f in sorted(MOE_FAMILIES)),
+        [
+            *((FAMILY_NAMES[f], ((f, layout) in CASES for layout in MOE_LAYOUTS)) for f in sorted(MOE_FAMILIES)),
+            (FAMILY_NAMES[TITAN_BF16], (layout in bf16 for layout in MOE_LAYOUTS)),
+        ],
     )
     return "\n".join([STAMP, "", *dense, "", MOE_STAMP, "", *moe])
+
+
+TITAN_BF16 = "titan_qwen3_moe_bf16"
+
+
+def titan_bf16_layouts() -> set[str]:
+    """The layouts torchtitan's own bf16 GroupedExperts forward is checked at: test_expert_parallel's
+    cells and test_bf16.py's (its layout named with a ``-titan`` suffix)."""
+    from tests.distributed.test_bf16 import FAMILY
+    from tests.distributed.test_expert_parallel import TITAN_BF16_LAYOUTS
+
+    return {*TITAN_BF16_LAYOUTS, *(layout.removesuffix("-titan") for layout, f in FAMILY.items() if f == TITAN_BF16)}
 
 
 def render_context() -> str:

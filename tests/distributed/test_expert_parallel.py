@@ -328,3 +328,37 @@ def test_an_explicit_ep_plan_trains_as_one_process(dist_pool, family, plan):
     kwargs = {"expert_parallel_size": 2, "ep_plan": plan}
     results = dist_pool(2).run(fit_and_record, family, strategy_kwargs=kwargs, devices=2, steps=STEPS)
     _check(results, _reference(family), kwargs, 2)
+
+
+# torchtitan's own GroupedExperts forward (its grouped GEMMs cast rows and weights to bf16 whatever the
+# model's dtype), bf16-mixed, against the single-process bf16 run within test_bf16.py's noise floor;
+# test_bf16.py runs d2-e2
+TITAN_BF16_LAYOUTS = ("d4-e4", "t2-d2-e2", "p2-d2-e2")
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(lay, marks=pytest.mark.world_size(LAYOUTS[lay][1])) for lay in TITAN_BF16_LAYOUTS]
+)
+def test_torchtitan_grouped_experts_in_bf16_within_the_noise_floor(dist_pool, layout):
+    """The same check as test_bf16.py's: each step's loss and the final weights within a multiple of
+    how far the single-process bf16 run moves when only its rounding order changes."""
+    from tests.distributed.test_bf16 import GLOBAL_BATCH, bf16_mismatches, reference
+    from tests.distributed.test_bf16 import STEPS as BF16_STEPS
+    from tests.fit_utils import fit_and_record
+
+    strategy_kwargs, devices = LAYOUTS[layout]
+    family, precision = "titan_qwen3_moe_bf16", "bf16-mixed"
+    results = dist_pool(devices).run(
+        fit_and_record,
+        family,
+        strategy_kwargs=strategy_kwargs,
+        devices=devices,
+        steps=BF16_STEPS,
+        global_batch=GLOBAL_BATCH,
+        trainer_kwargs={"precision": precision},
+    )
+    ref, floor, _ = reference(precision, family)
+    state = next(result["state"] for result in results if result["state"])
+    for result in results:  # every rank reports the global-batch loss
+        found = bf16_mismatches({**result, "state": result["state"] or state}, ref, floor)
+        assert not found, f"floor: loss {floor['loss']:.1e}, weights {floor['weights']:.1e}; " + "; ".join(found)
