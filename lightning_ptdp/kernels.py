@@ -45,7 +45,7 @@ class KernelReport:
     """"triton" when calls are being routed to the kernels, "torch" when nothing was installed."""
     attention: tuple[str, ...] = ()
     """Modules whose forward calls F.scaled_dot_product_attention, now routed to flash_attention
-    (empty when "auto" leaves attention to torch: see ``attention_note``)."""
+    (empty when attention is left to torch: see ``attention_note``)."""
     bias_gelu: tuple[str, ...] = ()
     """Fused pairs, as "linear -> gelu" module paths ("F.gelu" for functional calls)."""
     skipped: tuple[tuple[str, str], ...] = ()
@@ -54,7 +54,9 @@ class KernelReport:
     reason: str | None = None
     """Why nothing was installed, when backend is "torch"."""
     attention_note: str | None = None
-    """Why "auto" left attention to torch's SDPA, if it did."""
+    """Why attention was left to torch's SDPA ("auto" without a measured gain, context parallelism), if it was."""
+    bias_gelu_note: str | None = None
+    """Why "auto" left the Linear->GeLU pairs to torch, if it did."""
 
     def summary(self) -> str:
         """One line for the log."""
@@ -62,7 +64,8 @@ class KernelReport:
             return f"kernels={self.mode!r}: torch ({self.reason})"
         skipped = f", {len(self.skipped)} module(s) untraceable" if self.skipped else ""
         attention = self.attention_note or f"flash attention in {len(self.attention)} module(s)"
-        return f"kernels={self.mode!r}: {attention}, bias-GeLU fused in {len(self.bias_gelu)} pair(s){skipped}"
+        gelu = self.bias_gelu_note or f"bias-GeLU fused in {len(self.bias_gelu)} pair(s)"
+        return f"kernels={self.mode!r}: {attention}, {gelu}{skipped}"
 
 
 def apply_kernels(
@@ -70,9 +73,9 @@ def apply_kernels(
 ) -> KernelReport:
     """Route ``module``'s attention and Linear->GeLU calls to the Triton kernels.
 
-    mode "auto": kernels where they can run (CUDA with triton installed, supported inputs) and
-    measured faster (attention stays on torch's SDPA on sm80+: ``torch_attention_preferred``),
-    torch elsewhere; on a CPU-only machine nothing is installed. "triton": always the kernels,
+    mode "auto": only the kernels the GPU suite measured faster end to end on this device class
+    (``auto_routes``), where they can run (CUDA with triton installed, supported inputs); torch
+    elsewhere, and nothing is installed where none was. "triton": always both kernels,
     raising where they cannot run (no CUDA device and TRITON_INTERPRET unset now; unsupported
     attention inputs at call time). "torch": nothing is installed.
     ``device`` is where the model will run (default: its parameters' device, or CUDA when they
@@ -100,34 +103,69 @@ def apply_kernels(
                 f"{_FIX}"
             )
         return KernelReport(mode, "torch", reason=reason)
-    note = torch_attention_preferred(target) if mode == "auto" else None
+    routes, why = (frozenset(KERNELS), None) if mode == "triton" else auto_routes(target)
+    notes = {name: None if name in routes else why for name in KERNELS}
     if not attention:  # context parallelism gathers keys and values around the model's own SDPA call
-        note = "attention stays on torch's SDPA under context parallelism"
-    plan = _Plan.discover(module, route_attention=note is None)  # no hook where nothing is routed
-    router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention=note is None)
-    for hooked in plan.hooked:
+        routes, notes["attention"] = routes - {"attention"}, "attention stays on torch's SDPA under context parallelism"
+    if not routes:
+        return KernelReport(mode, "torch", reason="; ".join(dict.fromkeys(n for n in notes.values() if n)))
+    plan = _Plan.discover(module, route_attention="attention" in routes, route_bias_gelu="bias_gelu" in routes)
+    router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention="attention" in routes)
+    for hooked in plan.hooked:  # no hook where nothing is routed
         router.hook(hooked)
     module.__dict__[_ROUTER_ATTR] = router  # the routing belongs to the model, not to a global
     report = KernelReport(
-        mode, "triton", tuple(plan.attention), tuple(plan.pairs), tuple(plan.skipped), attention_note=note
+        mode,
+        "triton",
+        tuple(plan.attention),
+        tuple(plan.pairs),
+        tuple(plan.skipped),
+        attention_note=notes["attention"],
+        bias_gelu_note=notes["bias_gelu"],
     )
     log.info(report.summary())
     return report
 
 
-def torch_attention_preferred(device: torch.device) -> str | None:
-    """Why "auto" keeps torch's SDPA for attention on ``device`` (None: route it to Triton).
+KERNELS: tuple[str, ...] = ("attention", "bias_gelu")
+"""What the router routes: SDPA calls to flash_attention, Linear->GeLU pairs to bias_gelu."""
 
-    On sm80+ torch's SDPA has fused flash/cuDNN kernels; on an H100, GPT 1.3B training measured
-    faster with them than with our Triton attention (benchmarks/RESULTS.md, GPU suite: ptdp-auto vs
-    ptdp-triton), so "auto" routes only the bias-GeLU there. kernels="triton" still forces both.
-    """
+MEASURED_FASTER: dict[str, frozenset[str]] = {
+    # GPT 1.3B, bf16-mixed, one H100 (benchmarks/RESULTS.md, section gpu-suite, 2026-11-24): ptdp with torch's
+    # kernels ran at 0.990 of plain Lightning, with the Triton bias-GeLU at 0.973, with both kernels at 0.921
+    "sm90": frozenset(),
+}
+"""Per device class (``device_class``), the kernels that the GPU suite's training part measured faster end
+to end than ptdp with torch's kernels in every one of its alternated rounds (its ``auto`` verdict). Filled
+from suite results only: "auto" routes nothing on a class not listed."""
+
+
+def device_class(device: torch.device) -> str | None:
+    """The key of ``MEASURED_FASTER`` for ``device``: "sm90" for compute capability 9.0 (H100, H200), None off CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return None
-    return f"attention kept on torch's fused SDPA (sm{major}{minor} has flash/cuDNN kernels, faster end to end)"
+    return f"sm{major}{minor}"
+
+
+def auto_routes(device: torch.device) -> tuple[frozenset[str], str]:
+    """The kernels "auto" routes on ``device`` (its class's ``MEASURED_FASTER`` entry), and why the others stay torch's."""
+    name = device_class(device)
+    if name is None:
+        return frozenset(), f"no CUDA device here ({device}): no kernel is measured faster on it"
+    routes = MEASURED_FASTER.get(name)
+    if routes is None:
+        return frozenset(), f"no end-to-end measurement on {name}: python -m benchmarks.gpu makes one"
+    return routes, f"not measured faster end to end on {name} (benchmarks/RESULTS.md, section gpu-suite)"
+
+
+def routed_kernels(module: nn.Module) -> tuple[str, ...]:
+    """The ``KERNELS`` that ``module``'s calls are routed to now (empty when none or never applied)."""
+    router = module.__dict__.get(_ROUTER_ATTR)
+    if router is None:
+        return ()
+    routed = {"attention": router.route_attention, "bias_gelu": len(router._fused) > 0}
+    return tuple(name for name in KERNELS if routed[name])
 
 
 def remove_kernels(module: nn.Module) -> None:
@@ -160,9 +198,11 @@ class _OwnForwardTracer(fx.Tracer):
 class _Plan:
     """Which modules to hook and which Linears to fuse, found by tracing each module's own forward."""
 
-    def __init__(self, route_attention: bool = True) -> None:
+    def __init__(self, route_attention: bool = True, route_bias_gelu: bool = True) -> None:
         self.route_attention = route_attention
         """False: attention stays torch's, so a module is hooked only for its Linear->GeLU pairs."""
+        self.route_bias_gelu = route_bias_gelu
+        """False: the pairs stay torch's, so a module is hooked only for its attention."""
         self.attention: list[str] = []
         self.pairs: list[str] = []
         self.skipped: list[tuple[str, str]] = []
@@ -171,8 +211,8 @@ class _Plan:
         self.names: dict[nn.Module, str] = {}
 
     @classmethod
-    def discover(cls, root: nn.Module, route_attention: bool = True) -> _Plan:
-        plan = cls(route_attention)
+    def discover(cls, root: nn.Module, route_attention: bool = True, route_bias_gelu: bool = True) -> _Plan:
+        plan = cls(route_attention, route_bias_gelu)
         for name, module in root.named_modules():
             plan.names[module] = name or type(module).__name__
             if isinstance(module, _CONTAINERS) or _is_metric(module):
@@ -196,7 +236,7 @@ class _Plan:
         calls_attention = self.route_attention and any(
             node.op == "call_function" and node.target is F.scaled_dot_product_attention for node in graph.nodes
         )
-        pairs = _linear_gelu_pairs(owner, graph)
+        pairs = _linear_gelu_pairs(owner, graph) if self.route_bias_gelu else []
         for linear_path, gelu_label in pairs:
             linear = owner.get_submodule(linear_path)
             self.fused_linears.append(linear)

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 pytest.importorskip("triton")
 
 from lightning_ptdp import triton_kernels  # noqa: E402
-from lightning_ptdp.kernels import KernelReport, apply_kernels, remove_kernels  # noqa: E402
+from lightning_ptdp.kernels import KERNELS, KernelReport, apply_kernels, remove_kernels  # noqa: E402
 
 # fp32 end to end: flash attention and the fused GeLU differ from torch only in summation order
 # (~1e-6 per op); three optimizer steps of a 2-block model keep that well under 1e-4.
@@ -190,29 +190,61 @@ def test_auto_on_cpu_without_interpreter_changes_nothing(monkeypatch):
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
-def test_auto_leaves_cpu_calls_to_torch_even_with_interpreter(spies):
+def _on_gpu_class(monkeypatch, capability: tuple[int, int], measured: dict | None = None) -> None:
+    """Plan as on a CUDA device of ``capability``, with ``measured`` as the suite's recorded verdicts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if measured is not None:
+        monkeypatch.setattr("lightning_ptdp.kernels.MEASURED_FASTER", measured)
+
+
+def test_auto_leaves_cpu_calls_to_torch_even_with_interpreter(monkeypatch, spies):
+    _on_gpu_class(monkeypatch, (9, 0), {"sm90": frozenset(KERNELS)})
     model = _model()
-    apply_kernels(model, "auto", device=torch.device("cuda"))  # planned for a GPU, run on CPU
-    model(torch.zeros(1, 5, dtype=torch.long))
+    assert apply_kernels(model, "auto", device=torch.device("cuda")).backend == "triton"  # planned for a GPU
+    model(torch.zeros(1, 5, dtype=torch.long))  # run on CPU: "auto" never takes the interpreter
     assert spies == {"flash_attention": 0, "bias_gelu": 0}
 
 
-@pytest.mark.parametrize(("capability", "routed"), [((9, 0), False), ((8, 0), False), ((7, 5), True)])
-def test_auto_keeps_torch_attention_where_it_has_fused_kernels(monkeypatch, capability, routed):
-    """On sm80+ "auto" routes only the bias-GeLU (torch's SDPA measured faster end to end on an
-    H100: the GPU suite's ptdp-auto vs ptdp-triton rows); older GPUs get the Triton attention."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+@pytest.mark.parametrize(
+    ("capability", "reason"),
+    [
+        ((9, 0), "not measured faster end to end on sm90"),
+        ((8, 0), "no end-to-end measurement on sm80"),
+        ((7, 5), "no end-to-end measurement on sm75"),
+    ],
+)
+def test_auto_routes_nothing_that_was_not_measured_faster(monkeypatch, capability, reason):
+    """The H100 suite measured neither kernel faster end to end (ptdp-torch 0.990 of Lightning, with the
+    bias-GeLU 0.973, with both 0.921), and no other class was measured: "auto" installs nothing."""
+    _on_gpu_class(monkeypatch, capability)
     model = _model()
     report = apply_kernels(model, "auto", device=torch.device("cuda"))
-    assert report.bias_gelu, "the bias-GeLU is fused whatever the capability"
-    assert bool(report.attention) is routed
-    assert model.__dict__["_ptdp_kernel_router"].route_attention is routed
-    assert (report.attention_note is None) is routed
+    assert report.backend == "torch" and reason in report.reason and reason in report.summary()
+    assert "_ptdp_kernel_router" not in model.__dict__
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("routes", [{"attention"}, {"bias_gelu"}, {"attention", "bias_gelu"}])
+def test_auto_routes_what_the_suite_measured_faster(monkeypatch, routes):
+    _on_gpu_class(monkeypatch, (9, 0), {"sm90": frozenset(routes), "sm80": frozenset(KERNELS)})
+    model = _model()
+    report = apply_kernels(model, "auto", device=torch.device("cuda"))
+    assert report.backend == "triton"
+    assert bool(report.attention) is ("attention" in routes)
+    assert bool(report.bias_gelu) is ("bias_gelu" in routes)
+    assert model.__dict__["_ptdp_kernel_router"].route_attention is ("attention" in routes)
+    for name, note in (("attention", report.attention_note), ("bias_gelu", report.bias_gelu_note)):
+        assert (note is None) is (name in routes)
+        assert name in routes or "not measured faster end to end on sm90" in note
     attention = [m for m in model.modules() if isinstance(m, Attention)]
-    assert attention and all(bool(m._forward_pre_hooks) is routed for m in attention)  # no hook for nothing
-    if not routed:
-        assert f"sm{capability[0]}{capability[1]}" in report.summary()
+    assert attention and all(bool(m._forward_pre_hooks) is ("attention" in routes) for m in attention)
+
+
+def test_context_parallelism_leaves_attention_alone_even_where_it_measured_faster(monkeypatch):
+    _on_gpu_class(monkeypatch, (9, 0), {"sm90": frozenset({"attention"})})
+    report = apply_kernels(_model(), "auto", device=torch.device("cuda"), attention=False)
+    assert report.backend == "torch" and "context parallelism" in report.reason
 
 
 def test_triton_mode_routes_attention_whatever_the_capability(monkeypatch, spies):
@@ -284,9 +316,11 @@ def test_triton_mode_rejects_unsupported_attention(device, module, match):
         module(torch.randn(2 * 8 * module.head_dim, device=device))
 
 
-def test_auto_falls_back_to_torch_for_masked_attention(spies):
+def test_auto_falls_back_to_torch_for_masked_attention(monkeypatch, spies):
+    _on_gpu_class(monkeypatch, (9, 0), {"sm90": frozenset({"attention"})})
     module = _Masked(masked=True)
     apply_kernels(module, "auto", device=torch.device("cuda"))
+    assert module._forward_pre_hooks  # routed (at run time: torch.fx cannot trace the mask's shape)
     x = torch.randn(2 * 8 * 16)
     torch.testing.assert_close(module(x), _Masked(masked=True)(x))
     assert spies["flash_attention"] == 0
