@@ -185,9 +185,10 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
     ModuleList), resumed at e2, at e1 (every rank holding all experts) and at d4 e4: the losses
     continue as if uninterrupted (fp32: within LOSS_RTOL)."""
     from lightning_ptdp.checkpoint.command import consolidate
+    from tests.distributed.test_resume import assert_same_training_state
 
-    path = str(tmp_path / "moe.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family=family)[0]
+    path, end = str(tmp_path / "moe.ckpt"), str(tmp_path / "end.ckpt")
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family=family)[0]
     first = dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, fmt, family)[0]
     assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     if fmt == "sharded":
@@ -199,25 +200,29 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
         name = names[family]
         assert family != "hf_mixtral" or saved["state_dict"][name].shape[0] == 4
         assert saved["optimizer_states"][0]["state"][name]["exp_avg"].shape == saved["state_dict"][name].shape
-    for devices, e in ((2, 2), (2, 1)):
-        resumed = dist_pool(2).run(run_moe_epochs, devices, e, 2, None, path, fmt, family)[0]
-        assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
-    resumed_e4 = dist_pool(4).run(run_moe_epochs, 4, 4, 2, None, path, fmt, family)[0]
-    assert resumed_e4 == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL)
+    for devices, e in ((2, 2), (2, 1), (4, 4)):  # then the weights and optimizer state at the end, whole
+        resumed = str(tmp_path / f"d{devices}-e{e}.ckpt")
+        losses = dist_pool(devices).run(run_moe_epochs, devices, e, 2, resumed, path, fmt, family)[0]
+        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
+        assert_same_training_state(resumed, end, path)
 
 
 @pytest.mark.world_size(4)
 def test_a_moe_checkpoint_resumes_with_t_and_p_changed(dist_pool, tmp_path):
     """Saved at d2 e2 (sharded: each rank its experts), resumed at t2 d2 e2 and at p2 d2 e2 (4 ranks):
     the losses continue as if uninterrupted (fp32: within LOSS_RTOL)."""
-    path = str(tmp_path / "moe.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family="hf_mixtral")[0]
+    from tests.distributed.test_resume import assert_same_training_state
+
+    path, end = str(tmp_path / "moe.ckpt"), str(tmp_path / "end.ckpt")
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family="hf_mixtral")[0]
     dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, "sharded", "hf_mixtral")
     pipelined = {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
-    for layout in ({"tensor_parallel_size": 2}, pipelined):
-        resumed = dist_pool(4).run(run_moe_epochs, 4, 2, 2, None, path, "sharded", "hf_mixtral", 0, layout)
-        losses = next(r for r in resumed if r)  # under PP the last stage records them
+    for name, layout in (("t2", {"tensor_parallel_size": 2}), ("p2", pipelined)):
+        resumed = str(tmp_path / f"{name}.ckpt")
+        results = dist_pool(4).run(run_moe_epochs, 4, 2, 2, resumed, path, "sharded", "hf_mixtral", 0, layout)
+        losses = next(r for r in results if r)  # under PP the last stage records them
         assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), layout
+        assert_same_training_state(resumed, end, path)  # the weights and optimizer state at the end, whole
 
 
 def expert_optimizer_state(devices: int, e: int) -> dict:
@@ -254,14 +259,19 @@ def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_
     assert experts == sum(n for name, (n, _) in ref.items() if EXPERT in name)  # every expert's moments once
     assert dense == sum(n for name, (n, _) in ref.items() if EXPERT not in name)  # every dense moment once
     assert max(h["experts"] for h in held) <= 1.5 * experts / 4
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, None, None, family="hf_mixtral")[0]
+    from tests.distributed.test_resume import assert_same_training_state
+
+    end = str(tmp_path / "end.ckpt")
+    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family="hf_mixtral")[0]
     for fmt in ("sharded", "full"):
         path = str(tmp_path / f"zero1-{fmt}.ckpt")
         first = dist_pool(4).run(run_moe_epochs, 4, 2, 1, path, None, fmt, "hf_mixtral", 1)[0]
         assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
-        for devices, zero in ((4, 1), (2, 0)):
-            resumed = dist_pool(devices).run(run_moe_epochs, devices, 2, 2, None, path, fmt, "hf_mixtral", zero)[0]
-            assert resumed == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (fmt, devices, zero)
+        for devices, zero in ((4, 1), (2, 0)):  # then the weights and optimizer state at the end, whole
+            resumed = str(tmp_path / f"{fmt}-d{devices}-zero{zero}.ckpt")
+            losses = dist_pool(devices).run(run_moe_epochs, devices, 2, 2, resumed, path, fmt, "hf_mixtral", zero)[0]
+            assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (fmt, devices, zero)
+            assert_same_training_state(resumed, end, path)
 
 
 def fit_with_timeline(dirpath: str) -> dict:
