@@ -95,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         ("peak-tflops", 312.0),
         ("intra-node-gb-per-s", 240.0),
         ("inter-node-gb-per-s", 25.0),
-        ("zero-stage", 0),
     ):
         parser.add_argument(f"--{flag}", type=type(default), default=default, help=f"default {default} (per GPU)")
+    parser.add_argument("--zero-stage", type=int, help="fix the ZeRO stage (default: 0-3 searched; --layout: 0)")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--eager-attention",
+        action="store_true",
+        help="attention keeps its s x s scores (eager or math attention, pre-sm80 GPUs); default: flash/cuDNN SDPA",
+    )
     parser.add_argument(
         "--context-parallel", default="1", help="context-parallel sizes c to search, e.g. 1,2,4,8 (long sequences)"
     )
@@ -115,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             peak_flops=args.peak_tflops * 1e12,
             intra_node_bandwidth=args.intra_node_gb_per_s * GB,
             inter_node_bandwidth=args.inter_node_gb_per_s * GB,
+            flash_attention=not args.eager_attention,
         )
         if args.layout:
             layout = estimate(
                 model,
                 cluster,
                 args.global_batch_size,
-                zero_stage=args.zero_stage,
+                zero_stage=args.zero_stage or 0,
                 sequence_parallel=args.sequence_parallel,
                 **parse_layout(args.layout),
             )

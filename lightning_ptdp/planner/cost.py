@@ -51,6 +51,10 @@ class Cluster:
     network_hop_latency: float = 14e-6
     tree_all_reduce: bool = True
     """Whether the collective library uses a tree all-reduce across nodes (NCCL does, unless NCCL_ALGO=Ring)."""
+    flash_attention: bool = True
+    """Whether attention runs as one fused kernel that keeps no s x s scores (flash or cuDNN SDPA, what
+    ``F.scaled_dot_product_attention`` picks for 16-bit inputs on sm80+ GPUs: A100, H100); False: the
+    scores are written, softmaxed and kept in memory (eager or math attention, pre-sm80 GPUs, Megatron 2021)."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node", "num_sms"):
@@ -71,6 +75,11 @@ class Cluster:
             or not 0 < self.gemm_efficiency <= 1
         ):
             raise ValueError(f"Cluster.gemm_efficiency must be in (0, 1], got {self.gemm_efficiency!r}")
+        if not isinstance(self.flash_attention, bool) or not isinstance(self.tree_all_reduce, bool):
+            raise ValueError(
+                f"Cluster.flash_attention and tree_all_reduce must be True or False, got "
+                f"{self.flash_attention!r} and {self.tree_all_reduce!r}"
+            )
         if len(self.gemm_tile) != 2 or any(
             isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.gemm_tile
         ):
@@ -84,6 +93,13 @@ class Cluster:
     @property
     def num_nodes(self) -> int:
         return max(1, self.num_gpus // self.gpus_per_node)
+
+    @classmethod
+    def paper(cls, num_gpus: int, **overrides: object) -> Cluster:
+        """Selene as the paper ran it: the defaults, with Megatron 2021's attention, which writes and
+        keeps its s x s scores (fused scale-mask-softmax; FlashAttention came in 2022). Table 1's
+        comparisons and the fit of ``GEMM_EFFICIENCY`` use it."""
+        return cls(num_gpus=num_gpus, **{"flash_attention": False, **overrides})
 
     @classmethod
     def h100(cls, num_gpus: int, **overrides: object) -> Cluster:
@@ -129,6 +145,14 @@ def gemm_pass_seconds(rows: float, cols: float, inner: float, cluster: Cluster, 
     forward = gemm_seconds(rows, cols, inner, cluster, batch)
     backward = gemm_seconds(rows, inner, cols, cluster, batch) + gemm_seconds(inner, cols, rows, cluster, batch)
     return forward, backward
+
+
+def flash_attention_seconds(flops: float, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) of a fused attention kernel whose forward runs ``flops`` (QK^T and scores x
+    V): compute-bound at the fitted GEMM efficiency, no s x s traffic; the backward computes the
+    scores again and four products (dQ, dK, dV, dP): 2.5x the forward, as FlashAttention counts it."""
+    forward = flops / (cluster.peak_flops * cluster.gemm_efficiency)
+    return forward, 2.5 * forward
 
 
 def memory_seconds(nbytes: float, cluster: Cluster) -> float:

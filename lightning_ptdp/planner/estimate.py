@@ -20,6 +20,7 @@ from lightning_ptdp.planner.cost import (
     all_gather_seconds,
     all_reduce_seconds,
     all_to_all_seconds,
+    flash_attention_seconds,
     gemm_pass_seconds,
     memory_seconds,
     send_seconds,
@@ -75,13 +76,15 @@ class Layout:
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
     """(transformer-layer FLOPs, logit-layer FLOPs) of one iteration, recompute included, by the
     paper's terms for any layer: 2 FLOPs per weight and token in each matmul, 4bs^2h for QK^T and
-    scores x V, three passes (four under full recompute); on its GPT, exactly its Eq. 3."""
+    scores x V (``attention_flops_per_key``), three passes (four under full recompute); on its GPT,
+    exactly its Eq. 3."""
     b, s, l, h, vocab = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
     logits = 6 * b * s * h * vocab
-    forward = 2 * b * s * model.active_layer_matrix_parameters + 4 * b * s * s * h
+    core = b * s * s * model.attention_flops_per_key
+    forward = 2 * b * s * model.active_layer_matrix_parameters + core
     layers = l * forward * (4 if recompute == "full" else 3)
     if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
-        layers += 4 * b * s**2 * h * l
+        layers += core * l
     return layers, logits
 
 
@@ -92,8 +95,9 @@ def expert_rows(model: ModelSize, t: int, b: int, sp: bool) -> float:
     return (model.experts_per_token or 0) * b * model.seq_length / (t if sp else 1)
 
 
-def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
-    """Bytes the memory-bound kernels of one layer's forward stream (backward: twice as many)."""
+def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool, scores: bool = True) -> float:
+    """Bytes the memory-bound kernels of one layer's forward stream (backward: twice as many);
+    ``scores``: attention writes its s x s scores (no fused attention), softmax and dropout stream them."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     sbh = s * b * h
     norms_residual = 22 * sbh / (t if sp else 1)  # 2 layer norms (4sbh), 2 bias-dropout-add (7sbh)
@@ -102,7 +106,7 @@ def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool) -> float:
     activation = per_width * s * b * model.dense_ffn_size / t
     rows = expert_rows(model, t, b, sp)  # each routed row: the activation, and a permute in and out (8h)
     experts = rows * (per_width * model.ffn_size + 8 * h)
-    softmax = 9 * a * s * s * b / t  # scale-mask-softmax (4) and attention dropout (5) bytes per score
+    softmax = 9 * a * s * s * b / t if scores else 0.0  # scale-mask-softmax (4), attention dropout (5) per score
     return norms_residual + activation + experts + softmax
 
 
@@ -129,19 +133,22 @@ def _layer_seconds(
     microbatch, forward + backward. Under context parallelism a rank holds s/c tokens, whose queries
     attend to all s keys (causal work balanced by the 2c chunks: 1/c of the attention each)."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
-    tokens, head = b * s / c, h // a
+    tokens, head, scores = b * s / c, h // a, not cluster.flash_attention
     f = model.dense_ffn_size  # the MLP, or a mixture of experts' shared expert (0: none)
     up = f * (2 if model.gated_mlp else 1)
     linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t)]
     linear += [(tokens, up / t, h), (tokens, h, f / t)] if f else []
-    attention = [(s / c, s, head), (s / c, head, s)]  # QK^T and scores x V, b*a/t of each
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
-    core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
+    if scores:  # QK^T and scores x V as two GEMMs, b*a/t of each, the scores through HBM
+        attention = [(s / c, s, model.qk_head_dim), (s / c, model.v_head_dim, s)]
+        core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
+    else:
+        core_f, core_b = flash_attention_seconds(b * s / c * s * model.attention_flops_per_key / t, cluster)
     experts_f, experts_b = _expert_gemms(model, t, b, sp, e, cluster)
     linear_f, linear_b = linear_f + experts_f, linear_b + experts_b
     sbh = s * b * h / c
-    streamed = layer_memory_bytes(model, t, b, sp) / c  # every term per token, or per query row
-    softmax = 9 * a * s * s * b / t / c
+    streamed = layer_memory_bytes(model, t, b, sp, scores) / c  # every term per token, or per query row
+    softmax = 9 * a * s * s * b / t / c if scores else 0.0
     forward = linear_f + core_f + memory_seconds(streamed, cluster)
     backward = linear_b + core_b + 2 * memory_seconds(streamed, cluster)
     again = {"full": forward, "selective": core_f + memory_seconds(softmax, cluster), None: 0.0}[recompute]
@@ -187,8 +194,12 @@ def memory_bytes(
     schedule: str,
     e: int = 1,
     c: int = 1,
+    *,
+    flash: bool = True,
 ) -> float:
     """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits.
+    ``flash``: attention keeps no s x s scores, only its fp32 log-sum-exp per head and query row
+    (flash/cuDNN SDPA); otherwise the scores, their softmax and dropout mask (Korthikanti's 5as^2b).
     The routed experts' state is split over e and p (not t), ZeRO-sharded over the d/e ranks sharing them.
     Context parallelism: each layer keeps s/c tokens' activations, its queries' scores over all s keys
     and the gathered keys and values; the dense state is ZeRO-sharded over d*c; the logits are 1/c
@@ -207,12 +218,14 @@ def memory_bytes(
     routed = model.expert_activation_sbh * model.seq_length * b * model.hidden_size / (t if sp else 1)
     routed /= c
     gathered = BF16 * 2 * b * s * (c - 1) / c * max(1, model.kv_heads // t) * (model.hidden_size // a)
-    scores = 5 * a * b * (s // c) * (s - s // c) / t  # rows s/c over s keys, beyond the formula's (s/c)^2
-    kept = activation_bytes_per_layer(*shape_args, recompute, **split) + (routed if recompute != "full" else 0)
+    # rows s/c over s keys, beyond the formula's (s/c)^2; a fused kernel keeps 4 bytes per row and head instead
+    scores = 4 * a * b * (s // c) / t if flash else 5 * a * b * (s // c) * (s - s // c) / t
+    whole = "selective" if flash else None  # a layer's activations with nothing recomputed: the scores or not
+    kept = activation_bytes_per_layer(*shape_args, recompute or whole, **split) + (routed if recompute != "full" else 0)
     kept += (gathered if recompute != "full" else 0) + (scores if recompute is None else 0)
     activations = kept * model.num_layers / p * in_flight
     if recompute == "full":  # the layer being recomputed holds all its activations at once
-        activations += activation_bytes_per_layer(*shape_args, None, **split) + routed + gathered + scores
+        activations += activation_bytes_per_layer(*shape_args, whole, **split) + routed + gathered + scores
     logits = b * model.seq_length * model.vocab_size / (t if t > 1 else c) * 4
     return state + activations + logits
 
@@ -290,7 +303,9 @@ def cost(
         data_parallel_comm_s=dp,
         optimizer_s=optimizer,
         bubble_fraction=bubble_fraction,
-        memory_bytes_per_gpu=memory_bytes(model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e, c),
+        memory_bytes_per_gpu=memory_bytes(
+            model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e, c, flash=cluster.flash_attention
+        ),
         tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
         context_parallel_size=c,
         context_parallel_comm_s=m * cp_mb,

@@ -117,6 +117,21 @@ class ModelSize:
         )
 
     @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key (what QK^T contracts over)."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        """Width of one head's value (what scores x V yields)."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        """Forward FLOPs of QK^T and scores x V per (query, key) pair, every head: 2a(d_qk + d_v), 4h for whole heads."""
+        return 2 * self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
     def qkv_width(self) -> int:
         """Output width of the query, key and value projections together."""
         return self.hidden_size + 2 * self.kv_heads * (self.hidden_size // self.num_heads)

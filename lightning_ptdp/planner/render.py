@@ -77,7 +77,7 @@ def format_plan(layouts: list[Layout], cluster: Cluster, limit: int = 5) -> str:
     """A text table of the best ``limit`` layouts and the arguments that run the best one."""
     if not layouts:
         raise ValueError("format_plan needs at least one layout (plan() raises rather than return none)")
-    rows = ["rank    t    p    c    d    e    v    b  recompute     m    step s  TFLOP/s/GPU  GB/GPU"]
+    rows = ["rank    t    p    c    d    e    v    b zero  recompute     m    step s  TFLOP/s/GPU  GB/GPU"]
     for rank, x in enumerate(layouts[:limit], start=1):
         degrees = (
             rank,
@@ -88,6 +88,7 @@ def format_plan(layouts: list[Layout], cluster: Cluster, limit: int = 5) -> str:
             x.expert_parallel_size,
             x.virtual_pipeline_size,
             x.micro_batch_size,
+            x.zero_stage,
         )
         rows.append(
             "".join(f"{n:>4} " for n in degrees) + f" {x.activation_checkpointing!s:<9} "

@@ -59,7 +59,7 @@ def reason(x: Layout, cluster: Cluster, limit: float) -> str:
     return (
         f"{tp}; bubble (p-1)/(v*m)={x.bubble_fraction:.3f} (m={x.num_microbatches}); "
         f"compute {x.compute_s:.2f}s, comm/step TP {x.tensor_parallel_comm_s:.2f}s, {ep}PP {x.pipeline_comm_s:.2f}s, "
-        f"DP {x.data_parallel_comm_s:.2f}s; recompute={x.activation_checkpointing}; "
+        f"DP {x.data_parallel_comm_s:.2f}s; recompute={x.activation_checkpointing}, zero_stage={x.zero_stage}; "
         f"{x.memory_bytes_per_gpu / GB:.1f} of {limit / GB:.1f} GB usable"
     )
 
@@ -69,7 +69,7 @@ def plan(
     cluster: Cluster,
     global_batch_size: int,
     *,
-    zero_stage: int = 0,
+    zero_stage: int | None = None,
     sequence_parallel: bool = False,
     memory_fraction: float = 0.9,
     max_micro_batch_size: int = 8,
@@ -82,7 +82,8 @@ def plan(
     ``model``: a ``ModelSize`` or a known name. ``memory_fraction``: of the GPU, what is usable.
     ``recompute_modes``: the choices tried; ``(None, "full")`` is the paper's toolset (selective
     recompute came with Korthikanti et al. 2022). ``sequence_parallel`` applies where t > 1.
-    ``context_parallel_sizes``: the c tried (long sequences: e.g. (1, 2, 4, 8, 16))."""
+    ``context_parallel_sizes``: the c tried (long sequences: e.g. (1, 2, 4, 8, 16)). ``zero_stage``:
+    None searches the stages 0-3 as it searches t, p, v and b; a stage fixes it."""
     size = model_size(model)
     if not recompute_modes or any(mode not in RECOMPUTE_CHOICES for mode in recompute_modes):
         raise ValueError(
@@ -90,7 +91,8 @@ def plan(
         )
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_micro_batch_size", max_micro_batch_size)
-    check_options(None, sequence_parallel, zero_stage, memory_fraction)
+    check_options(None, sequence_parallel, 0 if zero_stage is None else zero_stage, memory_fraction)
+    stages = (0, 1, 2, 3) if zero_stage is None else (zero_stage,)
     limit = cluster.gpu_memory_bytes * memory_fraction
     shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size, context_parallel_sizes))
     if not shapes:
@@ -111,13 +113,14 @@ def plan(
             b,
             recompute=recompute,
             sp=sequence_parallel,
-            zero_stage=zero_stage,
+            zero_stage=stage,
             scatter_gather=scatter_gather,
             e=e,
             c=c,
         )
         for t, p, v, b, e, c in shapes
         for recompute in recompute_modes
+        for stage in stages
     ]
     fitting = [c for c in candidates if c.memory_bytes_per_gpu <= limit]
     if not fitting:
@@ -129,13 +132,15 @@ def plan(
             f"{f'c={least.context_parallel_size}, ' if least.context_parallel_size > 1 else ''}recompute="
             f"{least.activation_checkpointing!r}, b={least.micro_batch_size}), over the "
             f"{limit / GB:.1f} GB usable ({memory_fraction:.0%} of {cluster.gpu_memory_bytes / GB:.1f} "
-            f"GB); use more GPUs, zero_stage=1..3, sequence_parallel=True or GPUs with more memory"
+            f"GB); use more GPUs{', zero_stage=1..3' if zero_stage == 0 else ''}, sequence_parallel=True or GPUs "
+            "with more memory"
         )
     ranked = sorted(
         fitting,
         key=lambda c: (
             round(c.step_time_s, 6),
             -c.micro_batch_size,
+            c.zero_stage,  # at equal time the lesser stage: fewer collectives than the cost model sees
             c.memory_bytes_per_gpu,
             c.virtual_pipeline_size,
             c.expert_parallel_size,
@@ -146,9 +151,9 @@ def plan(
 
 
 def paper_layout(name: str, cluster: Cluster | None = None) -> Layout:
-    """A Table 1 row's own layout (its t, p, GPUs and batch; b = 1, v = 1, full recompute)."""
+    """A Table 1 row's own layout (its t, p, GPUs and batch; b = 1, v = 1, full recompute) on ``Cluster.paper``."""
     row = TABLE_1[name]
-    cluster = cluster or Cluster(num_gpus=row.num_gpus)
+    cluster = cluster or Cluster.paper(row.num_gpus)
     return cost(
         row.model,
         cluster,
@@ -165,7 +170,7 @@ def table_1_fit_error(gemm_efficiency: float, rows: Sequence[str] = FIT_ROWS) ->
     """Sum over ``rows`` of the squared relative error of the estimate against the paper."""
     total = 0.0
     for name in rows:
-        cluster = Cluster(num_gpus=TABLE_1[name].num_gpus, gemm_efficiency=gemm_efficiency)
+        cluster = Cluster.paper(TABLE_1[name].num_gpus, gemm_efficiency=gemm_efficiency)
         total += (paper_layout(name, cluster).tflops_per_gpu / TABLE_1[name].achieved_tflops_per_gpu - 1) ** 2
     return total
 

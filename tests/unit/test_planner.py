@@ -42,12 +42,15 @@ REL = 1e-9
 # The planner's top choice at the paper's GPU count and batch with the paper's toolset (no selective
 # recompute, no sequence parallelism) is printed by benchmarks/bench_planner.py; at the paper's own
 # layouts the estimate is held to Table 1 below (test_estimate_at_the_papers_layouts_matches_table_1).
-PAPER_TOOLSET = {"recompute_modes": (None, "full")}
+PAPER_TOOLSET = {"recompute_modes": (None, "full"), "zero_stage": 0}
+# Every Table 1 row at its own layout is within it (the largest error today is 8.7%, RESULTS.md planner_table_1).
+TABLE_1_BOUND = 0.10
 LATER_TOOLSET = {"sequence_parallel": True}
 
 
 def paper_cluster(name: str) -> Cluster:
-    return Cluster(num_gpus=TABLE_1[name].num_gpus)
+    """The row's GPUs as the paper ran them: attention that keeps its scores (Megatron 2021)."""
+    return Cluster.paper(TABLE_1[name].num_gpus)
 
 
 def top_choice(name: str, **options):
@@ -83,7 +86,7 @@ def test_top_choice_of_the_large_models_is_near_the_papers_layout(name):
     to 39.1B the planner prefers pipelining with a smaller t to the paper's t=4..8 (it rates the
     t=8 all-reduces at 20-30% of a layer there), so they are not held to this."""
     row = TABLE_1[name]
-    best = top_choice(name, recompute_modes=("full",), max_micro_batch_size=1)
+    best = top_choice(name, recompute_modes=("full",), max_micro_batch_size=1, zero_stage=0)
     assert best.tensor_parallel_size <= 8, best.reason
     assert row.pipeline_parallel_size / 2 <= best.pipeline_parallel_size <= row.pipeline_parallel_size * 2, best.reason
     assert paper_layout(name).step_time_s <= 1.10 * best.step_time_s
@@ -100,7 +103,7 @@ def test_table_names_are_accepted_in_any_case_and_with_dashes():
 
 def test_ranking_prefers_tensor_parallelism_within_a_node():
     cluster = paper_cluster("gpt_39.1b")
-    layouts = plan("gpt_39.1b", cluster, 1536)
+    layouts = plan("gpt_39.1b", cluster, 1536, zero_stage=0)  # ZeRO's choice apart (below)
     across = [i for i, x in enumerate(layouts) if x.tensor_parallel_size == 16]
     assert across, "expected t=16 layouts to fit and be ranked"
     within = [i for i, x in enumerate(layouts) if x.tensor_parallel_size in (2, 4, 8)]
@@ -110,7 +113,7 @@ def test_ranking_prefers_tensor_parallelism_within_a_node():
     # the same t=16 layout on 16-GPU nodes keeps TP on NVLink: 240 GB/s instead of the 8 HCAs'
     # 8 x 25 = 200 GB/s, and 3.4 us per ring step instead of 14 us for the network steps
     slow = layouts[across[0]]
-    on_big_nodes = plan("gpt_39.1b", replace(cluster, gpus_per_node=16), 1536)
+    on_big_nodes = plan("gpt_39.1b", replace(cluster, gpus_per_node=16), 1536, zero_stage=0)
     fast = find(
         on_big_nodes,
         tensor_parallel_size=16,
@@ -215,12 +218,12 @@ PAPER_TABLE_1 = {
 def test_estimate_at_the_papers_layouts_matches_table_1():
     """Each row at its own layout: the paper's t and p, b=1, full recompute; v=1 (Table 1 states
     no v). One constant is fitted, GEMM_EFFICIENCY, on two rows (FIT_ROWS: gpt_1.7b and gpt_1t);
-    the other eight are predictions. Every row within 10%, as benchmarks/RESULTS.md (planner_table_1) says (largest today 8.7%)."""
+    the other eight are predictions. Every row within TABLE_1_BOUND."""
     errors = {}
     for name, (t, p, gpus, batch, paper) in PAPER_TABLE_1.items():
         x = estimate(
             name,
-            Cluster(num_gpus=gpus),
+            Cluster.paper(gpus),
             batch,
             tensor_parallel_size=t,
             pipeline_parallel_size=p,
@@ -230,7 +233,7 @@ def test_estimate_at_the_papers_layouts_matches_table_1():
         )
         errors[name] = x.tflops_per_gpu / paper - 1
     assert FIT_ROWS == ("gpt_1.7b", "gpt_1t")
-    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+    assert all(abs(e) <= TABLE_1_BOUND for e in errors.values()), errors
 
 
 def test_the_fitted_constant_is_what_the_fit_gives():
@@ -247,12 +250,17 @@ def test_gpt3_175b_on_1024_gpus_against_the_papers_140_tflops_and_34_days():
     days = training_time_seconds(300e9, 175e9, 1024, 140e12) / 86400
     assert round(days) == 34 and days == pytest.approx(8 * 300e9 * 175e9 / (1024 * 140e12) / 86400)
     assert round(GPT3_175B.parameters / 1e9, 1) == 174.6  # Eq. 2, the paper's "174.6B" (Table 2)
-    best = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, **PAPER_TOOLSET)[0]
+    best = plan("gpt3_175b", Cluster.paper(1024), 1536, **PAPER_TOOLSET)[0]
     assert best.tflops_per_gpu == pytest.approx(140, rel=0.15)  # no recompute: fewer FLOPs than the paper counts
     assert best.tensor_parallel_size == 8 and best.pipeline_parallel_size > 1
-    # like with like (the paper's 140 counts recomputation): optimistic, within 25% (RESULTS.md, planner_table_1: +21.6%)
-    full = plan("gpt3_175b", Cluster(num_gpus=1024), 1536, recompute_modes=("full",))[0]
-    assert full.activation_checkpointing == "full" and 1.0 < full.tflops_per_gpu / 140 < 1.25
+    # Like with like: the paper's 140 counts recomputation's FLOPs (Eq. 4's 8TP) and was measured at a
+    # layout it does not state; Table 1's row of the same width and heads (gpt_145.6b) ran t=8, p=8, b=1
+    # with full recompute. There (and at p=16) the estimate is held to Table 1's bound. The search's best
+    # layout (interleaved, b=2) is not: its +21.6% is the planner's own ranking of a layout the paper
+    # did not measure (bench_planner reports it, beside Table 1's "paper layout step / top" column).
+    for p in (8, 16):
+        x = estimate("gpt3_175b", Cluster.paper(1024), 1536, tensor_parallel_size=8, pipeline_parallel_size=p)
+        assert abs(x.tflops_per_gpu / 140 - 1) <= TABLE_1_BOUND, (p, x.tflops_per_gpu)
 
 
 # --------------------------------------------------------------------------- estimate
@@ -263,7 +271,7 @@ def test_estimate_is_the_planners_figure_for_that_layout():
     x = estimate("gpt_1t", cluster, 3072, tensor_parallel_size=8, pipeline_parallel_size=64, virtual_pipeline_size=2)
     assert x == replace(
         find(
-            plan("gpt_1t", cluster, 3072),
+            plan("gpt_1t", cluster, 3072, zero_stage=0),
             tensor_parallel_size=8,
             pipeline_parallel_size=64,
             virtual_pipeline_size=2,
@@ -358,22 +366,25 @@ def test_estimate_says_how_far_over_memory_a_layout_is():
 # --------------------------------------------------------------------------- memory
 
 
-def test_memory_of_a_replicated_layout_by_hand():
+@pytest.mark.parametrize("flash", [False, True])
+def test_memory_of_a_replicated_layout_by_hand(flash):
     model = TABLE_1["gpt_1.7b"].model
-    layouts = plan("gpt_1.7b", paper_cluster("gpt_1.7b"), 512)
+    layouts = plan("gpt_1.7b", Cluster(num_gpus=32, flash_attention=flash), 512, zero_stage=0)
     x = find(
         layouts, tensor_parallel_size=1, pipeline_parallel_size=1, micro_batch_size=1, activation_checkpointing=None
     )
     s, h, a, l, V = model.seq_length, model.hidden_size, model.num_heads, model.num_layers, model.vocab_size
     state = 16 * model.parameters
-    activations = l * s * h * (34 + 5 * a * s / h)  # b = 1, every layer keeps everything
+    # b = 1, every layer keeps everything: the scores, their softmax and dropout mask (5as^2), or a
+    # fused kernel's fp32 log-sum-exp per head and query row (4as)
+    activations = l * (34 * s * h + (4 * a * s if flash else 5 * a * s * s))
     logits = 4 * s * V
     assert x.memory_bytes_per_gpu == pytest.approx(state + activations + logits, rel=REL)
 
 
 def test_memory_of_an_interleaved_pipeline_with_full_recompute_by_hand():
     model = TABLE_1["gpt_1t"].model
-    layouts = plan("gpt_1t", paper_cluster("gpt_1t"), 3072)
+    layouts = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, zero_stage=0)
     x = find(
         layouts,
         tensor_parallel_size=8,
@@ -391,16 +402,39 @@ def test_memory_of_an_interleaved_pipeline_with_full_recompute_by_hand():
     recomputing = s * h * (10 + 24 / t + 5 * a * s / (h * t))
     logits = 4 * s * V / t
     assert x.memory_bytes_per_gpu == pytest.approx(state + kept + recomputing + logits, rel=REL)
+    # a fused attention kernel: the recomputing layer holds its log-sum-exp (4 bytes per head and row) instead
+    flash = estimate(
+        "gpt_1t",
+        Cluster(num_gpus=3072),
+        3072,
+        tensor_parallel_size=t,
+        pipeline_parallel_size=p,
+        virtual_pipeline_size=v,
+    )
+    recomputing = s * h * (10 + 24 / t) + 4 * a * s / t
+    assert flash.memory_bytes_per_gpu == pytest.approx(state + kept + recomputing + logits, rel=REL)
 
 
 def test_layouts_over_the_memory_limit_are_dropped():
-    layouts = plan("gpt_1t", paper_cluster("gpt_1t"), 3072)
+    layouts = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, zero_stage=0)
     # 16 bytes x 1008B parameters over t*p = 128 ranks is already 126 GB
     assert min(x.tensor_parallel_size * x.pipeline_parallel_size for x in layouts) >= 256
-    tight = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, memory_fraction=0.6)
+    tight = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, memory_fraction=0.6, zero_stage=0)
     assert 0 < len(tight) < len(layouts)
     assert all(x.memory_bytes_per_gpu <= 0.6 * 80 * GB for x in tight)
     assert any(x.memory_bytes_per_gpu > 0.6 * 80 * GB for x in layouts)
+
+
+def test_the_search_tries_every_zero_stage_and_finds_a_layout_only_zero_fits():
+    # 16 bytes per parameter of 1008B over t*p = 128 ranks is 126 GB: without ZeRO no such layout fits
+    without = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, zero_stage=0, recompute_modes=("full",))
+    searched = plan("gpt_1t", paper_cluster("gpt_1t"), 3072, recompute_modes=("full",))
+    assert {x.zero_stage for x in without} == {0} and {x.zero_stage for x in searched} == {0, 1, 2, 3}
+    assert min(x.tensor_parallel_size * x.pipeline_parallel_size for x in without) >= 256
+    small = [x for x in searched if x.tensor_parallel_size * x.pipeline_parallel_size <= 128]
+    assert small and all(x.zero_stage > 0 for x in small)
+    # the optimizer steps 1/d of the parameters from stage 1 on: a sharded stage is the best layout here
+    assert searched[0].zero_stage > 0 and searched[0].step_time_s < without[0].step_time_s
 
 
 def test_zero_sharding_admits_smaller_model_parallel_groups():
@@ -421,6 +455,7 @@ def test_arguments_for_a_pipelined_layout():
         virtual_pipeline_size=2,
         micro_batch_size=1,
         activation_checkpointing="full",
+        zero_stage=0,
     )
     args = layout_arguments(x, cluster)
     assert args.python() == (
@@ -497,7 +532,9 @@ def test_a_model_too_large_for_the_cluster_says_how_far_off_it_is():
         r"of 64 GPUs: the smallest need is [\d.]+ GB per GPU \(t=.*over the "
         r"72\.0 GB usable \(90% of 80\.0 GB\); use more GPUs, zero_stage=1\.\.3",
     ):
-        plan("gpt_1t", Cluster(num_gpus=64), 64)
+        plan("gpt_1t", Cluster(num_gpus=64), 64, zero_stage=0)
+    with pytest.raises(ValueError, match=r"use more GPUs, sequence_parallel=True or GPUs with more memory"):
+        plan("gpt_1t", Cluster(num_gpus=64), 64)  # every stage searched: no stage to suggest
 
 
 def test_no_factorisation_names_the_rules():
@@ -577,7 +614,8 @@ def test_ptdp_plan_prints_the_ranking_and_the_best_arguments(capsys):
         str(expected.tensor_parallel_size),
         str(expected.pipeline_parallel_size),
     ]
-    assert f"best: {expected.reason}" in out and "--trainer.strategy.tensor_parallel_size=8" in out
+    flag = f"--trainer.strategy.tensor_parallel_size={expected.tensor_parallel_size}"
+    assert f"best: {expected.reason}" in out and flag in out
 
 
 def test_ptdp_plan_takes_sizes_and_cluster_flags(capsys):

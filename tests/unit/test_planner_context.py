@@ -1,5 +1,5 @@
 """The planner's context-parallel axis: each term by hand, the refusals, and the long-context case
-it exists for (Llama-3-8B at 128k tokens does not fit any H100 layout without it)."""
+(Llama-3-8B at 128k tokens on H100s: cp is the faster layout; without flash attention, the only one that fits)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from lightning_ptdp.core.flops import activation_bytes_per_layer
 from lightning_ptdp.planner.cost import GB, Cluster, all_gather_seconds
 from lightning_ptdp.planner.estimate import BF16, _layer_seconds, cost, estimate, memory_bytes
-from lightning_ptdp.planner.models import ModelSize
+from lightning_ptdp.planner.models import LLAMA3_8B_128K, ModelSize
 from lightning_ptdp.planner.search import plan
 
 LONG = ModelSize(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, seq_length=32_768, vocab_size=32_000)
@@ -77,19 +77,39 @@ def test_estimate_refuses_a_bad_context_parallel_size(kwargs, match):
         )
 
 
-def test_llama3_8b_at_128k_needs_context_parallelism_on_h100s():
-    layouts = plan(
-        "llama3_8b_128k",
-        Cluster.h100(64),
-        8,
-        zero_stage=1,
-        sequence_parallel=True,
-        context_parallel_sizes=(1, 2, 4, 8, 16),
-    )
-    assert {x.context_parallel_size for x in layouts} >= {2, 4, 8} and 1 not in {
-        x.context_parallel_size for x in layouts
-    }
+def test_llama3_8b_at_128k_at_t8_without_cp_keeps_no_attention_scores_under_flash_attention():
+    """64 H100s, t=8, c=1, d=8, ZeRO-1, SP, full recompute, by hand: about 21 GB. Attention that keeps
+    its scores adds 5as^2b/t per layer for the layer being recomputed: 344 GB more."""
+    s, h, a, layers, vocab, t, d = 131_072, 4096, 32, 32, 128_256, 8, 8
+    state = (4 + 12 / d) * LLAMA3_8B_128K.parameters / t  # ZeRO-1: weight and gradient, optimizer state / d
+    inputs = layers * 2 * s * h / t  # full recompute keeps each layer's input, split along s by SP
+    split = (2 * (h + 2 * 8 * 128) + 2 * h + 6 * 14_336) / h  # GQA's Q, K, V and a SwiGLU MLP
+    recomputing = s * h * (10 + split) / t + 4 * a * s / t  # its activations and the kernel's log-sum-exp
+    logits = 4 * s * vocab / t
+    args = dict(recompute="full", sp=True, zero_stage=1)
+    flash = cost(LLAMA3_8B_128K, Cluster.h100(64), 8, t, 1, 1, 1, **args)
+    assert flash.memory_bytes_per_gpu == pytest.approx(state + inputs + recomputing + logits, rel=1e-9)
+    assert 20 * GB < flash.memory_bytes_per_gpu < 21 * GB
+    eager = cost(LLAMA3_8B_128K, Cluster.h100(64, flash_attention=False), 8, t, 1, 1, 1, **args)
+    scores = 5 * a * s * s / t - 4 * a * s / t  # the scores, their softmax and dropout mask, not the log-sum-exp
+    assert eager.memory_bytes_per_gpu - flash.memory_bytes_per_gpu == pytest.approx(scores, rel=1e-9)
+    assert 343 * GB < scores < 344 * GB
+
+
+@pytest.mark.parametrize("gpus", [8, 64])
+def test_llama3_8b_at_128k_on_h100s_fits_without_cp_and_runs_faster_with_it(gpus):
+    kwargs = dict(zero_stage=1, sequence_parallel=True, context_parallel_sizes=(1, 2, 4, 8, 16))
+    layouts = plan("llama3_8b_128k", Cluster.h100(gpus), 8, **kwargs)
+    assert 1 in {x.context_parallel_size for x in layouts}
+    assert layouts[0].context_parallel_size > 1  # cp spares the recompute the c=1 layouts need to fit
     assert all(x.memory_bytes_per_gpu <= 72 * GB for x in layouts)
+    # attention that keeps its scores: no layout without cp fits (on 8 GPUs, none at all)
+    eager = Cluster.h100(gpus, flash_attention=False)
+    if gpus == 8:
+        with pytest.raises(ValueError, match="does not fit in GPU memory with any layout of 8 GPUs"):
+            plan("llama3_8b_128k", eager, 8, **kwargs)
+    else:
+        assert 1 not in {x.context_parallel_size for x in plan("llama3_8b_128k", eager, 8, **kwargs)}
 
 
 def test_ptdp_plan_searches_and_prints_context_parallel_layouts(capsys):
