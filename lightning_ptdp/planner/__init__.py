@@ -2,7 +2,7 @@
 
 ``estimate(model, cluster, B, tensor_parallel_size=t, pipeline_parallel_size=p, ...)`` gives one
 layout's step time and TFLOP/s per GPU; ``plan(model, cluster, B)`` ranks every valid layout.
-Modules: ``models`` (Table 1 shapes, GPT-3 175B), ``cost`` (hardware terms, the one fitted constant),
+Modules: ``models`` (Table 1 shapes, GPT-3 175B; ``latent``: DeepSeek's MLA), ``cost`` (hardware terms, the one fitted constant),
 ``estimate`` (one layout), ``search``, ``render``, ``cli`` (``ptdp plan``; a transformers config.json too).
 No process group and no torch at import. docs/architecture.md ("The planner") has every term.
 """

@@ -81,8 +81,8 @@ def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple
     b, s, l, h, vocab = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
     logits = 6 * b * s * h * vocab
     core = b * s * s * model.attention_flops_per_key
-    forward = 2 * b * s * model.active_layer_matrix_parameters + core
-    layers = l * forward * (4 if recompute == "full" else 3)
+    forward = 2 * b * s * model.active_matrix_parameters + l * core
+    layers = forward * (4 if recompute == "full" else 3)
     if recompute == "selective":  # the attention core (QK^T and scores x V) runs forward again
         layers += core * l
     return layers, logits
@@ -133,10 +133,10 @@ def _layer_seconds(
     microbatch, forward + backward. Under context parallelism a rank holds s/c tokens, whose queries
     attend to all s keys (causal work balanced by the 2c chunks: 1/c of the attention each)."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
-    tokens, head, scores = b * s / c, h // a, not cluster.flash_attention
+    tokens, scores = b * s / c, not cluster.flash_attention
     f = model.dense_ffn_size  # the MLP, or a mixture of experts' shared expert (0: none)
     up = f * (2 if model.gated_mlp else 1)
-    linear = [(tokens, model.qkv_width / t, h), (tokens, h, h / t)]
+    linear = [(tokens, cols, inner) for cols, inner in model.attention_linears(t)]
     linear += [(tokens, up / t, h), (tokens, h, f / t)] if f else []
     linear_f, linear_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster) for shape in linear)))
     if scores:  # QK^T and scores x V as two GEMMs, b*a/t of each, the scores through HBM
@@ -159,7 +159,7 @@ def _layer_seconds(
     ep = exchanges * all_to_all_seconds(BF16 * h * expert_rows(model, t, b, sp), e, ep_members, cluster)
     # K and V all-gathered in forward (again under full recompute), reduce-scattered in backward:
     # this rank's KV heads over the whole sequence; cp ranks are t apart
-    kv = BF16 * b * s * max(1, model.kv_heads // t) * head
+    kv = BF16 * b * s * max(1, model.kv_heads // t) * (model.qk_head_dim + model.v_head_dim) / 2
     cp_members = max(1, min(c, cluster.gpus_per_node // t))
     cp = (6 if recompute == "full" else 4) * all_gather_seconds(kv, c, cp_members, cluster)
     if t == 1:
@@ -217,7 +217,8 @@ def memory_bytes(
     # the routed rows' activations: whole on each TP rank without SP (expert_rows)
     routed = model.expert_activation_sbh * model.seq_length * b * model.hidden_size / (t if sp else 1)
     routed /= c
-    gathered = BF16 * 2 * b * s * (c - 1) / c * max(1, model.kv_heads // t) * (model.hidden_size // a)
+    gathered = BF16 * b * s * (c - 1) / c * max(1, model.kv_heads // t) * (model.qk_head_dim + model.v_head_dim)
+    routed += model.whole_activation_sbh * s * b * model.hidden_size / c  # MLA's latents, whole on each TP rank
     # rows s/c over s keys, beyond the formula's (s/c)^2; a fused kernel keeps 4 bytes per row and head instead
     scores = 4 * a * b * (s // c) / t if flash else 5 * a * b * (s // c) * (s - s // c) / t
     whole = "selective" if flash else None  # a layer's activations with nothing recomputed: the scores or not
@@ -251,6 +252,11 @@ def cost(
     d = cluster.num_gpus // (t * p * c)
     m = batch // (b * d)
     layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
+    if model.dense_layers:  # the mean layer: a stage's share of dense and MoE layers taken as the model's
+        dense = _layer_seconds(model.dense_layer, t, b, recompute, sp, cluster, 1, c)
+        share = model.dense_layers / model.num_layers
+        mean = [(1 - share) * moe + share * x for moe, x in zip((layer, tp_layer, ep_layer, cp_layer), dense)]
+        layer, tp_layer, ep_layer, cp_layer = mean
     layers_per_stage = model.num_layers / p
     compute_mb = layers_per_stage * layer + _logit_seconds(model, t, b, cluster, c)
     tp_mb = layers_per_stage * tp_layer

@@ -3,7 +3,9 @@ and Mixtral-8x7B."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from lightning_ptdp.planner.latent import LatentAttention
 
 
 def check_positive(name: str, value: object, *, integer: bool = True) -> None:
@@ -39,12 +41,18 @@ class ModelSize:
     experts_per_token: int | None = None
     """k: the experts each token runs (top-k routing); needed with ``num_experts``."""
     shared_ffn_size: int = 0
-    """A dense shared expert's width beside the routed ones (Qwen2-MoE); 0: none."""
+    """A dense shared expert's width beside the routed ones (Qwen2-MoE, DeepSeek); 0: none."""
+    dense_layers: int = 0
+    """A mixture of experts whose first layers have one dense MLP instead (DeepSeek's first_k_dense_replace)."""
+    dense_layer_ffn_size: int | None = None
+    """Those dense layers' MLP width; None: ``ffn_hidden_size``."""
+    latent_attention: LatentAttention | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3); None: grouped-query attention by ``num_kv_heads``."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
             check_positive(f"ModelSize.{name}", getattr(self, name))
-        for name in ("num_kv_heads", "ffn_hidden_size", "num_experts", "experts_per_token"):
+        for name in ("num_kv_heads", "ffn_hidden_size", "num_experts", "experts_per_token", "dense_layer_ffn_size"):
             if getattr(self, name) is not None:
                 check_positive(f"ModelSize.{name}", getattr(self, name))
         if (self.num_experts is None) != (self.experts_per_token is None) or (
@@ -54,6 +62,13 @@ class ModelSize:
                 f"ModelSize.num_experts={self.num_experts} and experts_per_token={self.experts_per_token}: a "
                 "mixture of experts needs both, with experts_per_token <= num_experts (top-k routing); a dense "
                 "model leaves both None"
+            )
+        if self.dense_layers and (
+            not self.num_experts or isinstance(self.dense_layers, bool) or not 0 < self.dense_layers < self.num_layers
+        ):
+            raise ValueError(
+                f"ModelSize.dense_layers={self.dense_layers!r} needs a mixture of experts (num_experts) and "
+                f"0 <= dense_layers < num_layers={self.num_layers}: the first layers of an MoE model that are dense"
             )
         if self.hidden_size % self.num_heads:
             raise ValueError(
@@ -85,15 +100,18 @@ class ModelSize:
             and self.learned_positions
             and self.tied_embeddings
             and self.num_experts is None
+            and self.latent_attention is None
         )
 
     def describe(self) -> str:
         """One line: the shape and the parameter count."""
         heads = f"{self.num_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.num_heads else "")
+        heads += f" (latent kv {self.latent_attention.kv_lora_rank})" if self.latent_attention else ""
         mlp = f"ffn {self.ffn_size}{' gated' if self.gated_mlp else ''}"
         if self.num_experts is not None:
             mlp += f" x {self.num_experts} experts, top-{self.experts_per_token}"
             mlp += f" (+ shared {self.shared_ffn_size})" if self.shared_ffn_size else ""
+            mlp += f", first {self.dense_layers} dense" if self.dense_layers else ""
         head = "tied" if self.tied_embeddings else "untied"
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {heads}, {mlp}, vocab {self.vocab_size}, "
@@ -106,6 +124,8 @@ class ModelSize:
         sizes = {"num_heads": self.num_heads, "num_kv_heads": self.kv_heads, "hidden_size": self.hidden_size}
         if self.dense_ffn_size:  # tensor parallelism splits the dense MLP (or shared expert), not routed experts
             sizes["shared_ffn_size" if self.num_experts else "ffn_hidden_size"] = self.dense_ffn_size
+        if self.dense_layers:
+            sizes["dense_layer_ffn_size"] = self.dense_layer.ffn_size
         bad = {name: n for name, n in sizes.items() if n % t}
         if not bad:
             return None
@@ -119,12 +139,25 @@ class ModelSize:
     @property
     def qk_head_dim(self) -> int:
         """Width of one head's query and key (what QK^T contracts over)."""
-        return self.hidden_size // self.num_heads
+        return self.latent_attention.qk_head_dim if self.latent_attention else self.hidden_size // self.num_heads
 
     @property
     def v_head_dim(self) -> int:
         """Width of one head's value (what scores x V yields)."""
-        return self.hidden_size // self.num_heads
+        return self.latent_attention.v_head_dim if self.latent_attention else self.hidden_size // self.num_heads
+
+    def attention_linears(self, t: int = 1) -> list[tuple[float, float]]:
+        """(output width, input width) of the attention's matmuls on one of t TP ranks."""
+        if self.latent_attention:
+            return self.latent_attention.linears(self.hidden_size, self.num_heads, t)
+        return [(self.qkv_width / t, self.hidden_size), (self.hidden_size, self.hidden_size / t)]
+
+    @property
+    def dense_layer(self) -> ModelSize:
+        """The shape of the first ``dense_layers`` layers: one dense MLP, no experts."""
+        width = self.dense_layer_ffn_size or self.ffn_hidden_size
+        moe = dict(num_experts=None, experts_per_token=None, shared_ffn_size=0, dense_layers=0)
+        return replace(self, **moe, ffn_hidden_size=width, dense_layer_ffn_size=None)
 
     @property
     def attention_flops_per_key(self) -> int:
@@ -133,7 +166,9 @@ class ModelSize:
 
     @property
     def qkv_width(self) -> int:
-        """Output width of the query, key and value projections together."""
+        """Width of the query, key and value attention takes, together (MLA: after the up-projections)."""
+        if self.latent_attention:
+            return self.num_heads * (2 * self.qk_head_dim + self.v_head_dim)
         return self.hidden_size + 2 * self.kv_heads * (self.hidden_size // self.num_heads)
 
     def _mlp(self, width: int) -> int:
@@ -142,7 +177,8 @@ class ModelSize:
     def _layer_matrices(self, mlps: int) -> int:
         h = self.hidden_size
         router = h * self.num_experts if self.num_experts else 0
-        return h * self.qkv_width + h * h + mlps * self._mlp(self.ffn_size) + self._mlp(self.shared_ffn_size) + router
+        attention = sum(cols * inner for cols, inner in self.attention_linears())
+        return int(attention) + mlps * self._mlp(self.ffn_size) + self._mlp(self.shared_ffn_size) + router
 
     @property
     def layer_matrix_parameters(self) -> int:
@@ -156,25 +192,42 @@ class ModelSize:
         return self._layer_matrices(self.experts_per_token or 1)
 
     @property
-    def parameters(self) -> int:
-        """Counted term by term as Eq. 2 counts the paper's GPT (exactly Eq. 2 there; final norm left out)."""
+    def moe_layers(self) -> int:
+        """Layers with routed experts (all but the first ``dense_layers``; 0: a dense model)."""
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    def _layer_parameters(self) -> int:
         h, f = self.hidden_size, self.ffn_size
         norms = 4 * h if self.biases else 2 * h  # two LayerNorms (weight + bias) or RMSNorms (weight)
+        norms += self.latent_attention.norm_parameters if self.latent_attention else 0
         biases = (self.qkv_width + h + f * (2 if self.gated_mlp else 1) + h) if self.biases else 0
-        layer = self.layer_matrix_parameters + biases + norms
+        return self.layer_matrix_parameters + biases + norms
+
+    @property
+    def parameters(self) -> int:
+        """Counted term by term as Eq. 2 counts the paper's GPT (exactly Eq. 2 there; final norm left out)."""
+        h, dense = self.hidden_size, self.dense_layers
+        layers = (self.num_layers - dense) * self._layer_parameters()
+        layers += dense * self.dense_layer._layer_parameters() if dense else 0
         embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         positions = self.seq_length * h if self.learned_positions else 0
-        return self.num_layers * layer + embeddings + positions
+        return layers + embeddings + positions
+
+    @property
+    def active_matrix_parameters(self) -> int:
+        """The matmul weights one token runs through, every layer's (a mixture of experts: its k experts)."""
+        dense = self.dense_layers * self.dense_layer.layer_matrix_parameters if self.dense_layers else 0
+        return (self.num_layers - self.dense_layers) * self.active_layer_matrix_parameters + dense
 
     @property
     def active_parameters(self) -> int:
         """Parameters one token uses (a mixture of experts: its k experts' of each layer's)."""
-        return self.parameters - self.num_layers * (self.layer_matrix_parameters - self.active_layer_matrix_parameters)
+        return self.parameters - self.moe_layers * (self.layer_matrix_parameters - self.active_layer_matrix_parameters)
 
     @property
     def expert_parameters(self) -> int:
         """The routed experts' weights (every layer's, every expert's): what expert parallelism splits."""
-        return self.num_layers * (self.num_experts or 0) * self._mlp(self.ffn_size) if self.num_experts else 0
+        return self.moe_layers * self.num_experts * self._mlp(self.ffn_size) if self.num_experts else 0
 
     @property
     def dense_ffn_size(self) -> int:
@@ -186,8 +239,16 @@ class ModelSize:
         """Activation bytes per layer that tensor parallelism splits, in units of s*b*h (24 for the
         paper's GPT: Q, K, V 6, attention-output input 2, GeLU input 8, second-MLP input 8); a
         SwiGLU keeps its gate and up outputs (4f) and the second matmul's input (2f)."""
-        h = self.hidden_size
-        return (2 * self.qkv_width + 2 * h + (6 if self.gated_mlp else 4) * self.dense_ffn_size) / h
+        attention = 2 * self.qkv_width + 2 * self.num_heads * self.v_head_dim  # Q, K, V and the output's input
+        return (attention + (6 if self.gated_mlp else 4) * self.dense_ffn_size) / self.hidden_size
+
+    @property
+    def whole_activation_sbh(self) -> float:
+        """Activation bytes per layer, in units of s*b*h, beyond Korthikanti's 10sbh that tensor
+        parallelism leaves whole on each rank: MLA's latents (``LatentAttention``); 0 otherwise."""
+        if not self.latent_attention:
+            return 0.0
+        return self.latent_attention.latent_bytes_per_token / self.hidden_size
 
     @property
     def expert_activation_sbh(self) -> float:
@@ -201,7 +262,8 @@ class ModelSize:
     @classmethod
     def from_hf_config(cls, config: dict | str, *, seq_length: int | None = None) -> ModelSize:
         """The shape of a Hugging Face transformers ``config.json`` (a dict or a path to the file):
-        Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX style keys. ``seq_length`` defaults to the
+        Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Mixtral, Qwen-MoE and DeepSeek (latent attention) style
+        keys. ``seq_length`` defaults to the
         config's ``max_position_embeddings`` (``n_positions``) capped at 4,096."""
         if not isinstance(config, dict):
             import json
@@ -323,16 +385,22 @@ def _from_hf_config(cls: type[ModelSize], config: dict, seq_length: int | None) 
     gated = activation in _GATED_ACTIVATIONS or model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma")
     context = first("max_position_embeddings", "n_positions", "n_ctx", default=2048)
     experts = first("num_local_experts", "num_experts", "n_routed_experts")
-    moe = {}
+    extra: dict = {}  # a mixture of experts' keys, multi-head latent attention's
     if experts:  # Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek keys; the experts' own width where it differs
-        moe = dict(
+        shared = first("n_shared_experts", default=0) * first("moe_intermediate_size", default=0)
+        extra = dict(
             num_experts=experts,
             experts_per_token=first("num_experts_per_tok", "moe_topk", default=2),
-            shared_ffn_size=first("shared_expert_intermediate_size", default=0),
+            shared_ffn_size=first("shared_expert_intermediate_size", default=shared),
         )
+        if first("first_k_dense_replace"):  # DeepSeek: the first k layers dense, intermediate_size wide
+            extra.update(dense_layers=config["first_k_dense_replace"], dense_layer_ffn_size=first("intermediate_size"))
         gated = True
+    if config.get("kv_lora_rank"):  # DeepSeek-V2/V3: multi-head latent attention
+        keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank")
+        extra["latent_attention"] = LatentAttention(**{key: config.get(key) for key in keys})
     return cls(
-        **moe,
+        **extra,
         **values,
         seq_length=seq_length or min(int(context), 4096),
         num_kv_heads=first("num_key_value_heads"),
