@@ -3,13 +3,14 @@ command that regenerates benchmarks/RESULTS.md cannot rot; it writes only into a
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.results import code_version, paired_ratio, stats, write_section
+from benchmarks.results import RESULTS, code_version, paired_ratio, stats, write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,6 +131,16 @@ def test_code_version_counts_changed_code_not_written_results(tmp_path):
     (tmp_path / "code.py").write_text("x = 2\n")
     assert code_version(tmp_path) == f"{clean} plus uncommitted changes to 1 files"
     assert code_version(tmp_path / "nowhere").startswith("unknown")
+
+
+def test_every_results_section_names_its_commit():
+    text = RESULTS.read_text()
+    sections = re.findall(r"<!-- section:([\w-]+) -->\n(.*?)<!-- /section:\1 -->", text, re.DOTALL)
+    assert sections
+    missing = [name for name, body in sections if not re.search(r"^- Code: (commit [0-9a-f]{7,}|unknown)", body, re.M)]
+    assert not missing, f"RESULTS.md sections without the commit their figures came from: {missing}"
+    outside = re.sub(r"<!-- section:([\w-]+) -->.*?<!-- /section:\1 -->", "", text, flags=re.DOTALL)
+    assert "None yet" not in outside, "RESULTS.md still says no GPU figures exist next to the GPU section"
 
 
 def test_quick_without_results_writes_nothing(monkeypatch):
