@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from tests.fit_utils import relative_error
 from tests.real_models import MORE_HF
+from tests.shares import check_share, expected_shares
 from tests.tp_utils import reference_step, tp_step
 
 # fp32: a TP rank computes the reference's sums split into t partial sums, so values differ by
@@ -106,11 +105,6 @@ LAYOUTS = {
         2,
     ),
 }
-# A rank's expected share of the blocks' parameters (names with a block index, ".3."): the matrices
-# split t*p ways (ZeRO-3: also d), the vectors (norms, biases) at most replicated over t. The
-# slack is FSDP's dim-0 padding (a row per tensor) and vocab padding: 1% of the model.
-SHARE_SLACK = 0.01
-BLOCK_PARAMETER = re.compile(r"(^|\.)\d+\.")
 MATRIX_FAMILIES = (*TP_FAMILIES, "gpt", "nanogpt", "llama")  # and the repository's own families
 # the repository's families at 4 layers, so p=2 v=2 has a block per chunk (the real ones have 4)
 OVERRIDES = {"gpt": {"num_layers": 4}, "nanogpt": {"num_layers": 4}, "llama": {"num_layers": 4}}
@@ -156,44 +150,6 @@ def test_conformance(dist_pool, family, layout):
         check_share(result, expected, ref)
         if "compile" in strategy_kwargs:  # compiled for real, and no graph break (dynamo's own count)
             assert result["compiled_graphs"] >= 1 and result["graph_breaks"] == {}, result["graph_breaks"]
-
-
-def expected_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict, devices: int) -> dict:
-    """Bounds on what one rank holds, from the single-process model's parameters (name: numel, dim)."""
-    t = strategy_kwargs.get("tensor_parallel_size", 1)
-    p = strategy_kwargs.get("pipeline_parallel_size", 1)
-    d = devices // (t * p)
-    zero = strategy_kwargs.get("zero_stage", 0)
-    z = d if zero == 3 else 1
-    matrices = sum(n for name, (n, dim) in full.items() if BLOCK_PARAMETER.search(name) and dim >= 2)
-    vectors = sum(n for name, (n, dim) in full.items() if BLOCK_PARAMETER.search(name) and dim < 2)
-    model = sum(n for n, _ in full.values())
-    slack = SHARE_SLACK * model
-    return {
-        "blocks": (matrices / (t * p * z) - slack, (matrices / t + vectors) / (p * z) + slack),
-        "others": (model - matrices - vectors) / z + slack,
-        "zero": zero,
-        "t": t,
-        "d": d,
-        "largest": max(n for n, _ in full.values()),
-    }
-
-
-def check_share(result: dict, expected: dict, ref: dict) -> None:
-    held = result["held"]
-    blocks = sum(n for name, (n, _) in held.items() if BLOCK_PARAMETER.search(name))
-    others = sum(n for name, (n, _) in held.items() if not BLOCK_PARAMETER.search(name))
-    low, high = expected["blocks"]
-    assert low <= blocks <= high, f"a rank holds {blocks} block parameters; a balanced split holds {low:.0f}-{high:.0f}"
-    assert others <= expected["others"], f"a rank holds {others} other parameters, more than {expected['others']:.0f}"
-    # Adam keeps two tensors per parameter: ZeRO-1 spreads them over d by whole tensors (balanced to
-    # within the largest), ZeRO-3 shards them with the parameters, and otherwise each rank keeps its own.
-    state = result["optimizer_numel"]
-    if expected["zero"] == 1:
-        share = ref["optimizer_numel"] / (expected["t"] * expected["d"]) + 2 * expected["largest"]
-        assert state <= share, f"ZeRO-1 rank holds {state} optimizer elements, more than {share:.0f}"
-    else:
-        assert state <= 2 * result["local_numel"], (state, result["local_numel"])
 
 
 def test_the_share_check_fails_a_pipeline_split_of_three_blocks_and_one():

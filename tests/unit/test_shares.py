@@ -1,0 +1,60 @@
+"""The share checks of tests/shares.py pass what a layout gives a rank and fail what it does not: a MoE
+model's dense weights left whole under TP (which "held <= full" let through), or its router split."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.shares import check_moe_share, check_share, expected_moe_shares, expected_shares
+
+LAYER = "model.layers.{}."
+# a Mixtral-like model at the zoo's shape: (numel, dim) by name; 2 layers, 4 experts
+DENSE = {"self_attn.q_proj.weight": 1024, "self_attn.o_proj.weight": 1024, "self_attn.k_proj.weight": 512}
+ROUTER, NORM, EXPERTS = {"mlp.gate.weight": 128}, {"input_layernorm.weight": 32}, {"mlp.experts.gate_up_proj": 16384}
+T2 = {"tensor_parallel_size": 2}
+
+
+def _model(dense_share: float = 1.0, router_share: float = 1.0, expert_share: float = 1.0) -> dict:
+    """The model's (numel, dim) by name, each kind of parameter scaled to the share a rank holds."""
+    held = {"model.embed_tokens.weight": (int(2048 * dense_share), 2), "model.norm.weight": (32, 1)}
+    for layer in range(2):
+        for part, share, dim in ((DENSE, dense_share, 2), (ROUTER, router_share, 2), (NORM, 1, 1)):
+            held |= {LAYER.format(layer) + name: (int(n * share), dim) for name, n in part.items()}
+        held |= {LAYER.format(layer) + name: (int(n * expert_share), 3) for name, n in EXPERTS.items()}
+    return held
+
+
+def test_tp_split_dense_weights_with_whole_routers_and_norms_pass():
+    check_moe_share({"held": _model(dense_share=0.5)}, expected_moe_shares(_model(), T2, 2))
+
+
+def test_dense_weights_left_whole_under_tp_fail():
+    full = _model()
+    assert all(n <= full[name][0] for name, (n, _) in full.items())  # the check this replaced passed it
+    with pytest.raises(AssertionError, match="dense blocks parameters"):
+        check_moe_share({"held": full}, expected_moe_shares(full, T2, 2))
+
+
+def test_a_router_split_under_tp_fails():
+    held = _model(dense_share=0.5, router_share=0.5)  # ranks would route the same token differently
+    with pytest.raises(AssertionError, match="dense blocks parameters"):
+        check_moe_share({"held": held}, expected_moe_shares(_model(), T2, 2))
+
+
+def test_experts_held_whole_under_ep_fail():
+    expected = expected_moe_shares(_model(), {"expert_parallel_size": 2}, 2)
+    check_moe_share({"held": _model(expert_share=0.5)}, expected)
+    with pytest.raises(AssertionError, match="expert parameters"):
+        check_moe_share({"held": _model()}, expected)
+
+
+def test_zero1_state_not_spread_over_the_data_parallel_ranks_fails():
+    # d2 and ZeRO-1 hold every parameter (the cap of 1.0 this replaced held nothing back); the state is 1/d
+    full = {f"layers.{i}.w": (100, 2) for i in range(4)} | {"embed.weight": (40, 2)}
+    expected, ref = expected_shares(full, {"zero_stage": 1}, 2), {"optimizer_numel": 2 * 440}
+    rank = {"held": full, "local_numel": 440}
+    check_share({**rank, "optimizer_numel": 440}, expected, ref)
+    with pytest.raises(AssertionError, match="ZeRO-1 rank holds"):
+        check_share({**rank, "optimizer_numel": 2 * 440}, expected, ref)
+    with pytest.raises(AssertionError, match="a balanced split holds"):  # d2: every rank holds the whole model
+        check_share({**rank, "held": {"layers.0.w": (100, 2)}, "optimizer_numel": 200}, expected, ref)
