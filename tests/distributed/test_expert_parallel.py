@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from tests.real_models import MOE_FAMILIES
+from tests.shares import EXPERT, check_moe_share, expected_moe_shares
 
 LOSS_RTOL = 1e-5  # fp32, the same arithmetic up to summation order (test_real_models.py)
 GRAD_REL = 1e-5
 UPDATE_REL = 1e-3  # weights relative to their update under Adam (test_real_models.py)
 STEPS = 3
-EXPERT = "experts."  # "mlp.experts.gate_up_proj", "moe.experts.0.w1.weight", torchtitan's "inner_experts.w1_EFD"
 
 LAYOUTS = {
     "t2": ({"tensor_parallel_size": 2}, 2),  # experts whole on both ranks (Megatron's expert TP size 1)
@@ -56,21 +56,17 @@ def _reference(family: str, trainer_kwargs: dict | None = None) -> dict:
 def _check(results: list[dict], ref: dict, strategy_kwargs: dict, devices: int) -> None:
     """Equal to one process, and each rank holds 1/e of the experts (whole experts: rows of stacked
     tensors, or n/e modules of a ModuleList), the experts being most of the model; under PP each
-    stage its own layers' experts."""
+    stage its own layers' experts; of the rest what the layout gives (tests/shares.py: under TP the
+    dense matrices split t ways but the routers)."""
     from tests.fit_utils import assert_ranks_match_reference
 
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
-    e, p = strategy_kwargs.get("expert_parallel_size", 1), strategy_kwargs.get("pipeline_parallel_size", 1)
-    zero = strategy_kwargs.get("zero_stage", 0)
     full = {name: n for name, (n, _) in ref["held"].items()}
     experts = sum(n for name, n in full.items() if EXPERT in name)
     assert experts > 0.5 * sum(full.values())  # the experts are most of the model: the split matters
+    expected = expected_moe_shares(ref["held"], strategy_kwargs, devices)
     for result in results:
-        held = {name: n for name, (n, _) in result["held"].items()}
-        # ZeRO 2-3 (FSDP2: sharded at rest) also split each rank's experts over the d / e ranks holding them
-        z = devices // (e * p * strategy_kwargs.get("tensor_parallel_size", 1)) if zero >= 2 else 1
-        assert sum(n for name, n in held.items() if EXPERT in name) == experts // (e * p * z)
-        assert all(held[name] <= full[name] for name in held)
+        check_moe_share(result, expected)
 
 
 CASES = [(family, layout) for family in sorted(MOE_FAMILIES) for layout in LAYOUTS]
@@ -107,22 +103,48 @@ def test_gradient_clipping_takes_the_norm_over_every_expert(dist_pool):
 
 
 def fit_with_expert_load() -> dict:
+    """Mixtral at d2 e2, 2 steps, with ExpertLoad; beside it each step's tokens per expert on this rank,
+    by layer, counted here from each router's logits (its top-k taken again), not from the exchange."""
+    import functools
+
     import lightning.pytorch as L
+    import torch
 
     from lightning_ptdp.callbacks import ExpertLoad
     from tests.fit_utils import fit_and_record
 
     load = ExpertLoad()
     logged: list[dict] = []
+    chosen: list[dict[str, torch.Tensor]] = []
+    in_step: list[bool] = []
+
+    def count(name: str, router: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if in_step:  # output: (logits, weights, indices); the indices are not read
+            top = torch.topk(output[0], router.top_k, dim=-1).indices
+            chosen[-1][name] = chosen[-1].get(name, 0) + torch.bincount(top.flatten(), minlength=router.num_experts)
 
     class Logged(L.Callback):
+        def setup(self, trainer, pl_module, stage) -> None:
+            for name, module in pl_module.named_modules():
+                if name.endswith("mlp.gate"):
+                    module.register_forward_hook(functools.partial(count, name))
+
+        def on_train_batch_start(self, *args) -> None:  # not setup's probe forward
+            chosen.append({})
+            in_step.append(True)
+
         def on_train_batch_end(self, trainer, *args) -> None:
             logged.append(dict(load.metrics))
+            in_step.clear()
 
     fit_and_record(
         "hf_mixtral", strategy_kwargs={"expert_parallel_size": 2}, devices=2, steps=2, callbacks=[load, Logged()]
     )
-    return {"history": [{k: v.tolist() for k, v in step.items()} for step in load.history], "logged": logged}
+    return {
+        "history": [{k: v.tolist() for k, v in step.items()} for step in load.history],
+        "logged": logged,
+        "chosen": [{k: v.tolist() for k, v in step.items()} for step in chosen],
+    }
 
 
 @pytest.mark.world_size(2)
@@ -130,12 +152,18 @@ def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool):
     routed = 8 * 32 * 2  # global batch x sequence x top-2: every (token, expert) row, counted once
     hidden, fp32 = 32, 4
     local_rows = routed // 2  # one rank's rows; the most it can send off-rank in a forward, then take back
-    for result in dist_pool(2).run(fit_with_expert_load):
-        assert len(result["history"]) == 2 and len(result["logged"]) == 2
-        for step, logged in zip(result["history"], result["logged"]):
-            assert len(step) == 2 and all(sum(counts) == routed for counts in step.values())
-            worst = max(max(c) / (sum(c) / len(c)) for c in step.values())
-            assert logged["moe/imbalance"] == pytest.approx(worst) and worst >= 1.0
+    results = dist_pool(2).run(fit_with_expert_load)
+    for index in range(2):
+        # the routers' own choices, both ranks' tokens summed, layer by layer (names sort by layer alike)
+        chosen = [result["chosen"][index] for result in results]
+        by_router = [[a + b for a, b in zip(chosen[0][name], chosen[1][name])] for name in sorted(chosen[0])]
+        assert len(by_router) == 2 and all(sum(counts) == routed for counts in by_router)
+        worst = max(max(c) / (sum(c) / len(c)) for c in by_router)
+        for result in results:
+            assert len(result["history"]) == 2 and len(result["logged"]) == 2
+            step, logged = result["history"][index], result["logged"][index]
+            assert [step[name] for name in sorted(step)] == by_router
+            assert logged["moe/imbalance"] == pytest.approx(worst)
             assert 0 < logged["moe/all_to_all_bytes"] <= 2 * len(step) * 2 * local_rows * hidden * fp32
 
 
@@ -250,7 +278,7 @@ def expert_optimizer_state(devices: int, e: int) -> dict:
 
 @pytest.mark.world_size(4)
 def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_on_another_layout(dist_pool, tmp_path):
-    """d4 e2 ZeRO-1: each rank holds Adam moments for about 1/d of the experts (its 1/e of them,
+    """d4 e2 ZeRO-1: each rank holds Adam moments for 1/d of the experts (its 1/e of them,
     sharded over the d/e ranks holding them) and 1/d of the rest; saved there (sharded and full),
     resumed at d2 e2 without ZeRO and at d4 e2 ZeRO-1, the losses continue as if uninterrupted."""
     held = dist_pool(4).run(expert_optimizer_state, 4, 2)
@@ -258,7 +286,9 @@ def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_
     ref = _reference("hf_mixtral")["held"]
     assert experts == sum(n for name, (n, _) in ref.items() if EXPERT in name)  # every expert's moments once
     assert dense == sum(n for name, (n, _) in ref.items() if EXPERT not in name)  # every dense moment once
-    assert max(h["experts"] for h in held) <= 1.5 * experts / 4
+    # exactly 1/d: torch's greedy split, largest first, of a rank's [gate_up, down] x 2 layers (sizes
+    # 2u, 2u, u, u) over the 2 ranks holding the same experts gives each 2u + u
+    assert [h["experts"] for h in held] == [experts // 4] * 4
     from tests.distributed.test_resume import assert_same_training_state
 
     end = str(tmp_path / "end.ckpt")
