@@ -10,7 +10,8 @@ rank sends to the other ranks times H x 4 bytes (its own rows stay), forward and
 traffic chapter's formula: each token's hidden state goes out to its k experts and comes back,
 (e-1)/e of it off-rank, forward and backward: 4 N k (e-1)/e H b per layer for N tokens on the rank,
 uniform routing. "routed": the same with this step's routing (the rows each rank sends to experts
-it does not hold, and receives for its own), which the measured bytes must equal exactly.
+it does not hold, and receives for its own), the tokens per expert counted apart from the exchange:
+each router's top-k taken again from its logits on the step's input. The measured bytes must equal it.
 Memory: bytes in use in glibc's malloc at rest after step 2's optimizer step minus before the model
 (as bench_memory.py), against 16 bytes per parameter held (weights, gradients, Adam moments).
 Time: seconds per step after warm-up. One unrecorded run first (a fresh pool's first fit allocates
@@ -69,13 +70,28 @@ class MixtralLM(L.LightningModule):
 
 
 class CountBytes(L.Callback):
-    """Rows sent to other ranks by float all_to_all_single calls during training step ``step``."""
+    """Rows sent to other ranks by float all_to_all_single calls during training step ``step``, and
+    that step's tokens per expert by layer from the routers' own logits (``routed``)."""
 
     def __init__(self, step: int) -> None:
         self.step, self.sent, self.counting = step, 0, False
+        self.routed: dict[str, torch.Tensor] = {}
+
+    def _route(self, name: str, router: torch.nn.Module, args: Any, output: Any) -> None:
+        """Mixtral's router returns (logits, weights, indices): the top-k is taken again from the logits."""
+        if self.counting and router.training:
+            top = torch.topk(output[0], router.top_k, dim=-1).indices
+            counts = torch.bincount(top.flatten(), minlength=router.num_experts)
+            self.routed[name] = self.routed.get(name, 0) + counts
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import functools
+
         import torch.distributed as dist
+
+        for name, module in pl_module.named_modules():
+            if name.endswith("mlp.gate"):
+                module.register_forward_hook(functools.partial(self._route, name))
 
         original = dist.all_to_all_single
 
@@ -96,9 +112,6 @@ class CountBytes(L.Callback):
         self.counting = trainer.global_step == self.step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        report = trainer.strategy.expert_report  # None at e = 1
-        if self.counting and report is not None:
-            self.routed = {k: v.clone() for k, v in report.stats.tokens_per_expert.items()}
         self.counting = False
 
 
@@ -146,7 +159,7 @@ def fit(e: int, steps: int, warmup: int, model: dict, shape: dict) -> dict:
     held = sum(p.numel() for p in net.parameters())
     return {
         "sent_bytes": count.sent,
-        "routed": {k: v.tolist() for k, v in getattr(count, "routed", {}).items()},
+        "routed": {k: v.tolist() for k, v in count.routed.items()},
         "memory_at_rest": memory.result.get("allocator_at_rest"),
         "params_held": held,
         "expert_params_held": experts,
@@ -241,7 +254,8 @@ def markdown(result: dict) -> str:
   {s["rounds"]} rounds of e = 1, 2, 4, the order reversed every other round.
 - Bytes: what each rank's float `all_to_all_single` calls send to other ranks in one step (forward
   and backward), from their split sizes; the routed formula is the same traffic computed from the
-  step's routing counts, the uniform one the traffic chapter's 4 N k (e-1)/e H b per layer.
+  tokens per expert of each router's top-k on the step's input (counted by a hook on the router, not
+  by the exchange), the uniform one the traffic chapter's 4 N k (e-1)/e H b per layer.
 - Memory: glibc malloc in use at rest after step 2, minus before the model (bench_memory.py's
   measure); formula: 16 bytes per parameter the rank holds.
 
