@@ -270,9 +270,19 @@ def markdown(result: dict) -> str:
   per parameter, as in the memory section); at e > 1 DDP leaves the experts out (they average over
   their own group), so the measured share of e = 1 falls below the formula's. Time: on this shared
   2-core CPU the exchange (two all-to-alls per layer and their count exchanges, forward and
-  backward) costs more than holding fewer experts saves: the experts' FLOPs per token do not change
+  backward) {_time_verdict(result)}: the experts' FLOPs per token do not change
   with e, only their memory does.
 """
+
+
+def _time_verdict(result: dict) -> str:
+    """What the rounds' step-time ratios (e = 2 and 4 over e = 1) show, in words."""
+    ratios = (result["step_time_e2_over_e1"], result["step_time_e4_over_e1"])
+    if all(r["min"] > 1 for r in ratios):
+        return "costs more than holding fewer experts saves"
+    if all(r["max"] < 1 for r in ratios):
+        return "costs less than holding fewer experts saves"
+    return "costs about what holding fewer experts saves (the rounds' ratios fall on both sides of 1)"
 
 
 def main() -> None:
