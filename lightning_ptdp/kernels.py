@@ -131,8 +131,8 @@ KERNELS: tuple[str, ...] = ("attention", "bias_gelu")
 """What the router routes: SDPA calls to flash_attention, Linear->GeLU pairs to bias_gelu."""
 
 MEASURED_FASTER: dict[str, frozenset[str]] = {
-    # GPT 1.3B, bf16-mixed, one H100 (benchmarks/RESULTS.md, section gpu-suite, 2026-11-24): ptdp with torch's
-    # kernels ran at 0.990 of plain Lightning, with the Triton bias-GeLU at 0.973, with both kernels at 0.921
+    # one H100 (benchmarks/RESULTS.md, section gpu-suite): neither Triton kernel beat torch's end to end, in one
+    # unrepeated run that predates the suite's alternated rounds and its verdict
     "sm90": frozenset(),
 }
 """Per device class (``device_class``), the kernels that the GPU suite's training part measured faster end
