@@ -378,6 +378,9 @@ class DeferredCausalLM(CausalLM):
             self.net = self.build()
 
 
+TINY = "tiny:"  # "tiny:<model_type>": tests/tiny_configs.py's config of that transformers architecture
+
+
 def build_model(family: str, **overrides) -> L.LightningModule:
     """A fresh LightningModule of the named family (module-level, so spawned ranks can call it)."""
     if family == "gpt":
@@ -396,6 +399,10 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return MoEWithBalancingLoss(REAL_FAMILIES["hf_mixtral"](**overrides))
     if family in REAL_FAMILIES:
         return CausalLM(REAL_FAMILIES[family](**overrides))
+    if family.startswith(TINY):  # any transformers causal LM at a tiny config (benchmarks/sweep_transformers.py)
+        from tests.tiny_configs import build_tiny
+
+        return CausalLM(build_tiny(family.removeprefix(TINY)))
     if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths
         from tests.hf_models import build_hf_model
 

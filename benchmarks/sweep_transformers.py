@@ -1,0 +1,438 @@
+"""Every transformers causal LM at a tiny config, at each layout, against one process (coverage table).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.sweep_transformers [--families 'llama,qwen*'] [--layouts d2,t2]
+        [--sample N] [--quick] [--timeout S] [--out sweep.json] [--results benchmarks/RESULTS.md]
+
+Configs: tests/tiny_configs.py. A cell trains one architecture at one layout on 2 gloo ranks (one pool for the
+sweep) and is checked as the conformance matrix checks (tests/distributed/test_real_models.py), then classified
+(OUTCOMES); a cell that raises, hangs or breaks the pool is recorded, never stops the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import json
+import logging
+import random
+import signal
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from benchmarks.results import code_version, cpu_description, today, write_section
+from tests.distributed.test_context_parallel import LAYOUTS as CP_LAYOUTS
+from tests.distributed.test_expert_parallel import LAYOUTS as EP_LAYOUTS
+from tests.distributed.test_real_models import GRAD_REL, LOSS_RTOL, STEPS, UPDATE_REL
+from tests.distributed.test_real_models import LAYOUTS as MATRIX_LAYOUTS
+from tests.models import TINY
+
+SECTION = "sweep_transformers"
+# (strategy arguments, devices), each the conformance matrices' own; d2-e2 only where a model has experts
+LAYOUTS = {
+    **{name: MATRIX_LAYOUTS[name] for name in ("d2", "t2", "t2-sp", "p2")},
+    "c2": CP_LAYOUTS["c2"],
+    "d2-e2": EP_LAYOUTS["d2-e2"],
+}
+EXPERT_LAYOUTS = ("d2-e2",)
+# worst first: the order of the counts' columns
+OUTCOMES = {
+    "mismatch": "trained, but losses, gradients or weights differ from one process",
+    "unsharded": "equal to one process, but a rank holds more than the layout's share, with no warning",
+    "exception": "raised an error ptdp did not write (at setup or in a step), or a rank died",
+    "hung": "no result within the cell's timeout: killed",
+    "warned": "equal to one process, a rank holds more than its share, and ptdp warned",
+    "refused": "ptdp refused at setup with its own error (first line recorded)",
+    "build_failure": "the tiny config, its model or the one-process run failed: nothing to compare",
+    "excluded": "not a decoder-only text model, or not deterministic in training",
+    "ok": "equal to one process at fp32, each rank holding the layout's share",
+}
+SAMPLE_SEED = 0
+DEFAULT_TIMEOUT_S = 300.0
+HEALTH_TIMEOUT = timedelta(seconds=30)  # ranks that all came back meet here; one stuck in a collective does not
+REASON_CHARS = 240
+CAUSAL_ATOL = 1e-5  # a masked position moves a logit by round-off at most; a bidirectional model by ~1e-1
+_HEALTH: dict[str, Any] = {}
+
+
+class _Started(L.Callback):
+    """Marks the end of setup: the first optimizer step is done (ptdp reads some of the model, the
+    attention sites context parallelism splits, in the first forward)."""
+
+    started = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.started = True
+
+
+@contextlib.contextmanager
+def ptdp_warnings():
+    """The warnings ptdp logged or raised (first lines) while the block ran."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage().splitlines()[0])
+
+    handler, logger = Collect(level=logging.WARNING), logging.getLogger("lightning_ptdp")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+        seen += [str(w.message).splitlines()[0] for w in caught if "lightning_ptdp" in w.filename]
+    finally:
+        logger.removeHandler(handler)
+
+
+def quiet() -> None:
+    """Only errors from transformers and Lightning: a sweep's log is its cells."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def run_cell(model_type: str, strategy_kwargs: dict, devices: int, steps: int) -> dict:
+    """On every rank: ``fit_and_record`` of the tiny model, or where it failed. Ranks that all return meet
+    at a barrier on a group of their own; a rank that cannot (a peer stuck in a collective) raises, and
+    the pool is replaced."""
+    import torch.distributed as dist
+
+    from tests.fit_utils import fit_and_record
+
+    if "group" not in _HEALTH:  # every rank's first cell, before anything can fail
+        _HEALTH["group"] = dist.new_group(backend="gloo", timeout=HEALTH_TIMEOUT)
+        quiet()
+    started = _Started()
+    with ptdp_warnings() as warned:
+        try:
+            result = fit_and_record(
+                TINY + model_type, strategy_kwargs=strategy_kwargs, devices=devices, steps=steps, callbacks=[started]
+            )
+        except Exception as error:  # noqa: BLE001 - the cell's outcome
+            result = {"error": describe_failure(error, started.started)}
+    result["warnings"] = sorted(set(warned))
+    try:
+        dist.barrier(group=_HEALTH["group"])
+    except Exception as error:  # noqa: BLE001 - a peer did not come back: this pool is done
+        raise RuntimeError(f"a peer never returned; this rank's cell: {result.get('error', 'ok')}") from error
+    return result
+
+
+def describe_failure(error: BaseException, started: bool) -> dict:
+    """Where and how a cell failed: the phase, whether ptdp itself raised it, the first line, and the
+    innermost frames of ptdp and of the model (the op or idiom that failed)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    message = (str(error).strip().splitlines() or [""])[0]
+
+    def last(part: str) -> str:
+        frame = next((f for f in reversed(frames) if part in f.filename), None)
+        return "" if frame is None else f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+
+    raised_by_ptdp = bool(frames) and "lightning_ptdp" in frames[-1].filename
+    return {
+        "phase": "step" if started else "setup or first step",
+        "refusal": raised_by_ptdp and not started,
+        "first_line": f"{type(error).__name__}: {message}",
+        "at": f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "",
+        "ptdp": last("lightning_ptdp"),
+        "model": last("transformers/models"),
+    }
+
+
+def failure_reason(failure: dict) -> str:
+    where = "; ".join(f"{k} {failure[k]}" for k in ("at", "ptdp", "model") if failure.get(k))
+    return f"{failure['phase']}: {failure['first_line']}" + (f" [{where}]" if where else "")
+
+
+def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[str, str]:
+    """(outcome, reason) of a cell whose ranks all returned."""
+    from tests.fit_utils import assert_ranks_match_reference
+    from tests.shares import check_moe_share, check_share, expected_moe_shares, expected_shares
+
+    failures = [r["error"] for r in results if "error" in r]
+    if failures:
+        first = failures[0]
+        refused = len(failures) == len(results) and all(f["refusal"] for f in failures)
+        return ("refused", first["first_line"]) if refused else ("exception", failure_reason(first))
+    warned = sorted({w for r in results for w in r["warnings"]})
+    strategy_kwargs, devices = LAYOUTS[layout]
+    try:
+        assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
+    except Exception as error:  # noqa: BLE001 - AssertionError, or a KeyError on a missing name
+        return "mismatch", assertion_text(error)
+    try:
+        if moe:
+            expected = expected_moe_shares(routed_only(ref["held"]), strategy_kwargs, devices)
+            for result in results:
+                check_moe_share({**result, "held": routed_only(result["held"])}, expected)
+        else:
+            expected = expected_shares(ref["held"], strategy_kwargs, devices)
+            for result in results:
+                check_share(result, expected, ref)
+    except AssertionError as error:
+        share = assertion_text(error)
+        return ("warned", f"{share}; warned: {warned[0]}") if warned else ("unsharded", share)
+    return "ok", "; ".join(warned)
+
+
+def routed_only(held: dict) -> dict:
+    """Shared experts (DeepSeek's ``mlp.shared_experts``) named as the dense MLPs they are: every token
+    runs them and no layout splits them over e, but tests/shares.py's EXPERT substring matches them."""
+    return {name.replace("shared_experts.", "shared_mlp."): value for name, value in held.items()}
+
+
+def assertion_text(error: BaseException) -> str:
+    """The assertion's message, or the asserting line where it has none (a bare ``assert a == b``)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    if text:
+        return f"{type(error).__name__}: {text}" if not isinstance(error, AssertionError) else text
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"assert failed: {frames[-1].line}" if frames else type(error).__name__
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TimeoutError in this (main) thread after ``seconds``: the one-process run's per-cell timeout."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"no result within {seconds:.0f}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def reference(model_type: str, steps: int, timeout: float) -> tuple[dict | None, str]:
+    """The one-process run (fit_and_record's reference), or why there is none: the tiny model did not
+    build, its training forward is random (random routing, a dropout the table missed) or not causal
+    (a bidirectional encoder), or the run failed."""
+    import torch
+
+    from tests.fit_utils import fit_and_record
+    from tests.models import build_model
+
+    stage = "tiny config"
+    try:
+        with time_limit(timeout):
+            model = build_model(TINY + model_type).train()
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                logits = model.logits(ids)
+                if not torch.equal(logits, model.logits(ids)):
+                    return None, "excluded: two training forwards of one batch differ (random routing or dropout)"
+                other_last = torch.cat([ids[:, :-1], (ids[:, -1:] + 1) % 64], dim=1)
+                if not torch.allclose(logits[:, :-1], model.logits(other_last)[:, :-1], rtol=0, atol=CAUSAL_ATOL):
+                    return None, "excluded: not causal, earlier positions' logits depend on the last token"
+            stage = "one process"
+            return fit_and_record(TINY + model_type, steps=steps), ""
+    except Exception as error:  # noqa: BLE001 - the family's outcome
+        return None, f"build_failure: {stage}: {failure_reason(describe_failure(error, stage != 'tiny config'))}"
+
+
+class Pools:
+    """One DistributedPool per world size, alive across cells; replaced only after a cell broke it."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.started = 0
+
+    def get(self, world_size: int) -> Any:
+        from lightning_ptdp.testing import DistributedPool
+
+        if self.pool is not None and (self.pool.world_size != world_size or not self.pool.alive):
+            self.pool.close(force=not self.pool.alive)
+            self.pool = None
+        if self.pool is None:
+            self.pool, self.started = DistributedPool(world_size), self.started + 1
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def run_layout(pools: Pools, model_type: str, layout: str, ref: dict, moe: bool, steps: int, timeout: float) -> dict:
+    from lightning_ptdp.testing import RankFailure
+
+    strategy_kwargs, devices = LAYOUTS[layout]
+    start = time.monotonic()
+    try:
+        results = pools.get(devices).run(run_cell, model_type, strategy_kwargs, devices, steps, timeout=timeout)
+        outcome, reason = classify(results, ref, layout, moe)
+    except RankFailure as failure:  # the pool is closed: the next cell starts a new one
+        text = str(failure)
+        outcome = "hung" if "no result within" in text or "still running" in text else "exception"
+        reason = rank_failure_reason(text)
+    return {"outcome": outcome, "reason": reason, "seconds": round(time.monotonic() - start, 1)}
+
+
+def rank_failure_reason(text: str) -> str:
+    """The first failed rank's last line: its error, or why the pool gave up on it."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    ranks = [i for i, line in enumerate(lines) if line.startswith("--- rank")]
+    body = lines[ranks[0] + 1 :] if ranks else lines
+    body = body[: ranks[1] - ranks[0] - 1] if len(ranks) > 1 else body
+    return f"{lines[ranks[0]].strip('- ')}: {body[-1]}" if ranks and body else lines[0]
+
+
+def select(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The architectures to sweep, and the reason each excluded one among them is out."""
+    from tests.tiny_configs import causal_lm_names, exclusion
+
+    names = sorted(causal_lm_names())
+    if args.families:
+        patterns = args.families.split(",")
+        names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    excluded = {name: reason for name in names if (reason := exclusion(name))}
+    if args.sample:
+        eligible = [n for n in names if n not in excluded]
+        names = sorted(random.Random(SAMPLE_SEED).sample(eligible, min(args.sample, len(eligible))))
+        excluded = {}
+    return names, excluded
+
+
+def sweep(args: argparse.Namespace) -> dict:
+    from tests.shares import EXPERT
+    from tests.tiny_configs import causal_lm_names
+
+    names, excluded = select(args)
+    steps = 1 if args.quick else STEPS
+    classes, pools, families = causal_lm_names(), Pools(), {}
+    try:
+        for name in names:
+            cells: dict[str, dict] = {}
+            ref, why = (
+                (None, f"excluded: {excluded[name]}") if name in excluded else reference(name, steps, args.timeout)
+            )
+            moe = ref is not None and any(EXPERT in key for key in ref["held"])
+            for layout in args.layouts:
+                if layout in EXPERT_LAYOUTS and not moe and ref is not None:
+                    continue  # no experts to split
+                if ref is None:
+                    outcome, _, reason = why.partition(": ")
+                    cells[layout] = {"outcome": outcome, "reason": reason, "seconds": 0.0}
+                else:
+                    cells[layout] = run_layout(pools, name, layout, ref, moe, steps, args.timeout)
+                print(
+                    f"{name:28} {layout:6} {cells[layout]['outcome']:13} {cells[layout]['reason'][:150]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            families[name] = {"class": classes[name], "moe": moe, "cells": cells}
+    finally:
+        pools.close()
+    return {"families": families, "steps": steps, "pools_started": pools.started}
+
+
+def counts(record: dict) -> dict[str, dict[str, int]]:
+    """layout -> outcome -> number of cells."""
+    table: dict[str, dict[str, int]] = {layout: dict.fromkeys(OUTCOMES, 0) for layout in record["layouts"]}
+    for family in record["families"].values():
+        for layout, cell in family["cells"].items():
+            table[layout][cell["outcome"]] += 1
+    return table
+
+
+def _cell_text(text: str) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def render(record: dict) -> str:
+    layouts, table = record["layouts"], counts(record)
+    lines = [
+        "## Sweep: every transformers causal LM at each layout against one process",
+        "",
+        f"- {record['date']}, transformers {record['transformers']}, torch {record['torch']}, {record['cpu']}.",
+        f"- `{record['command']}`: {len(record['families'])} of {record['registered']} architectures in "
+        f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; tiny configs from tests/tiny_configs.py; {record['steps']} steps, "
+        f"fp32, 2 gloo ranks; losses {LOSS_RTOL:g} relative, first gradients {GRAD_REL:g}, weights {UPDATE_REL:g} "
+        f"of their update, then each rank's share (tests/shares.py); {record['minutes']:.1f} min, "
+        f"{record['pools_started']} pool(s) started.",
+        "",
+        "| layout | " + " | ".join(OUTCOMES) + " | cells |",
+        "|---" * (len(OUTCOMES) + 2) + "|",
+    ]
+    for layout in layouts:
+        row = table[layout]
+        lines.append(f"| {layout} | " + " | ".join(str(row[o]) for o in OUTCOMES) + f" | {sum(row.values())} |")
+    total = {o: sum(table[layout][o] for layout in layouts) for o in OUTCOMES}
+    lines.append("| all | " + " | ".join(str(total[o]) for o in OUTCOMES) + f" | {sum(total.values())} |")
+    lines += ["", "Outcomes: " + "; ".join(f"**{o}**: {text}" for o, text in OUTCOMES.items()) + ".", ""]
+    lines += ["| architecture | " + " | ".join(layouts) + " |", "|---" * (len(layouts) + 1) + "|"]
+    for name, family in record["families"].items():
+        cells = [family["cells"].get(layout, {}).get("outcome", "-") for layout in layouts]
+        lines.append(f"| {name}{' (MoE)' if family['moe'] else ''} | " + " | ".join(cells) + " |")
+    lines += ["", "Every cell that is not ok, with its reason:", ""]
+    lines += ["| architecture | layout | outcome | reason |", "|---|---|---|---|"]
+    for name, family in record["families"].items():
+        for layout, cell in family["cells"].items():
+            if cell["outcome"] != "ok":
+                lines.append(f"| {name} | {layout} | {cell['outcome']} | {_cell_text(cell['reason'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="", help="comma list of model types or globs (default: all)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--sample", type=int, default=0, help=f"N architectures drawn with seed {SAMPLE_SEED}")
+    parser.add_argument("--quick", action="store_true", help="1 training step per cell instead of the matrix's")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+    parser.add_argument("--out", type=Path, default=None, help="JSON record (default: not written)")
+    parser.add_argument("--results", type=Path, default=None, help="RESULTS.md to write the section into")
+    args = parser.parse_args(argv)
+    args.layouts = args.layouts.split(",")
+    unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layouts {unknown}: choose from {list(LAYOUTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import os
+
+    import torch
+    import transformers
+
+    from tests.tiny_configs import causal_lm_names
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it
+    quiet()
+    args = parse(argv)
+    commit, start = code_version(), time.monotonic()
+    record = {
+        "date": today(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "cpu": cpu_description(),
+        "command": "python -m benchmarks.sweep_transformers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "registered": len(causal_lm_names()),
+        "layouts": args.layouts,
+        **sweep(args),
+    }
+    record["minutes"] = (time.monotonic() - start) / 60
+    record["counts"] = counts(record)
+    if args.out is not None:
+        args.out.write_text(json.dumps(record, indent=1))
+    kwargs = {"path": args.results} if args.results is not None else {}
+    write_section(SECTION, render(record), commit=commit, **kwargs)
+    return record
+
+
+if __name__ == "__main__":
+    main()
