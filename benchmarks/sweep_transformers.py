@@ -124,7 +124,8 @@ def run_cell(model_type: str, strategy_kwargs: dict, devices: int, steps: int) -
     try:
         dist.barrier(group=_HEALTH["group"])
     except Exception as error:  # noqa: BLE001 - a peer did not come back: this pool is done
-        raise RuntimeError(f"a peer never returned; this rank's cell: {result.get('error', 'ok')}") from error
+        own = failure_reason(result["error"]) if "error" in result else "returned"
+        raise RuntimeError(f"a peer never returned from the cell; this rank {own}") from error
     return result
 
 
@@ -151,7 +152,8 @@ def describe_failure(error: BaseException, started: bool) -> dict:
 
 def failure_reason(failure: dict) -> str:
     where = "; ".join(f"{k} {failure[k]}" for k in ("at", "ptdp", "model") if failure.get(k))
-    return f"{failure['phase']}: {failure['first_line']}" + (f" [{where}]" if where else "")
+    phase = f"{failure['phase']}: " if failure["phase"] else ""
+    return f"{phase}{failure['first_line']}" + (f" [{where}]" if where else "")
 
 
 def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[str, str]:
@@ -240,7 +242,8 @@ def reference(model_type: str, steps: int, timeout: float) -> tuple[dict | None,
             stage = "one process"
             return fit_and_record(TINY + model_type, steps=steps), ""
     except Exception as error:  # noqa: BLE001 - the family's outcome
-        return None, f"build_failure: {stage}: {failure_reason(describe_failure(error, stage != 'tiny config'))}"
+        failure = describe_failure(error, started=False)
+        return None, f"build_failure: {stage}: {failure_reason({**failure, 'phase': ''})}"
 
 
 class Pools:
@@ -275,18 +278,18 @@ def run_layout(pools: Pools, model_type: str, layout: str, ref: dict, moe: bool,
         outcome, reason = classify(results, ref, layout, moe)
     except RankFailure as failure:  # the pool is closed: the next cell starts a new one
         text = str(failure)
-        outcome = "hung" if "no result within" in text or "still running" in text else "exception"
         reason = rank_failure_reason(text)
+        outcome = "hung" if "no result within" in reason else "exception"
     return {"outcome": outcome, "reason": reason, "seconds": round(time.monotonic() - start, 1)}
 
 
 def rank_failure_reason(text: str) -> str:
-    """The first failed rank's last line: its error, or why the pool gave up on it."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    ranks = [i for i, line in enumerate(lines) if line.startswith("--- rank")]
-    body = lines[ranks[0] + 1 :] if ranks else lines
-    body = body[: ranks[1] - ranks[0] - 1] if len(ranks) > 1 else body
-    return f"{lines[ranks[0]].strip('- ')}: {body[-1]}" if ranks and body else lines[0]
+    """A failed rank's last line, preferring a rank that raised to one the pool killed while it waited."""
+    blocks = [block.strip().splitlines() for block in text.split("--- rank ")[1:]]
+    said = [(lines[0].strip("- "), lines[-1].strip()) for lines in blocks if lines]
+    raised = [(rank, last) for rank, last in said if "no result within" not in last and "still running" not in last]
+    rank, last = (raised or said or [("", text.strip().splitlines()[0])])[0]
+    return f"{rank}: {last}" if rank else last
 
 
 def select(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -320,8 +323,8 @@ def sweep(args: argparse.Namespace) -> dict:
             )
             moe = ref is not None and any(EXPERT in key for key in ref["held"])
             for layout in args.layouts:
-                if layout in EXPERT_LAYOUTS and not moe and ref is not None:
-                    continue  # no experts to split
+                if layout in EXPERT_LAYOUTS and not moe:
+                    continue  # no experts to split (or no model to look for them in)
                 if ref is None:
                     outcome, _, reason = why.partition(": ")
                     cells[layout] = {"outcome": outcome, "reason": reason, "seconds": 0.0}
