@@ -39,7 +39,8 @@ from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.resume import resume_dataloader
 from lightning_ptdp.context_parallel import whole_outputs
-from lightning_ptdp.core.dims import ParallelDims, init_process_group, process_group_failed
+from lightning_ptdp.core.dims import ParallelDims, init_process_group
+from lightning_ptdp.core.shutdown import process_group_failed
 from lightning_ptdp.expert_parallel import check_ep_plan
 from lightning_ptdp.faults.nonfinite import check_grad_scaler
 from lightning_ptdp.faults.records import FailureRecords

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_ptdp.config import ParallelConfig, check_positive_int
+from lightning_ptdp.core.shutdown import take_down_groups_at_exit
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 CP_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -154,12 +155,9 @@ class ParallelDims:
         return grid.reshape(-1, grid.shape[-1]).tolist()
 
 
-_AT_EXIT = {"registered": False, "failed": False}
-
-
 def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
-    """Lightning's process-group start; a group created here is destroyed at exit (not a caller's,
-    e.g. a test pool's, which was already initialized)."""
+    """Lightning's process-group start; the groups are taken down at exit if the default group was
+    created here (not a caller's, e.g. a test pool's, which was already initialized)."""
     from lightning.fabric.utilities.distributed import _init_dist_connection
 
     kwargs: dict[str, Any] = {"timeout": timeout}
@@ -168,31 +166,4 @@ def init_process_group(cluster_environment: Any, backend: str, timeout: Any, dev
     created = not torch.distributed.is_initialized()
     _init_dist_connection(cluster_environment, backend, **kwargs)
     if created:
-        destroy_process_group_at_exit()
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit, while the interpreter is still whole.
-
-    Left to finalisation, gloo's worker threads may still hold work objects whose tensors keep
-    Python references; destroying those once the interpreter is being torn down aborts the process
-    ("terminate called without an active exception", SIGABRT: exit code 134) after a run that
-    succeeded. Called by whoever initialised the group (the strategy, in the launched processes);
-    not after a failed run (``process_group_failed``), where a collective may still wait on a peer
-    that is gone and the exit code is non-zero anyway."""
-    import atexit
-
-    if not _AT_EXIT["registered"]:
-        _AT_EXIT["registered"] = True
-        atexit.register(_destroy_at_exit)
-
-
-def process_group_failed() -> None:
-    _AT_EXIT["failed"] = True
-
-
-def _destroy_at_exit() -> None:
-    import torch.distributed as dist
-
-    if not _AT_EXIT["failed"] and dist.is_initialized():
-        dist.destroy_process_group()
+        take_down_groups_at_exit()
