@@ -48,6 +48,8 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         if any(path.startswith(f"{p}.") for p, _ in found):
             continue
         children = container_children(module)
+        if any(child is None for child in children):  # a list of optional modules (norms left out), not blocks
+            continue
         same_type = len({type(c) for c in children}) == 1 and not is_container(children[0])
         if same_type and sum(is_linear_like(m) for m in children[0].modules()) >= 2:
             found.append((path, children))

@@ -76,6 +76,15 @@ def test_block_containers_of_every_kind_are_found():
     assert find_block_lists(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])) == []
 
 
+def test_a_module_list_with_empty_slots_is_passed_over_not_a_crash():
+    # optional per-layer modules kept as None in a ModuleList (a norm only some layers have), beside the blocks
+    model = nn.ModuleDict(
+        {"norms": nn.ModuleList([None, Conv1DBlock(), None]), "h": nn.ModuleList([Conv1DBlock()] * 2)}
+    )
+    assert [(p, len(b)) for p, b in find_block_lists(model)] == [("h", 2)]
+    assert find_block_lists(nn.ModuleList([None, None])) == []
+
+
 def test_conv1d_is_linear_like_by_shape_not_import():
     assert is_linear_like(Conv1D(4, 2)) and is_linear_like(nn.Linear(2, 4))
     fake = Conv1D(4, 2)
