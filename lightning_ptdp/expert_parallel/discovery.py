@@ -90,11 +90,24 @@ class ExpertsSite:
 def stacked_experts(module: nn.Module, *, need_3d: bool = True) -> Optional[int]:
     """``n_experts`` when ``module`` holds experts stacked: its parameters (its children's too; at
     least one 3D unless named by ep_plan) all lead with the same size >= 2; else None."""
+    if any(_torch_layer(m) for m in module.modules()):  # torch defines what its layers' dims mean (a depthwise
+        return None  # conv's [C, 1, k] leads with channels): experts are stacked by the model's own modules
     params = list(module.parameters())
     leading = {p.shape[0] for p in params if p.dim() >= 1}
     if not params or len(leading) != 1 or (need_3d and not any(p.dim() == 3 for p in params)) or min(leading) < 2:
         return None
     return leading.pop()
+
+
+def _torch_layer(module: nn.Module) -> bool:
+    """A layer of torch.nn with a forward of its own and parameters of its own (Conv1d, Linear, Embedding,
+    norms...): not nn.Module itself nor a container such as ParameterList."""
+    cls = type(module)
+    return (
+        cls.__module__.startswith("torch.nn.modules.")
+        and cls.forward is not nn.Module.forward
+        and any(True for _ in module.parameters(False))
+    )
 
 
 def _slots(args: tuple, kwargs: dict) -> list[tuple[ArgSlot, Any]]:

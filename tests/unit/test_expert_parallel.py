@@ -10,6 +10,7 @@ import torch.nn as nn
 from lightning_ptdp import ParallelConfig
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.expert_parallel import EPGroup, ExpertDiscoveryError, apply_expert_parallel, find_experts
+from lightning_ptdp.expert_parallel.discovery import stacked_experts
 
 
 class StackedExperts(nn.Module):
@@ -335,3 +336,15 @@ def test_ep_plan_keys_must_match_modules_and_name_the_right_kind():
         find_experts(net, lambda: None, {"moe": "experts"})
     with pytest.raises(ExpertDiscoveryError, match=r"ep_plan\['moe.scores'\]='expert_list', but 'moe.scores'"):
         find_experts(net, lambda: None, {"moe.scores": "expert_list"})
+
+
+def test_a_depthwise_convolution_is_not_taken_for_stacked_experts():
+    # a short convolution over the sequence (mamba, linear attention): its weight [C, 1, k] leads with channels
+    conv = nn.Conv1d(8, 8, kernel_size=3, groups=8)
+    assert stacked_experts(conv) is None
+    holder = nn.Module()
+    holder.conv = conv
+    assert stacked_experts(holder) is None
+    experts = nn.Module()  # the model's own module stacking experts stays one
+    experts.w = nn.Parameter(torch.zeros(4, 8, 16))
+    assert stacked_experts(experts) == 4
