@@ -27,6 +27,7 @@ def pip(*args: str) -> None:
 def installed(tmp_path_factory) -> Path:
     """The wheel built from a copy of the sources (no network, this environment's setuptools),
     installed with ``pip install --target``: the folder plays site-packages."""
+    before = checkout_status()
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
     source.mkdir()
@@ -38,7 +39,14 @@ def installed(tmp_path_factory) -> Path:
     pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "--wheel-dir", str(work / "dist"), str(source))
     (wheel,) = (work / "dist").glob("*.whl")
     pip("install", "--no-deps", "--no-index", "--target", str(work / "site"), str(wheel))
+    assert checkout_status() == before, "building the wheel wrote into the checkout (README.md is only read)"
     return work / "site"
+
+
+def checkout_status() -> str:
+    """``git status`` of the checkout (empty outside a git checkout): what a build may not change."""
+    proc = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
 
 
 @pytest.fixture(scope="module")
