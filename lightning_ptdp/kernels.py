@@ -109,7 +109,7 @@ def apply_kernels(
         routes, notes["attention"] = routes - {"attention"}, "attention stays on torch's SDPA under context parallelism"
     if not routes:
         return KernelReport(mode, "torch", reason="; ".join(dict.fromkeys(n for n in notes.values() if n)))
-    plan = _Plan.discover(module, route_attention="attention" in routes, route_bias_gelu="bias_gelu" in routes)
+    plan = _Plan.discover(module, routes)
     router = _KernelRouter(mode, plan.fused_linears, plan.names, route_attention="attention" in routes)
     for hooked in plan.hooked:  # no hook where nothing is routed
         router.hook(hooked)
@@ -198,11 +198,9 @@ class _OwnForwardTracer(fx.Tracer):
 class _Plan:
     """Which modules to hook and which Linears to fuse, found by tracing each module's own forward."""
 
-    def __init__(self, route_attention: bool = True, route_bias_gelu: bool = True) -> None:
-        self.route_attention = route_attention
-        """False: attention stays torch's, so a module is hooked only for its Linear->GeLU pairs."""
-        self.route_bias_gelu = route_bias_gelu
-        """False: the pairs stay torch's, so a module is hooked only for its attention."""
+    def __init__(self, routes: frozenset[str]) -> None:
+        self.routes = routes
+        """The ``KERNELS`` routed: a module is hooked only for those (its attention, its Linear->GeLU pairs)."""
         self.attention: list[str] = []
         self.pairs: list[str] = []
         self.skipped: list[tuple[str, str]] = []
@@ -211,8 +209,8 @@ class _Plan:
         self.names: dict[nn.Module, str] = {}
 
     @classmethod
-    def discover(cls, root: nn.Module, route_attention: bool = True, route_bias_gelu: bool = True) -> _Plan:
-        plan = cls(route_attention, route_bias_gelu)
+    def discover(cls, root: nn.Module, routes: frozenset[str]) -> _Plan:
+        plan = cls(routes)
         for name, module in root.named_modules():
             plan.names[module] = name or type(module).__name__
             if isinstance(module, _CONTAINERS) or _is_metric(module):
@@ -230,13 +228,13 @@ class _Plan:
         except Exception as err:  # noqa: BLE001 - any tracing failure only means "look at run time"
             first_sentence = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
             self.skipped.append((label, f"torch.fx could not trace it: {type(err).__name__}: {first_sentence}"))
-            if self.route_attention:  # its attention calls are routed at run time
+            if "attention" in self.routes:  # its attention calls are routed at run time
                 self.hooked.append(module)
             return
-        calls_attention = self.route_attention and any(
+        calls_attention = "attention" in self.routes and any(
             node.op == "call_function" and node.target is F.scaled_dot_product_attention for node in graph.nodes
         )
-        pairs = _linear_gelu_pairs(owner, graph) if self.route_bias_gelu else []
+        pairs = _linear_gelu_pairs(owner, graph) if "bias_gelu" in self.routes else []
         for linear_path, gelu_label in pairs:
             linear = owner.get_submodule(linear_path)
             self.fused_linears.append(linear)
