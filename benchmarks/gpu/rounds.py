@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from statistics import median
 
+from benchmarks.results import stats
+
 ROUNDS = 3
 """Alternated rounds of every variant: the median of 3 survives one disturbed round."""
 FIRST_LOSS_RTOL = 3e-5
@@ -30,14 +32,13 @@ def rotated(items: list, round_index: int) -> list:
 def summarise(row: dict) -> None:
     """Median, minimum, maximum and spread ((max - min) / median) over ``row["runs"]``."""
     runs = row["runs"]
-    tokens = [run["tokens_per_s"] for run in runs]
-    mid = median(tokens)
+    tokens = stats([run["tokens_per_s"] for run in runs])  # the one median-and-spread of every benchmark
     row.update(
-        rounds=len(runs),
-        tokens_per_s=mid,
-        tokens_per_s_min=min(tokens),
-        tokens_per_s_max=max(tokens),
-        spread=(max(tokens) - min(tokens)) / mid,
+        rounds=tokens["n"],
+        tokens_per_s=tokens["median"],
+        tokens_per_s_min=tokens["min"],
+        tokens_per_s_max=tokens["max"],
+        spread=(tokens["max"] - tokens["min"]) / tokens["median"],
         step_s=median(run["step_s"] for run in runs),
         first_loss=runs[0]["first_loss"],
         final_loss=runs[-1]["final_loss"],
@@ -55,8 +56,9 @@ def add_ratio(row: dict, base: dict, label: str) -> None:
     """``ratio_vs_<label>``: the median paired ratio, with its minimum and maximum."""
     ratios = paired_ratios(row, base)
     if ratios:
-        row[f"ratio_vs_{label}"] = median(ratios)
-        row[f"ratio_vs_{label}_range"] = [min(ratios), max(ratios)]
+        ratio = stats(ratios)
+        row[f"ratio_vs_{label}"] = ratio["median"]
+        row[f"ratio_vs_{label}_range"] = [ratio["min"], ratio["max"]]
 
 
 def measured_faster(by_name: dict[str, dict], candidates: dict[str, str]) -> list[str]:
