@@ -135,6 +135,9 @@ class ParallelConfig:
     means the whole per-replica batch is one microbatch."""
     sequence_parallel: bool = False
     """Shard norms, dropout and residuals along the sequence inside each TP group (needs t > 1)."""
+    strict_plan: bool = False
+    """Refuse at setup where tensor-parallel discovery cannot split a region, instead of running that
+    region whole on every rank with a ``PartialSplitWarning`` and splitting the rest."""
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over d (torch's ZeroRedundancyOptimizer, gradients
     all-reduced whole); 2: and gradients (FSDP2); 3: and parameters (FSDP2)."""
@@ -166,7 +169,7 @@ class ParallelConfig:
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.micro_batch_size is not None:
             check_positive_int("micro_batch_size", self.micro_batch_size)
-        for name in ("sequence_parallel", "overlap_grad_reduce"):
+        for name in ("sequence_parallel", "strict_plan", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)

@@ -75,6 +75,7 @@ class PTDPStrategy(ParallelStrategy):
         virtual_pipeline_size: int = 1,
         micro_batch_size: Optional[int] = None,
         sequence_parallel: bool = False,
+        strict_plan: bool = False,
         zero_stage: int = 0,
         activation_checkpointing: Optional[cfg.RecomputeMode] = None,
         pipeline_schedule: cfg.PipelineSchedule = "interleaved_1f1b",

@@ -56,6 +56,17 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return found
 
 
+def structure_groups(blocks: list[nn.Module]) -> list[list[int]]:
+    """Indices of the blocks that share one structure (module paths, types, parameter shapes), in
+    order of first appearance: a list of one class may hold dense blocks, then MoE ones."""
+    groups: dict[tuple, list[int]] = {}
+    for i, block in enumerate(blocks):
+        modules = tuple((n, type(m).__name__) for n, m in block.named_modules())
+        params = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+        groups.setdefault((modules, params), []).append(i)
+    return list(groups.values())
+
+
 def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Module]:
     """Modules outside the blocks that hold parameters themselves (embeddings, final norm, head)."""
     inside = {id(m) for block in blocks for m in block.modules()}

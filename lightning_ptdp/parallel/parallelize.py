@@ -327,7 +327,9 @@ def apply_tensor_parallelism(
     if tp_plan is not None:  # checked with the layout at strategy construction (explicit_plan.check_plan)
         report = apply_explicit_plan(module, tp_plan, tp)
     else:
-        report = apply_tensor_parallel(module, tp, sequence_parallel=config.sequence_parallel, probe=probe)
+        report = apply_tensor_parallel(
+            module, tp, sequence_parallel=config.sequence_parallel, probe=probe, strict=config.strict_plan
+        )
     if dist.get_rank() == 0:
         log.info(report.summary())
     return tp, report

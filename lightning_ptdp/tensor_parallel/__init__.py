@@ -9,8 +9,10 @@ from lightning_ptdp.tensor_parallel.apply import (
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery import TPDiscoveryError
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
+from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
 
 __all__ = [
+    "PartialSplitWarning",
     "TPGroup",
     "TPReport",
     "TPDiscoveryError",

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import find_block_lists, is_conv1d
+from lightning_ptdp.core.blocks import find_block_lists, is_conv1d, structure_groups
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
@@ -51,6 +51,7 @@ from lightning_ptdp.tensor_parallel.replay import (
     snapshot_args,
 )
 from lightning_ptdp.tensor_parallel.state_dict_hooks import take_state_dict_hooks
+from lightning_ptdp.tensor_parallel.whole_regions import refuse_whole_regions_under_sp, warn_whole_regions
 
 log = logging.getLogger(__name__)
 
@@ -220,68 +221,95 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
         )
 
 
+@dataclass
+class PlannedGroup:
+    """The blocks of one list that share a structure (block_lists.structure_groups), planned once."""
+
+    indices: list[int]
+    plan: BlockPlan
+    args: tuple  # the first block's positional inputs at the probe
+    program: BlockProgram
+
+
 def plan_block_lists(
-    model: nn.Module, tp_size: int, probe: Callable[[], Any]
-) -> list[tuple[str, list[nn.Module], BlockPlan, tuple, BlockProgram]]:
-    """(path, blocks, plan, first block's positional inputs) for every block list of ``model``;
-    the plan of the first block serves its whole list (same type, same code)."""
+    model: nn.Module, tp_size: int, probe: Callable[[], Any], *, strict: bool = False
+) -> list[tuple[str, list[nn.Module], list[PlannedGroup]]]:
+    """(path, blocks, planned groups) for every block list of ``model``: the plan of a group's first
+    block serves every block of that structure (same type, same code, same parameter shapes)."""
     block_lists = find_block_lists(model)
     if not block_lists:
         raise TPDiscoveryError(
             "tensor parallelism found no transformer blocks (a ModuleList or Sequential of same-type modules "
             "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
         )
-    captured = capture_block_inputs([blocks[0] for _, blocks in block_lists], probe)
+    groups = {path: structure_groups(blocks) for path, blocks in block_lists}
+    captured = capture_block_inputs([blocks[g[0]] for path, blocks in block_lists for g in groups[path]], probe)
     planned = []
     for path, blocks in block_lists:
-        name = _join(path, "0")
-        if id(blocks[0]) not in captured:
-            raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
-        args, kwargs = captured[id(blocks[0])]
-        recorded = trace_block(blocks[0], args, kwargs, name)
-        before = snapshot_args(recorded.graph)
-        plan = plan_block(recorded, name, tp_size)
-        linears = [m for r in plan.regions for m in (*r.columns, r.row)]
-        take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in range(len(blocks)) for m in linears])
-        planned.append((path, blocks, plan, args, BlockProgram.build(recorded.graph, plan, before)))
+        planned_groups = []
+        for indices in groups[path]:
+            name, first = _join(path, str(indices[0])), blocks[indices[0]]
+            if id(first) not in captured:
+                raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
+            args, kwargs = captured[id(first)]
+            recorded = trace_block(first, args, kwargs, name)
+            before = snapshot_args(recorded.graph)
+            plan = plan_block(recorded, name, tp_size, strict=strict)
+            linears = [m for r in plan.regions for m in (*r.columns, r.row)]
+            take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in indices for m in linears])
+            planned_groups.append(PlannedGroup(indices, plan, args, BlockProgram.build(recorded.graph, plan, before)))
+        planned.append((path, blocks, planned_groups))
     return planned
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any]
+    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any], strict: bool = False
 ) -> TPReport:
-    """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward."""
+    """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward.
+    ``strict``: refuse a region discovery cannot split instead of keeping it whole with a warning."""
     report = TPReport(tp.size, sequence_parallel)
     inside: set[int] = set()
-    for path, blocks, plan, args, program in plan_block_lists(model, tp.size, probe):
-        if sequence_parallel:
-            C.check_sequence_divisible(args[0].shape[C.SEQ_DIM], tp)
-        for i, block in enumerate(blocks):
-            inside.update(id(m) for m in block.modules())
-            _shard_block(block, plan.regions, tp)
-            for region in plan.regions:
-                for target, norm in region.feature_norms.items():
-                    shard_feature_norm(block.get_submodule(target), norm, tp)
-                    report.entries.append((_join(path, f"{i}.{target}"), "replicated", NORM))
-            _install_program(block, plan, program, tp, sequence_parallel)
-            for region in plan.regions:
-                for name in (*region.columns, region.row):
-                    report.entries.append((_join(path, f"{i}.{name}"), region.style(name), _layout_text(block, name)))
-            report.entries += [(_join(path, f"{i}.{name}"), "replicated", WHOLE) for name in plan.replicated]
+    for path, blocks, groups in plan_block_lists(model, tp.size, probe, strict=strict):
+        for group in groups:
+            first = _join(path, str(group.indices[0]))
+            if sequence_parallel:
+                C.check_sequence_divisible(group.args[0].shape[C.SEQ_DIM], tp)
+                refuse_whole_regions_under_sp(first, group.plan)
+            warn_whole_regions(first, blocks[group.indices[0]], group.plan, tp.size)
+            for i in group.indices:
+                _shard_planned_block(blocks[i], _join(path, str(i)), group, tp, sequence_parallel, report)
+                inside.update(id(m) for m in blocks[i].modules())
         if sequence_parallel:  # every replicated parameter in the blocks gets a partial gradient
             _enter_sequence_parallel(blocks, tp, report)
         else:  # only those applied to this rank's heads (per-head q/k norms)
-            for block in blocks:
-                for region in plan.regions:
-                    for target in region.partial:
-                        module = block.get_submodule(target)
-                        report.partial_grad_params += [(m, n) for m, n in _own_parameters(module)]
+            for group in groups:
+                for block in (blocks[i] for i in group.indices):
+                    for target in (t for region in group.plan.regions for t in region.partial):
+                        report.partial_grad_params += _own_parameters(block.get_submodule(target))
     _shard_vocabulary(model, tp, inside, report)
     report.entries = cross_check(model, report.entries)
     return report
 
 
+def _shard_planned_block(
+    block: nn.Module, name: str, group: PlannedGroup, tp: TPGroup, sequence_parallel: bool, report: TPReport
+) -> None:
+    plan = group.plan
+    _shard_block(block, plan.regions, tp)
+    for region in plan.regions:
+        for target, norm in region.feature_norms.items():
+            shard_feature_norm(block.get_submodule(target), norm, tp)
+            report.entries.append((_join(name, target), "replicated", NORM))
+    _install_program(block, plan, group.program, tp, sequence_parallel)
+    for region in plan.regions:
+        for linear in (*region.columns, region.row):
+            report.entries.append((_join(name, linear), region.style(linear), _layout_text(block, linear)))
+    report.entries += [(_join(name, linear), "replicated", WHOLE) for linear in plan.replicated]
+    report.entries += [(_join(name, linear), "replicated", KEPT) for k in plan.kept_whole for linear in k.linears]
+
+
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
+KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
 
@@ -333,21 +361,31 @@ def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> 
     return report
 
 
-def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any]) -> TPReport:
+def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any], *, strict: bool = False) -> TPReport:
     """Dry run: the plan ``apply_tensor_parallel`` would choose at ``tp_size``, without changing
     the model or needing a process group (``probe`` runs one ordinary forward)."""
     report = TPReport(tp_size, False)
-    for path, _, plan, _, _ in plan_block_lists(model, tp_size, probe):
-        for region in plan.regions:
-            widest = max(region.units.values())
-            for name in (*region.columns, region.row):
-                units = region.units.get(name, widest)
-                unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
-                what = "heads" if unit_size > 1 else "units"
-                detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
-                report.entries.append((_join(path, f"*.{name}"), region.style(name), detail))
-        report.entries += [(_join(path, f"*.{name}"), "replicated", WHOLE) for name in plan.replicated]
-        norms = [name for region in plan.regions for name in region.feature_norms]
-        report.entries += [(_join(path, f"*.{name}"), "replicated", NORM) for name in norms]
+    for path, blocks, groups in plan_block_lists(model, tp_size, probe, strict=strict):
+        for group in groups:
+            plan = group.plan
+            where = _join(path, "*") if len(groups) == 1 else _join(path, _index_glob(group.indices))
+            warn_whole_regions(_join(path, str(group.indices[0])), blocks[group.indices[0]], plan, tp_size)
+            for region in plan.regions:
+                widest = max(region.units.values())
+                for name in (*region.columns, region.row):
+                    units = region.units.get(name, widest)
+                    unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
+                    what = "heads" if unit_size > 1 else "units"
+                    detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
+                    report.entries.append((_join(where, name), region.style(name), detail))
+            report.entries += [(_join(where, name), "replicated", WHOLE) for name in plan.replicated]
+            report.entries += [(_join(where, name), "replicated", KEPT) for k in plan.kept_whole for name in k.linears]
+            norms = [name for region in plan.regions for name in region.feature_norms]
+            report.entries += [(_join(where, name), "replicated", NORM) for name in norms]
     report.entries = cross_check(model, report.entries)
     return report
+
+
+def _index_glob(indices: list[int]) -> str:
+    """A group's block indices as one path element: "3" or "{0,1,2}"."""
+    return str(indices[0]) if len(indices) == 1 else "{" + ",".join(map(str, indices)) + "}"

@@ -5,7 +5,7 @@ residual stream opens a region, column-parallel; the Linear fed by those closes 
 layouts (a split into k parts is a fused projection; the first view splitting the feature dim gives
 heads and head size), and rewrites (propagation.py follows the sharded dim and divides each shape
 argument naming its global size, so ``self.n_head`` or ``x.size(-1)`` work on 1/t of the heads).
-Anything else touching the sharded dim raises ``TPDiscoveryError`` naming the block and op.
+A region whose dataflow defeats this runs whole on every rank while the rest is split.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import fx
 from lightning_ptdp.core.blocks import is_linear_like
 from lightning_ptdp.tensor_parallel.discovery_types import (
     BlockPlan,
+    KeptWhole,
     RegionPlan,
     TPDiscoveryError,
     _call_name,
@@ -98,15 +99,17 @@ def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node
     return found, picked
 
 
-def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[str]]:
+def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[str], list[KeptWhole]]:
     """Group the block's Linears into column -> row regions from the dataflow alone.
 
-    In graph order: a Linear fed by no other Linear, or only by rows (whose outputs are whole again
-    after their reduction, e.g. through the residual stream), opens a region as a column; a Linear
-    fed only by columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``):
-    a column no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear),
-    and the experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert
-    tensor parallel size 1; expert parallelism splits them).
+    In graph order: a Linear fed by no other Linear, or only by whole outputs (rows, after their
+    reduction, e.g. through the residual stream), opens a region as a column; a Linear fed only by
+    columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``): a column
+    no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear), and the
+    experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert tensor
+    parallel size 1; expert parallelism splits them). Linears joined through column outputs form one
+    group; a group that is no single column -> row pair (a Linear fed by a column and by the residual,
+    a column feeding two rows) is kept whole (``KeptWhole``), with the reason.
     """
     everything = _linear_nodes(gm)
     found = {n: _upstream_linears(n, set(everything)) for n in everything}
@@ -117,37 +120,62 @@ def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[s
     linears = [n for n in everything if n not in routed]
     upstream = {n: found[n][0] for n in linears}
     role: dict[fx.Node, str] = {}
+    mixed: dict[fx.Node, str] = {}
+    group = {n: n for n in linears}  # union-find over Linears joined by a column's (sharded) output
+
+    def root(n: fx.Node) -> fx.Node:
+        while group[n] is not n:
+            n = group[n]
+        return n
+
     for node in linears:
         feeders = {role[u] for u in upstream[node]}
-        if feeders <= {"row"}:
-            role[node] = "column"
-        elif feeders == {"column"}:
-            role[node] = "row"
-        else:
-            raise TPDiscoveryError(
+        role[node] = "column" if "column" not in feeders else "row" if feeders == {"column"} else "whole"
+        if role[node] == "whole":
+            mixed[node] = (
                 f"block '{name}': linear '{node.target}' is fed both by a column-parallel linear and by the "
-                "residual stream; only column -> row pairs (attention, MLP) are discovered automatically; "
-                + plan_hint(name, node.target)
+                "residual stream; only column -> row pairs (attention, MLP) are discovered automatically"
             )
-    regions: list[RegionPlan] = []
-    used: set[fx.Node] = set()
-    for row in (n for n in linears if role[n] == "row"):
-        cols = upstream[row]
-        if cols & used:
-            raise TPDiscoveryError(
-                f"block '{name}': a column-parallel linear feeds two row-parallel linears ('{row.target}' and "
-                "another); " + plan_hint(name, row.target)
-            )
-        inputs = {c.args[0] for c in cols}
-        if len(inputs) != 1:
-            raise TPDiscoveryError(
-                f"block '{name}': the column-parallel linears {sorted(c.target for c in cols)} of '{row.target}' "
-                "read different inputs; " + plan_hint(name, row.target)
-            )
-        ordered = [c for c in linears if c in cols]
-        regions.append(RegionPlan([c.target for c in ordered], row.target, next(iter(inputs)).name))
-        used.update(cols, {row})
-    return regions, [n.target for n in everything if n not in used]
+        for u in upstream[node]:
+            if role[u] == "column":
+                group[root(u)] = root(node)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for node in linears:
+        members.setdefault(root(node), []).append(node)
+    regions, kept = [], []
+    for nodes in members.values():
+        rows = [n for n in nodes if role[n] == "row"]
+        if len(nodes) == 1 and not rows:
+            continue  # a column no Linear reads: replicated below
+        reason = _unsplittable(nodes, rows, mixed, upstream, name)
+        if reason is not None:
+            kept.append(KeptWhole([n.target for n in nodes], reason))
+            continue
+        row = rows[0]
+        columns = [c.target for c in nodes if c is not row]
+        regions.append(RegionPlan(columns, row.target, next(iter(upstream[row])).args[0].name))
+    grouped = {t for r in regions for t in (*r.columns, r.row)} | {t for k in kept for t in k.linears}
+    order = {n.target: i for i, n in enumerate(everything)}
+    regions.sort(key=lambda r: order[r.row])
+    return regions, [n.target for n in everything if n.target not in grouped], kept
+
+
+def _unsplittable(nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, upstream: dict, name: str) -> str | None:
+    """Why one group of Linears is no column -> row region, or None when it is one."""
+    if any(n in mixed for n in nodes):
+        return mixed[next(n for n in nodes if n in mixed)]
+    if len(rows) != 1:
+        return (
+            f"block '{name}': a column-parallel linear feeds two row-parallel linears "
+            f"({' and '.join(repr(r.target) for r in rows)})"
+        )
+    inputs = {c.args[0] for c in upstream[rows[0]]}
+    if len(inputs) != 1:
+        return (
+            f"block '{name}': the column-parallel linears {sorted(c.target for c in upstream[rows[0]])} of "
+            f"'{rows[0].target}' read different inputs"
+        )
+    return None
 
 
 def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
@@ -227,27 +255,38 @@ def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
     return features, 1
 
 
-def plan_block(gm: RecordedBlock, name: str, tp_size: int) -> BlockPlan:
-    """Regions, layouts (validated against t) and the rewritten graph for one block."""
-    regions, replicated = find_regions(gm, name)
-    ratios: dict[str, int] = {}
+def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = False) -> BlockPlan:
+    """Regions, layouts (validated against t) and the rewritten graph for one block. A region the
+    propagation cannot split is kept whole (its rewrites undone) and the others are split; with
+    ``strict`` it is refused instead, naming the op and the explicit plan that works."""
+    regions, replicated, kept = find_regions(gm, name)
     for region in regions:
         detect_layouts(gm, region)
         validate_layouts(region, name, tp_size)
-        for col in region.columns:
-            ratios[col] = region.units[col] // max(1, region.units[col] // tp_size)
-    failures = []
-    for region in regions:
-        try:
-            ShardPropagation(gm, region, ratios, tp_size, name).run()
-        except TPDiscoveryError as error:  # the other regions still run, to show the plan that works
-            failures.append((region, error))
-    if failures:
+    ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
+    recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
+    while True:
+        failures = []
+        for region in regions:
+            try:
+                ShardPropagation(gm, region, ratios, tp_size, name).run()
+            except TPDiscoveryError as error:  # the other regions still run, to split what can be split
+                failures.append((region, error))
+        if not failures:
+            break
+        for node, (args, kwargs) in recorded.items():  # undo every rewrite, then split the rest again
+            node.args, node.kwargs = args, kwargs
         failed = {id(region) for region, _ in failures}
-        working = [r for r in regions if id(r) not in failed]
-        raise TPDiscoveryError(f"{failures[0][1]}; " + working_plan_hint(name, working, tp_size)) from failures[0][1]
+        regions = [r for r in regions if id(r) not in failed]
+        kept += [KeptWhole([*r.columns, r.row], str(error)) for r, error in failures]
+        for region in regions:
+            region.feature_norms.clear()
+            region.partial.clear()
+            region.rewrites_shapes = False
+    if strict and kept:
+        raise TPDiscoveryError(f"{kept[0].reason}; " + working_plan_hint(name, regions, tp_size))
     gm.graph.lint()
-    return BlockPlan(gm.graph, regions, replicated)
+    return BlockPlan(gm.graph, regions, replicated, kept)
 
 
 def _divisors(n: int) -> str:

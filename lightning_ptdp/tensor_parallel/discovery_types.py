@@ -143,6 +143,14 @@ class RegionPlan:
 
 
 @dataclass
+class KeptWhole:
+    """Linears of one region discovery could not split: whole on every rank, and why."""
+
+    linears: list[str]
+    reason: str
+
+
+@dataclass
 class BlockPlan:
     """The traced graph of one block (shape arguments already rewritten) and its regions."""
 
@@ -150,6 +158,8 @@ class BlockPlan:
     regions: list[RegionPlan]
     replicated: list[str] = field(default_factory=list)
     """Linears no region holds (their output reaches no Linear): whole on every rank."""
+    kept_whole: list[KeptWhole] = field(default_factory=list)
+    """Regions left whole on every rank because discovery could not split them (the rest is split)."""
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

@@ -55,9 +55,10 @@ def test_glob_plan_on_transformers_models_matches_single_process(dist_pool, fami
         assert result["local_numel"] <= ref["local_numel"] - sharded // 2 + 64  # + vocab padding slack
 
 
-def _suggested_plan_step(distributed: bool) -> dict:
+def _suggested_plan_step(distributed: bool, discovered: bool = False) -> dict:
     """One forward/backward of a block list whose attention-like region discovery cannot split,
-    under the explicit plan its error suggests (t=2), or in one process."""
+    under the explicit plan its error suggests (t=2), or under discovery, which keeps that region
+    whole itself (``discovered``), or in one process."""
     import torch
 
     from tests.unit.test_tp_discovery import HeadSumThenMLPNet, suggested_plan
@@ -68,24 +69,30 @@ def _suggested_plan_step(distributed: bool) -> dict:
     if distributed:
         import torch.distributed as dist
 
-        from lightning_ptdp.tensor_parallel import TPGroup, apply_explicit_plan
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_explicit_plan, apply_tensor_parallel
         from lightning_ptdp.tensor_parallel.consolidate import full_gradients
 
-        plan = suggested_plan(HeadSumThenMLPNet(), 2)
-        apply_explicit_plan(net, plan, TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank()))
+        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+        if discovered:
+            apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
+        else:
+            apply_explicit_plan(net, suggested_plan(HeadSumThenMLPNet(), 2), tp)
     loss = net(inputs).square().mean()
     loss.backward()
     grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "up_rows": net.layers[0].up.weight.shape[0]}
+    rows = {name: getattr(net.layers[0], name).weight.shape[0] for name in ("q", "up")}
+    return {"loss": loss.item(), "grads": grads, "rows": rows}
 
 
+@pytest.mark.parametrize("discovered", [False, True], ids=["suggested-plan", "kept-whole-by-discovery"])
 @pytest.mark.world_size(2)
-def test_the_plan_a_discovery_error_suggests_runs_and_matches_one_process(dist_pool):
+def test_the_plan_a_discovery_error_suggests_runs_and_matches_one_process(dist_pool, discovered):
     from tests.fit_utils import relative_error
 
     ref = _suggested_plan_step(False)
-    for result in dist_pool(2).run(_suggested_plan_step, True):
+    for result in dist_pool(2).run(_suggested_plan_step, True, discovered):
         assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
-        assert result["up_rows"] == 8  # the MLP really is split: half of its 16 rows on each rank
+        # the MLP really is split (half of its 16 rows on each rank), the attention-like region is whole
+        assert result["rows"] == {"q": 8, "up": 8}
         for name, expected in ref["grads"].items():
             assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name

@@ -214,13 +214,18 @@ class MixedFeed(nn.Module):
         return x + self.out(up + self.back(up))
 
 
-def test_a_linear_fed_by_a_column_and_the_residual_stream_is_still_refused():
-    from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+def test_a_linear_fed_by_a_column_and_the_residual_stream_is_kept_whole_or_refused_under_strict():
+    from lightning_ptdp.tensor_parallel import PartialSplitWarning, TPDiscoveryError, tensor_parallel_plan
 
     net = nn.Sequential(nn.Embedding(64, 8), nn.ModuleList([MixedFeed(), MixedFeed()]))
     net.forward = lambda ids: net[1][1](net[1][0](net[0](ids)))  # type: ignore[method-assign]
+    probe = lambda: net(torch.randint(0, 64, (2, 8)))  # noqa: E731
+    with pytest.warns(PartialSplitWarning, match=r"keeps up, back, out whole .* linear 'out' is fed both"):
+        report = tensor_parallel_plan(net, 2, probe)
+    styles = {path: style for path, style, _ in report.entries if path.startswith("1.")}
+    assert styles == {"1.*.up": "replicated", "1.*.back": "replicated", "1.*.out": "replicated"}
     with pytest.raises(TPDiscoveryError, match=r"linear 'out' is fed both by a column-parallel linear and by"):
-        tensor_parallel_plan(net, 2, lambda: net(torch.randint(0, 64, (2, 8))))
+        tensor_parallel_plan(net, 2, probe, strict=True)
 
 
 def test_a_norm_over_all_heads_is_recognised_by_what_it_computes():

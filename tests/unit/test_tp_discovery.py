@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+from lightning_ptdp.tensor_parallel import PartialSplitWarning, TPDiscoveryError, tensor_parallel_plan
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.layers import ShardLayout, VocabShard
 from tests.models import build_model
@@ -172,7 +172,7 @@ def suggested_plan(net: nn.Module, tp: int) -> dict:
     import ast
 
     with pytest.raises(TPDiscoveryError) as error:
-        tensor_parallel_plan(net, tp, probe=lambda: net(torch.ones(2, 4, 8)))
+        tensor_parallel_plan(net, tp, probe=lambda: net(torch.ones(2, 4, 8)), strict=True)
     return ast.literal_eval(re.search(r"tp_plan=(\{.*?\})", str(error.value)).group(1))
 
 
@@ -184,9 +184,36 @@ def test_op_across_the_sharded_dim_names_block_op_source_line_and_the_plan_that_
         match=rf"block '0': .*sum.* \(called at .*test_tp_discovery\.py:{line} in forward\) .* cannot be split by "
         r"heads automatically; no region of '0' can be split without discovery, so keep its blocks whole",
     ):
-        tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+        tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)), strict=True)
     # with a region discovery can split beside it: the plan for exactly that region, as globs
     assert suggested_plan(HeadSumThenMLPNet(), 2) == {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+
+
+def test_a_region_discovery_cannot_split_runs_whole_with_one_warning_naming_op_and_line():
+    """Without strict_plan the unsplittable region stays whole on every rank and the rest is split; the
+    warning names the op, its source line, what stays whole and the replicated share of the block."""
+    line = inspect.getsourcelines(HeadSumBlock.forward)[1] + 1
+    net = HeadSumThenMLPNet()
+    with pytest.warns(PartialSplitWarning) as caught:
+        report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+    assert len(caught) == 1  # one warning for the list, not one per block
+    message = str(caught[0].message)
+    assert re.search(r"keeps q, o whole on every rank in block 'layers.0' .*\(\d+% of each block's parameters", message)
+    assert re.search(rf"sum.*test_tp_discovery\.py:{line} in forward.*Split over t: up, down", message)
+    assert _styles(report) == {"q": "replicated", "o": "replicated", "up": "colwise", "down": "rowwise"}
+
+
+def test_sequence_parallel_refuses_a_region_kept_whole_at_setup():
+    """Under SP the blocks see 1/t of the sequence: a whole region would attend to its rank's tokens only."""
+    from lightning_ptdp.tensor_parallel import apply_tensor_parallel
+
+    net = HeadSumThenMLPNet()
+    with pytest.raises(
+        TPDiscoveryError,
+        match=r"sequence_parallel=True needs every region of block 'layers.0' split .* q, o stay whole",
+    ):
+        apply_tensor_parallel(net, TPGroup(None, 2, 0), sequence_parallel=True, probe=lambda: net(torch.ones(2, 4, 8)))
+    assert isinstance(net.layers[0].up, nn.Linear)  # refused before any module was swapped
 
 
 def test_shard_layouts():
