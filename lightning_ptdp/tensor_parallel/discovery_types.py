@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import fx
 
 from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm
@@ -46,64 +43,6 @@ def plan_hint(block: str, module: str) -> str:
         "'rowwise', ...}), one glob per module of the block, each 'colwise', 'rowwise', 'colwise_fused:3' "
         "(fused q/k/v), 'vocab_embedding' or 'vocab_head'"
     )
-
-
-_ELEMENTWISE = {
-    operator.add,
-    operator.mul,
-    operator.sub,
-    operator.truediv,
-    operator.neg,
-    operator.pow,
-    torch.add,
-    torch.mul,
-    torch.sub,
-    torch.div,
-    torch.tanh,
-    torch.sigmoid,
-    torch.exp,
-    torch.neg,
-    torch.pow,
-    F.gelu,
-    F.silu,
-    F.relu,
-    F.dropout,
-    F.softplus,
-    torch.relu,
-    torch.where,
-}
-_ELEMENTWISE_METHODS = {
-    "add",
-    "mul",
-    "sub",
-    "div",
-    "float",
-    "half",
-    "bfloat16",
-    "to",
-    "type_as",
-    "contiguous",
-    "tanh",
-    "sigmoid",
-    "exp",
-    "relu",
-    "neg",
-    "clone",
-    "__mul__",
-    "__add__",
-    "__sub__",
-    "__truediv__",
-    "pow",
-    "__radd__",
-    "__rmul__",
-    "__rsub__",
-    "__rtruediv__",
-    "masked_fill",
-    "double",
-    "rsqrt",
-    "sqrt",
-    "abs",
-}
 
 
 class TPDiscoveryError(ValueError):

@@ -1,10 +1,11 @@
 """Follow the sharded dimension of one region through a recorded block, rewriting shape arguments.
 
 From each column-parallel output (sharded along its features, ratio = global / local size) to
-the row-parallel input: views, transposes, splits, indexing, stacking, elementwise ops,
-repeat_interleave and attention keep track of which dimension is split; every shape argument
-that names the global size along it is divided by the ratio (the replay keeps a value already
-local at run time: replay.py). Anything else raises TPDiscoveryError.
+the row-parallel input: views, expand, splits, indexing, repeat_interleave and attention have a
+handler each (they rewrite shape arguments or check attention's operands); every other op follows
+torch's own op knowledge (op_semantics.py). Each shape argument that names the global size along
+the sharded dim is divided by the ratio (the replay keeps a value already local at run time:
+replay.py). Anything else raises TPDiscoveryError.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import math
 import operator
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch import fx
+from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.tensor_parallel.discovery_types import (
-    _ELEMENTWISE,
-    _ELEMENTWISE_METHODS,
     RegionPlan,
     Sharded,
     TPDiscoveryError,
@@ -28,6 +29,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape_args,
 )
 from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of
+from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call
 
 log = logging.getLogger(__name__)
 
@@ -117,34 +119,40 @@ class ShardPropagation:
                 self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
 
     def _function(self, node: fx.Node, inputs: list[fx.Node]) -> None:
-        name = _call_name(node)
-        src = inputs[0]
-        info = self.shard[src]
-        handler = getattr(self, f"_op_{name}", None)
+        handler = getattr(self, f"_op_{_call_name(node)}", None)
         if handler is not None:
-            handler(node, src, info)
-        elif node.target in _ELEMENTWISE or (node.op == "call_method" and name in _ELEMENTWISE_METHODS):
-            self._elementwise(node, inputs)
+            handler(node, inputs[0], self.shard[inputs[0]])
         else:
-            raise self.fail(node, f"applies '{name}' to a head-sharded tensor, which discovery does not know")
+            self._generic(node, inputs)
 
-    def _elementwise(self, node: fx.Node, inputs: list[fx.Node]) -> None:
-        info = self.shard[inputs[0]]
-        out = _shape(node)
-        if any(self.shard[i].dim - len(_shape(i)) != info.dim - len(_shape(inputs[0])) for i in inputs[1:]):
-            raise self.fail(node, "combines tensors sharded along different dims")
-        if any(self.shard[i].ratio != info.ratio for i in inputs[1:]):
+    def _generic(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        """An op no handler owns: torch's op knowledge says where the sharded dim goes (op_semantics.py)."""
+        name, ratio = _call_name(node), self.shard[inputs[0]].ratio
+        if any(self.shard[i].ratio != ratio for i in inputs[1:]):
             raise self.fail(node, "combines tensors split into different numbers of heads")
-        offset = len(out) - len(_shape(inputs[0]))
-        dim = info.dim + offset
-        for other in node.all_input_nodes:
-            shape = _shape(other)
-            if other in self.shard or shape is None:
-                continue
-            pos = dim - (len(out) - len(shape))
-            if pos >= 0 and shape[pos] != 1:
-                raise self.fail(node, f"mixes the sharded dim with an unsharded tensor of shape {tuple(shape)}")
-        self.shard[node] = Sharded(dim, info.ratio)
+        shaped = [i for i in inputs if _shape(i) is not None]
+        if ratio > 1 and shaped:  # an int below the rank may be a dim index: the run on the share checks it
+            sizes = {_shape(i)[self.shard[i].dim] for i in shaped}
+            rank = max(len(_shape(i)) for i in shaped)
+            named = [v for v in tree_flatten((node.args, node.kwargs))[0] if type(v) is int and v >= rank]
+            if sizes.intersection(named):
+                raise self.fail(
+                    node,
+                    f"passes {sorted(sizes.intersection(named))[0]}, the global size of the sharded dim, to '{name}', "
+                    "which only view, reshape, expand, split and repeat_interleave rewrite",
+                )
+        call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        try:
+            dims = follow_call(call, node.args, node.kwargs, {i: self.shard[i].dim for i in inputs}, ratio)
+        except OpRefused as refusal:
+            raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
+        if _shape(node) is not None:  # one tensor
+            if dims[0] is not None:
+                self.shard[node] = Sharded(dims[0], ratio)
+        elif any(d is not None for d in dims):  # a tuple, read through getitem (_op_getitem)
+            if len(set(dims)) != 1:
+                raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
+            self.shard[node] = Sharded(dims[0], ratio)
 
     def _divide(self, node: fx.Node, arg: Any, ratio: int) -> Any:
         if arg == -1:
@@ -176,10 +184,17 @@ class ShardPropagation:
     def _op_expand(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         args, packed = _shape_args(node) if len(node.args) > 1 else ([], False)
         dim = info.dim + len(_shape(node)) - len(_shape(src))  # expand may add leading dims
-        if args:
+        ratio, copies = info.ratio, _shape(node)[dim]
+        if _shape(src)[info.dim] == 1 < copies:  # one key/value head, whole on every rank, onto the heads
+            if not args or copies % self.tp_size:
+                raise self.fail(node, f"expands one key/value head to {copies} heads, not divisible by {self.tp_size}")
+            args[dim], ratio = copies // self.tp_size, self.tp_size  # each rank: copies for its own heads
+            self.region.rewrites_shapes = True
+        elif args:
             args[dim] = self._divide(node, args[dim], info.ratio)
+        if args:
             node.args = (node.args[0], tuple(args)) if packed else (node.args[0], *args)
-        self.shard[node] = Sharded(dim, info.ratio)
+        self.shard[node] = Sharded(dim, ratio)
 
     _op_broadcast_to = _op_expand
 
@@ -198,6 +213,14 @@ class ShardPropagation:
         self.shard[node] = Sharded(info.dim, info.ratio)
 
     def _op_chunk(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """Chunks of the sharded dim cut at a fused projection's part boundaries are each rank's share
+        of every part (a chunk of one rank's heads otherwise, which the generic path refuses)."""
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % len(_shape(src))
+        chunks = node.kwargs.get("chunks", node.args[1] if len(node.args) > 1 else None)
+        total = info.bounds[-1] if info.bounds else 0
+        if dim != info.dim or not total or any(i * total // chunks not in info.bounds for i in range(chunks + 1)):
+            self._generic(node, [src])
+            return
         self.shard[node] = Sharded(info.dim, info.ratio)
 
     def _op_getitem(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
@@ -243,38 +266,6 @@ class ShardPropagation:
         local = slice(*(None if e is None else self._divide(node, e, info.ratio) for e in (item.start, item.stop)))
         new_index = tuple(local if i is item else i for i in index)
         node.args = (node.args[0], new_index if isinstance(node.args[1], tuple) else local)
-
-    def _op_transpose(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        ndim = len(_shape(src))
-        a, b = (d % ndim for d in node.args[1:3])
-        dim = b if info.dim == a else a if info.dim == b else info.dim
-        self.shard[node] = Sharded(dim, info.ratio)
-
-    def _op_permute(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        ndim = len(_shape(src))
-        self.shard[node] = Sharded([d % ndim for d in dims].index(info.dim), info.ratio)
-
-    def _op_flatten(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        ndim = len(_shape(src))
-        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-        start, end = start % ndim, end % ndim
-        if start < info.dim <= end:
-            raise self.fail(node, "flattens the sharded dim into an outer one")
-        dim = info.dim if info.dim <= start else info.dim - (end - start)
-        self.shard[node] = Sharded(dim, info.ratio)
-
-    def _op_stack(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        ndim = len(_shape(node))
-        position = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
-        self.shard[node] = Sharded(info.dim + (1 if position <= info.dim else 0), info.ratio)
-
-    def _op_cat(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        position = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(_shape(node))
-        if position == info.dim:
-            raise self.fail(node, "concatenates along the sharded dim")
-        self.shard[node] = Sharded(info.dim, info.ratio)
 
     def _op_repeat_interleave(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs["repeats"]

@@ -1,0 +1,197 @@
+"""Where a sharded dim goes through a recorded call that no rewriting handler owns, from torch's own op knowledge.
+
+The call runs once on meta tensors of its recorded shapes under a ``TorchDispatchMode`` listing the
+aten ops it runs, and each is followed in turn: an op tagged ``torch.Tag.pointwise`` keeps the dim
+(broadcasting), any other asks DTensor's sharding propagation (a mesh of the shard ratio, built
+without a process group) for its output placement given ``Shard(d)`` inputs. The call then runs on
+one rank's share of the inputs, which must give that share of each output: a size argument naming
+a global size fails there. ``OpRefused`` says why a call cannot run on shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_META = torch.device("meta")
+
+
+class OpRefused(Exception):
+    """The call cannot run on this rank's share of the sharded dim; the message says why."""
+
+
+class _AtenOps(TorchDispatchMode):
+    """Lists the aten ops a call runs, with their (meta) arguments and results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+@functools.cache
+def _mesh(size: int) -> DeviceMesh:
+    # no process group: propagation reads only the mesh's shape; ratio 1 (key/value heads whole on
+    # each rank) asks a 2-rank mesh, as some of DTensor's rules fail on a 1-rank one
+    return DeviceMesh("cpu", list(range(max(size, 2))), _init_backend=False, _rank=0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _run(call: Callable, args: tuple, kwargs: dict, make: Callable[[fx.Node], torch.Tensor]) -> tuple[Any, dict]:
+    """``call`` on meta tensors made by ``make`` for each node; devices named in the arguments become meta."""
+    made: dict[fx.Node, torch.Tensor] = {}
+
+    def meta(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            if value not in made:
+                made[value] = make(value)
+            return made[value]
+        return _META if isinstance(value, torch.device) else value
+
+    m_args, m_kwargs = tree_map(meta, args), tree_map(meta, kwargs)
+    if "device" in m_kwargs:
+        m_kwargs["device"] = _META
+    return call(*m_args, **m_kwargs), made
+
+
+def _empty(node: fx.Node, dim: int | None = None, ratio: int = 1) -> torch.Tensor:
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        raise OpRefused(f"which discovery does not know (its argument '{node.name}' is no tensor)")
+    shape = list(meta.shape)
+    if dim is not None:
+        shape[dim] //= ratio
+    return torch.empty(shape, dtype=meta.dtype, device=_META)
+
+
+def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node, int], ratio: int) -> list:
+    """The sharded dim of each tensor ``call(*args, **kwargs)`` returns (None: whole on every rank),
+    given the sharded dim of each sharded input node, all split ``ratio`` ways."""
+    trace = _AtenOps()
+    try:
+        with trace:
+            result, made = _run(call, args, kwargs, _empty)
+    except Exception as err:  # the user's call on meta tensors may raise anything
+        raise OpRefused(
+            f"which discovery does not know (it fails on meta tensors: {type(err).__name__}: {err})"
+        ) from err
+    placed = {id(made[n]): Shard(d) for n, d in sharded.items()}
+    for func, f_args, f_kwargs, out in trace.ops:
+        if any(id(t) in placed for t in _tensors((f_args, f_kwargs))):
+            _follow_aten(func, f_args, f_kwargs, out, placed, ratio)
+    if result is None:  # __setitem__: the tensor it wrote into
+        result = made[next(a for a in args if isinstance(a, fx.Node))]
+    outs = _tensors(result)
+    found = [_dim(placed.get(id(t))) for t in outs]
+    _check_share(call, args, kwargs, sharded, ratio, outs, found)
+    return found
+
+
+def _dim(placement: Placement | None) -> int | None:
+    if placement is None:
+        return None
+    if type(placement) is not Shard:  # DTensor's _StridedShard, as after flattening (B, nh) into one dim
+        raise OpRefused(
+            f"which interleaves the sharded dim with another ({placement}): no rank holds a contiguous share"
+        )
+    return placement.dim
+
+
+def _follow_aten(func: Any, args: tuple, kwargs: dict, out: Any, placed: dict[int, Placement], ratio: int) -> None:
+    # the tag first (any op torch calls pointwise, with a DTensor rule or not), then DTensor's per-op rules: kept by torch
+    if torch.Tag.pointwise in func.tags and all(
+        type(placed.get(id(t), Shard(0))) is Shard for t in _tensors((args, kwargs))
+    ):
+        _pointwise(args, kwargs, out, placed)
+        return
+    mesh = _mesh(ratio)
+
+    def spec(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        placement = placed.get(id(value), Replicate())
+        return DTensorSpec(mesh, (placement,), TensorMeta(value.shape, value.stride(), value.dtype))
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    info = propagator.op_to_schema_info.get(func) or propagator.op_to_schema_info_for_single_dim_strategy.get(func)
+    schema = OpSchema(func, tree_map(spec, args), tree_map(spec, kwargs), schema_info=info)
+    try:
+        sharding = propagator.propagate_op_sharding_non_cached(schema)
+    except Exception as err:  # no strategy registered, or one that rejects these inputs
+        raise OpRefused(f"which discovery does not know ({func} has no sharding rule: {type(err).__name__})") from err
+    wanted = sharding.redistribute_schema
+    if wanted is not None and _placements(wanted) != _placements(schema):  # not merely localised size args
+        given = ", ".join(map(str, _placements(schema)))
+        raise OpRefused(
+            f"which runs {func} on inputs placed {given}, where torch's sharding rule needs "
+            f"{', '.join(map(str, _placements(wanted)))} (a redistribution between ranks; R: whole on each)"
+        )
+    for tensor, out_spec in zip(_tensors(out), [s for s in tree_flatten(sharding.output_spec)[0] if s is not None]):
+        placement = out_spec.placements[0]
+        if placement.is_partial():
+            raise OpRefused(f"which reduces across the sharded dim ({func} gives {placement} over the ranks)")
+        if placement.is_replicate():
+            placed.pop(id(tensor), None)
+        else:
+            placed[id(tensor)] = placement
+
+
+def _placements(schema: OpSchema) -> list:
+    leaves = tree_flatten((schema.args_schema, schema.kwargs_schema))[0]
+    return [s.placements[0] for s in leaves if isinstance(s, DTensorSpec)]
+
+
+def _pointwise(args: tuple, kwargs: dict, out: Any, placed: dict[int, Placement]) -> None:
+    """Elementwise with broadcasting: every sharded input along the same dim counted from the end,
+    every other input of size 1 there (or without that dim)."""
+    tensors = _tensors((args, kwargs))
+    from_end = {placed[id(t)].dim - t.dim() for t in tensors if id(t) in placed}
+    if len(from_end) != 1:
+        raise OpRefused("which combines tensors sharded along different dims")
+    back = from_end.pop()
+    for t in tensors:
+        if id(t) not in placed and t.dim() >= -back and t.shape[back] != 1:
+            raise OpRefused(f"which mixes the sharded dim with an unsharded tensor of shape {tuple(t.shape)}")
+    for t in _tensors(out):
+        placed[id(t)] = Shard(t.dim() + back)
+
+
+def _check_share(call: Callable, args: tuple, kwargs: dict, sharded: dict, ratio: int, outs: list, found: list) -> None:
+    """On 1/ratio of each sharded input the call must give 1/ratio of each sharded output."""
+    expected = []
+    for t, dim in zip(outs, found):
+        shape = list(t.shape)
+        if dim is not None:
+            if shape[dim] % ratio:
+                raise OpRefused(f"which gives {shape[dim]} along the sharded dim, not divisible by {ratio}")
+            shape[dim] //= ratio
+        expected.append(tuple(shape))
+    try:
+        local, _ = _run(call, args, kwargs, lambda n: _empty(n, sharded.get(n), ratio))
+        got = [tuple(t.shape) for t in _tensors(local)]
+    except Exception as err:  # a size argument naming the global size fails on the share
+        got, why = None, f"{type(err).__name__}: {err}"
+    else:
+        why = f"gives {got}, not {expected}"
+    if got != expected:
+        raise OpRefused(
+            f"which on 1/{ratio} of the sharded dim {why} (a size argument naming a global size only view, "
+            "reshape, expand, split and repeat_interleave rewrite)"
+        )
