@@ -138,6 +138,9 @@ class ParallelConfig:
     strict_plan: bool = False
     """Refuse at setup where tensor-parallel discovery cannot split a region, instead of running that
     region whole on every rank with a ``PartialSplitWarning`` and splitting the rest."""
+    certify_plan: bool = True
+    """Before the first step, run the first block of each structure under the layout (t, c, e) and
+    whole on the probe's inputs, and refuse if outputs or input gradients differ (parallel/certificate.py)."""
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over d (torch's ZeroRedundancyOptimizer, gradients
     all-reduced whole); 2: and gradients (FSDP2); 3: and parameters (FSDP2)."""
@@ -169,7 +172,7 @@ class ParallelConfig:
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.micro_batch_size is not None:
             check_positive_int("micro_batch_size", self.micro_batch_size)
-        for name in ("sequence_parallel", "strict_plan", "overlap_grad_reduce"):
+        for name in ("sequence_parallel", "strict_plan", "certify_plan", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)

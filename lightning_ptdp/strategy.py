@@ -1,6 +1,5 @@
-"""PTDPStrategy: Lightning's hooks in one class, each delegating; the parallel work is in parallel/,
-tensor_parallel/, pipeline/ and data_parallel/, checkpoints in checkpoint/, failures in faults/
-(docs/architecture.md). Under pipeline parallelism the step hooks route the batch through the
+"""PTDPStrategy: Lightning's hooks in one class, each delegating to parallel/, the axes' packages,
+checkpoint/ and faults/ (docs/architecture.md). Under PP the step hooks route the batch through the
 rank's pipeline engine; collectives follow the dp group for logged values, the world for decisions."""
 
 from __future__ import annotations
@@ -76,6 +75,7 @@ class PTDPStrategy(ParallelStrategy):
         micro_batch_size: Optional[int] = None,
         sequence_parallel: bool = False,
         strict_plan: bool = False,
+        certify_plan: bool = True,
         zero_stage: int = 0,
         activation_checkpointing: Optional[cfg.RecomputeMode] = None,
         pipeline_schedule: cfg.PipelineSchedule = "interleaved_1f1b",

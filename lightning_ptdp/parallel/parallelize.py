@@ -25,6 +25,7 @@ from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
 from lightning_ptdp.expert_parallel import EPGroup, EPReport, apply_expert_parallel
 from lightning_ptdp.kernels import apply_kernels
+from lightning_ptdp.parallel.certificate import certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.gradients import DENSE, EXPERTS, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
@@ -103,6 +104,9 @@ def parallelize(
                         by a probe forward while every rank still holds them all.
     1c. context parallel cut each block's sequence for the cp ranks; attention gathers keys and
                         values (after TP: this rank's heads; before compile and recompute: they wrap it).
+    1d. certificate     the first block of each structure under 1-1c against a whole copy taken
+                        before step 1, on the probe's inputs (certify_plan): before kernels, compile
+                        and recompute wrap the blocks, so it checks the rewrites alone.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                         sees its own heads and bias shard.
     2b. compile         (compile=...) wrap each block's forward in torch.compile, over TP and kernels;
@@ -138,6 +142,7 @@ def parallelize(
     with torch.compiler.set_stance(
         "force_eager"
     ):  # steps 1-4b record real calls: a block the user compiled runs eagerly
+        wholes = whole_blocks_to_certify(module, config, dims, probe)
         if dims.tp > 1:
             # a second stage (fit, then validate) finds the model already rewritten: reuse that
             if "_ptdp_tp" not in module.__dict__:
@@ -157,6 +162,11 @@ def parallelize(
             module.__dict__["_ptdp_cp"] = apply_context_parallel(
                 module, cp, sequence_parallel=sp, cut_tail=dims.tp == 1
             )
+        if wholes:  # step 1d: each rewritten block against its whole copy, before anything wraps it
+            cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
+            report = certify(wholes, layout_axes(config, dims), cp_group)
+            log.info("plan certificate: %s", report.summary())
+            del wholes
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels

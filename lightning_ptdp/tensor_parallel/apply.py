@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.blocks import capture_block_inputs, find_block_lists, is_conv1d, structure_groups
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
@@ -71,31 +71,6 @@ class TPReport:
         lines = [f"tensor parallel plan (t={self.tp_size}, sequence_parallel={self.sequence_parallel}):"]
         lines += [f"  {path:<{width}}  {style:<16} {detail}" for path, style, detail in self.entries]
         return "\n".join(lines)
-
-
-class _ProbeDone(Exception):
-    pass
-
-
-def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> dict[int, tuple[tuple, dict]]:
-    """Run ``probe`` (one forward of the model) until every given block has been called once."""
-    captured: dict[int, tuple[tuple, dict]] = {}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured.setdefault(id(module), (args, kwargs))
-        if len(captured) == len(blocks):
-            raise _ProbeDone
-
-    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
-    try:
-        with torch.no_grad():
-            probe()
-    except _ProbeDone:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
 
 
 def _join(prefix: str, name: str) -> str:

@@ -32,6 +32,7 @@ STRATEGY = [
     ({"micro_batch_size": True}, r"micro_batch_size=True must be a positive integer, got bool"),
     ({"sequence_parallel": 1}, r"sequence_parallel=1 must be True or False"),
     ({"strict_plan": "yes"}, r"strict_plan='yes' must be True or False"),
+    ({"certify_plan": None}, r"certify_plan=None must be True or False"),
     ({"overlap_grad_reduce": "yes"}, r"overlap_grad_reduce='yes' must be True or False"),
     ({"zero_stage": 4}, r"zero_stage=4 is not one of 0, 1, 2, 3"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),

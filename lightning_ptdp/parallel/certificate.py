@@ -1,0 +1,233 @@
+"""The plan certificate: before the first step, each rewritten block (the first of each structure)
+runs forward and backward under the layout and whole, on the probe's real inputs, on the same
+ranks; an output or input gradient beyond the dtype's tolerance refuses, naming the block and the
+axes. A position, mask or norm the rewrites did not see becomes a setup error, not a wrong run."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from lightning_ptdp.context_parallel.tail import SequenceShard
+from lightning_ptdp.core.blocks import capture_block_inputs, copy_object, find_block_lists, structure_groups
+
+log = logging.getLogger(__name__)
+
+CERTIFICATE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+"""Relative (norm) error allowed per dtype. A split reorders each sum: its error grows as
+sqrt(terms) * eps, 1e-5 for fp32 at 4096 terms; 1e-4 leaves 10x. A wrong position or mask moves
+the output by O(1)."""
+
+
+class PlanCertificateError(RuntimeError):
+    """A rewritten block computes something else than the same block run whole."""
+
+
+@dataclass
+class WholeBlock:
+    """A whole copy of one block, taken before the rewrites, and the inputs of its first call."""
+
+    name: str
+    blocks: list[nn.Module]  # its list, for the list's entry and exit hooks
+    index: int
+    copy: nn.Module
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class CertificateReport:
+    blocks: list[str] = field(default_factory=list)
+    errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (output, input grad)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        worst = ", ".join(f"{name} {out:.1e}/{grad:.1e}" for name, (out, grad) in self.errors.items())
+        return f"{len(self.blocks)} block structure(s) equal to whole (output/input-gradient error: {worst}) in {self.seconds:.2f}s"
+
+
+_REWRITTEN = ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp")
+
+
+def whole_blocks_to_certify(model: nn.Module, config: Any, dims: Any, probe: Callable[[], Any]) -> list[WholeBlock]:
+    """The whole copies to certify the rewrites of t, e and c against; none when the layout rewrites no
+    block, when ``certify_plan=False``, or when an earlier stage already rewrote the model."""
+    if not config.certify_plan or max(dims.tp, dims.cp, dims.ep) == 1:
+        return []
+    if any(key in model.__dict__ for key in _REWRITTEN):
+        return []
+    wholes = capture_whole_blocks(model, probe)
+    if wholes and not _alike_on_every_rank([w.copy for w in wholes]):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning(
+                "plan certificate skipped: the ranks built different initial weights for %s (data parallelism "
+                "takes rank 0's later); seed every rank alike (L.seed_everything) to have the layout certified",
+                wholes[0].name,
+            )
+        return []
+    return wholes
+
+
+def _alike_on_every_rank(modules: list[nn.Module]) -> bool:
+    """Whether every rank holds the same parameter values (sums and sums of squares, exactly)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    sums = [v for m in modules for p in m.parameters() for v in (p.double().sum(), p.double().square().sum())]
+    here = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64, device=_device(modules[0]))
+    highest, lowest = here.clone(), -here
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(highest, -lowest))
+
+
+def layout_axes(config: Any, dims: Any) -> str:
+    """The rewriting axes of the layout, as the certificate's messages name them."""
+    axes = [f"t={dims.tp}" + (" with sequence parallelism" if config.sequence_parallel else "")] if dims.tp > 1 else []
+    axes += [f"c={dims.cp}"] if dims.cp > 1 else []
+    axes += [f"e={dims.ep}"] if dims.ep > 1 else []
+    return "the layout " + ", ".join(axes)
+
+
+def capture_whole_blocks(model: nn.Module, probe: Callable[[], Any]) -> list[WholeBlock]:
+    """A whole copy and the probe's inputs of the first block of each structure (core/blocks.py);
+    nothing for a model on the meta device (no values to compare)."""
+    if any(p.is_meta for p in model.parameters()):
+        log.info("plan certificate skipped: the model is on the meta device (no values to compare)")
+        return []
+    firsts = [
+        (path, blocks, group[0]) for path, blocks in find_block_lists(model) for group in structure_groups(blocks)
+    ]
+    captured = capture_block_inputs([blocks[i] for _, blocks, i in firsts], probe)
+    wholes = []
+    for path, blocks, i in firsts:
+        if id(blocks[i]) in captured:
+            args, kwargs = captured[id(blocks[i])]
+            name = f"{path}.{i}" if path else str(i)
+            wholes.append(WholeBlock(name, blocks, i, copy.deepcopy(blocks[i]), args, kwargs))
+    return wholes
+
+
+def certify(wholes: list[WholeBlock], axes: str, cp_group: Optional[tuple[Any, int]] = None) -> CertificateReport:
+    """Compare each rewritten block with its whole copy; every rank of the layout runs this at once
+    and all refuse alike (the largest error over the ranks decides). ``cp_group`` (group, c) under
+    context parallelism: a rank's input gradient is its own chunks times c, so the sum over cp is c
+    times the whole one."""
+    report, start = CertificateReport(), time.perf_counter()
+    errors, failures = [], {}
+    for whole in wholes:
+        block = whole.blocks[whole.index]
+        with _as_only_block(block, whole.blocks):
+            ours = _run(block, whole.args, whole.kwargs)
+        theirs = _run(whole.copy, whole.args, whole.kwargs)
+        if isinstance(theirs, BaseException):
+            log.info("plan certificate skipped for '%s': the block fails whole too (%s)", whole.name, theirs)
+            errors += [0.0, 0.0]
+            continue
+        if isinstance(ours, BaseException):
+            failures[whole.name] = ours
+            errors += [float("inf"), float("inf")]
+            continue
+        out, grad = ours
+        if cp_group is not None and grad is not None:
+            dist.all_reduce(grad, group=cp_group[0])
+            grad = grad / cp_group[1]
+        errors += [_error(out, theirs[0]), _error(grad, theirs[1])]
+        report.blocks.append(whole.name)
+    if dist.is_available() and dist.is_initialized():
+        worst = torch.tensor(errors, dtype=torch.float64, device=_device(wholes[0].copy))  # nccl: on the GPU
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        errors = worst.tolist()
+    for k, whole in enumerate(wholes):
+        report.errors[whole.name] = (errors[2 * k], errors[2 * k + 1])
+        _refuse(whole, axes, errors[2 * k : 2 * k + 2], failures.get(whole.name))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional[BaseException]) -> None:
+    fix = (
+        "Keep that axis at 1 for this model, or split it by hand (tp_plan / ep_plan); certify_plan=False skips "
+        "this check"
+    )
+    if failure is not None:
+        raise PlanCertificateError(
+            f"plan certificate: block '{whole.name}' under {axes} raised {type(failure).__name__}: {failure}; the "
+            f"same block runs whole. {fix}"
+        ) from failure
+    dtype = next((p.dtype for p in whole.copy.parameters() if p.is_floating_point()), torch.float32)
+    tolerance = CERTIFICATE_RTOL.get(dtype, CERTIFICATE_RTOL[torch.float32])
+    for what, error in zip(("output", "input gradient"), errors):
+        if error > tolerance:
+            raise PlanCertificateError(
+                f"plan certificate: block '{whole.name}' under {axes} differs from the same block run whole: its "
+                f"{what} is off by {error:.2e} (relative, > {tolerance:.0e} for {dtype}); something the rewrite "
+                f"did not see (a position, a mask, a per-head weight) is computed from this rank's share. {fix}"
+            )
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _error(ours: Optional[torch.Tensor], theirs: Optional[torch.Tensor]) -> float:
+    if ours is None or theirs is None:
+        return 0.0 if ours is None and theirs is None else float("inf")
+    if ours.shape != theirs.shape:
+        return float("inf")
+    scale = theirs.double().norm().clamp_min(torch.finfo(torch.float32).tiny)
+    return ((ours.double() - theirs.double()).norm() / scale).item()
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """(first output, gradient of the residual input) of ``block`` in eval mode, or the exception."""
+    hidden = args[0].detach().clone().requires_grad_(args[0].is_floating_point())
+    training = block.training
+    try:
+        block.train(False)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            rest, kwargs = tree_map(copy_object, (args[1:], kwargs))  # a fresh key/value cache for each run
+            out = block(hidden, *rest, **kwargs)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(out, SequenceShard):
+                out = out.whole()
+            out = out.as_subclass(torch.Tensor) if type(out) is not torch.Tensor else out
+            cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+            grad = (
+                torch.autograd.grad((out * cotangent).sum(), hidden, allow_unused=True)[0]
+                if hidden.requires_grad and out.requires_grad
+                else None
+            )
+        return out.detach(), grad
+    except Exception as error:  # noqa: BLE001 - reported with the block's name by certify
+        return error
+    finally:
+        block.train(training)
+
+
+@contextlib.contextmanager
+def _as_only_block(block: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
+    """Run ``block`` as if it were its list's only block: the first block's forward pre-hooks (SP's
+    scatter, CP's cut of the residual stream) and the last block's forward hooks (the gathers)."""
+    first, last = blocks[0], blocks[-1]
+    tables = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+    exits = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+    saved = {t: getattr(block, t) for t in (*tables, *exits)}
+    try:
+        for t in tables:
+            setattr(block, t, OrderedDict(getattr(first, t)))
+        for t in exits:
+            setattr(block, t, OrderedDict(getattr(last, t)))
+        yield
+    finally:
+        for t, value in saved.items():
+            setattr(block, t, value)

@@ -1,0 +1,90 @@
+"""The plan certificate refuses, at setup, a block whose rewrite computes something else than the
+block run whole: idioms no discovery saw, written as plain-torch blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.distributed.test_context_parallel_refusals import HEADS, HIDDEN, VOCAB, TinyLM
+
+SEQ = 32
+HEAD_DIM = HIDDEN // HEADS
+
+
+class HeadScale(nn.Module):
+    """A per-head weight [heads, head_dim] (Cohere's q/k norm weight), applied to [B, T, heads, head_dim]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, HEADS * HEAD_DIM).view(HEADS, HEAD_DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.head_scale = HeadScale()
+        # rotary-like tables as a plain tensor attribute (not a buffer), sliced by the length the block sees
+        self.angles = torch.outer(torch.arange(SEQ, dtype=torch.float32), torch.ones(HEAD_DIM)) / 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, HEADS, HEAD_DIM) for t in (self.q(x), self.k(x), self.v(x)))
+        if self.kind == "per_head_weight":
+            q = self.head_scale(q)
+        if self.kind == "local_positions":
+            angle = self.angles[:T]  # positions 0..T-1 of what this rank holds, not of the sequence
+            q, k = q * torch.cos(angle)[:, None], k * torch.cos(angle)[:, None]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def fit(kind: str, layout: dict) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.testing import quiet_trainer
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(**layout), max_steps=1)
+    trainer.fit(TinyLM(kind, Block), data)
+
+
+CASES = {
+    "local_positions": (
+        {"context_parallel_size": 2},
+        r"plan certificate: block 'blocks\.0' under the layout c=2 differs from the same block run whole: its "
+        r"output is off by .*a position, a mask",
+    ),
+    "per_head_weight": (
+        {"tensor_parallel_size": 2},
+        r"plan certificate: block 'blocks\.0' under the layout t=2 raised RuntimeError: shape .* is invalid",
+    ),
+}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", CASES)
+def test_the_certificate_refuses_a_block_that_differs_from_it_whole(dist_pool, kind):
+    from lightning_ptdp.testing import RankFailure
+
+    layout, match = CASES[kind]
+    with pytest.raises(RankFailure, match=match):
+        dist_pool(2).run(fit, kind, layout)
+
+
+@pytest.mark.world_size(2)
+def test_certify_plan_false_skips_it_and_a_plain_block_passes_it(dist_pool):
+    dist_pool(2).run(fit, "local_positions", {"context_parallel_size": 2, "certify_plan": False})
+    dist_pool(2).run(fit, "plain", {"context_parallel_size": 2})
+    dist_pool(2).run(fit, "plain", {"tensor_parallel_size": 2, "sequence_parallel": True})
