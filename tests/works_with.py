@@ -96,6 +96,28 @@ def render_context() -> str:
     return "\n".join([CP_STAMP, "", *dense, "", *moe])
 
 
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def render_sweep() -> str:
+    """The README's block: the per-layout counts of the last recorded sweep over every transformers
+    causal LM (benchmarks/RESULTS.md, section ``sweep_transformers``, written by the sweep itself)."""
+    text = RESULTS.read_text()
+    start = text.index("<!-- section:sweep_transformers -->")
+    section = text[start : text.index("<!-- /section:sweep_transformers -->")]
+    lines = section.splitlines()
+    recorded = next(line for line in lines if line.startswith("- 20"))  # "- <date>, transformers ..., torch ..."
+    first = next(i for i, line in enumerate(lines) if line.startswith("| layout |"))
+    counts = lines[first : next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))]
+    stamp = (
+        "Counts of the last run of `python -m benchmarks.sweep_transformers` (every architecture in transformers' "
+        f"causal-LM mapping at a tiny config, each cell against one process; recorded {recorded[2:].split(',')[0]}). "
+        "Per-architecture reasons: [benchmarks/RESULTS.md](benchmarks/RESULTS.md#sweep-every-transformers-causal-lm-"
+        "at-each-layout-against-one-process). Regenerate with `python .ci/works_with.py` after a sweep."
+    )
+    return "\n".join([stamp, "", *counts])
+
+
 @dataclass(frozen=True)
 class Block:
     """A generated block: the document it lives in, its marker name, what renders its body."""
@@ -129,5 +151,6 @@ class Block:
 
 BLOCKS = (
     Block(README, "works-with", render_dense_and_moe),
+    Block(README, "sweep", render_sweep),
     Block(USER_GUIDE, "works-with-context", render_context),
 )

@@ -3,7 +3,7 @@ README.md and docs/user_guide.md (`python .ci/works_with.py` writes them)."""
 
 import pytest
 
-from tests.works_with import BLOCKS, README, USER_GUIDE, render_context, render_dense_and_moe
+from tests.works_with import BLOCKS, README, ROOT, USER_GUIDE, render_context, render_dense_and_moe, render_sweep
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
@@ -12,8 +12,22 @@ def test_each_document_holds_its_rendered_block(block):
     assert held == block.rendered(), f"run `python .ci/works_with.py` and commit {block.path.name}"
 
 
-def test_the_readme_keeps_the_dense_and_moe_tables_and_the_guide_the_context_parallel_ones():
-    assert [(b.path, b.render) for b in BLOCKS] == [(README, render_dense_and_moe), (USER_GUIDE, render_context)]
+def test_the_readme_keeps_the_dense_and_moe_tables_and_the_sweep_and_the_guide_the_context_parallel_ones():
+    assert [(b.path, b.render) for b in BLOCKS] == [
+        (README, render_dense_and_moe),
+        (README, render_sweep),
+        (USER_GUIDE, render_context),
+    ]
+
+
+def test_the_sweep_counts_are_the_recorded_sweep_s():
+    """The README's counts are the per-layout table of RESULTS.md's sweep section, rows and all."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    section = text[text.index("<!-- section:sweep_transformers -->") :]
+    rendered = render_sweep()
+    for row in (line for line in rendered.splitlines() if line.startswith("| ")):
+        assert row in section
+    assert {line.split(" | ")[0] for line in rendered.splitlines() if line.startswith("| ")} >= {"| layout", "| t2"}
 
 
 def ok_rows(text: str) -> list[str]:
