@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -110,10 +111,16 @@ def capture_whole_blocks(model: nn.Module, probe: Callable[[], Any]) -> list[Who
     captured = capture_block_inputs([blocks[i] for _, blocks, i in firsts], probe)
     wholes = []
     for path, blocks, i in firsts:
-        if id(blocks[i]) in captured:
-            args, kwargs = captured[id(blocks[i])]
-            name = f"{path}.{i}" if path else str(i)
-            wholes.append(WholeBlock(name, blocks, i, copy.deepcopy(blocks[i]), args, kwargs))
+        if id(blocks[i]) not in captured:
+            continue
+        args, kwargs = captured[id(blocks[i])]
+        name = f"{path}.{i}" if path else str(i)
+        try:
+            whole = copy.deepcopy(blocks[i])
+        except Exception as error:  # noqa: BLE001 - e.g. a module holding a process group: alike on every rank
+            log.warning("plan certificate skipped for '%s': the block cannot be copied (%s)", name, error)
+            continue
+        wholes.append(WholeBlock(name, blocks, i, whole, args, kwargs))
     return wholes
 
 
@@ -159,6 +166,8 @@ def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional
         "Keep that axis at 1 for this model, or split it by hand (tp_plan / ep_plan); certify_plan=False skips "
         "this check"
     )
+    if failure is not None and _own_refusal(failure):
+        raise failure  # a refusal an axis wrote (context parallelism meets its first forward here)
     if failure is not None:
         raise PlanCertificateError(
             f"plan certificate: block '{whole.name}' under {axes} raised {type(failure).__name__}: {failure}; the "
@@ -173,6 +182,20 @@ def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional
                 f"{what} is off by {error:.2e} (relative, > {tolerance:.0e} for {dtype}); something the rewrite "
                 f"did not see (a position, a mask, a per-head weight) is computed from this rank's share. {fix}"
             )
+
+
+def _own_refusal(error: BaseException) -> bool:
+    """An error this library raises on purpose: its own class, or a ValueError raised in its code."""
+    if type(error).__module__.startswith("lightning_ptdp"):
+        return True
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = frame.tb_frame.f_code.co_filename if frame is not None else ""
+    return isinstance(error, ValueError) and where.startswith(_OWN_DIR)
+
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _device(module: nn.Module) -> torch.device:
