@@ -51,6 +51,7 @@ class CertificateReport:
     blocks: list[str] = field(default_factory=list)
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (output, input grad)
     seconds: float = 0.0
+    copied_bytes: int = 0  # the whole copies' parameters and buffers, held until the check ends
 
     def summary(self) -> str:
         worst = ", ".join(f"{name} {out:.1e}/{grad:.1e}" for name, (out, grad) in self.errors.items())
@@ -130,6 +131,9 @@ def certify(wholes: list[WholeBlock], axes: str, cp_group: Optional[tuple[Any, i
     context parallelism: a rank's input gradient is its own chunks times c, so the sum over cp is c
     times the whole one."""
     report, start = CertificateReport(), time.perf_counter()
+    report.copied_bytes = sum(
+        t.numel() * t.element_size() for w in wholes for t in (*w.copy.parameters(), *w.copy.buffers())
+    )
     errors, failures = [], {}
     for whole in wholes:
         block = whole.blocks[whole.index]

@@ -25,7 +25,7 @@ from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
 from lightning_ptdp.expert_parallel import EPGroup, EPReport, apply_expert_parallel
 from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.parallel.certificate import certify, layout_axes, whole_blocks_to_certify
+from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.gradients import DENSE, EXPERTS, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
@@ -50,6 +50,7 @@ class Parallelized:
     tp_group: Optional[TPGroup] = None
     tp_report: Optional[TPReport] = None
     ep_report: Optional[EPReport] = None
+    certificate: Optional[CertificateReport] = None
     pipeline: Optional[PipelineEngine] = None
     fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
@@ -164,8 +165,8 @@ def parallelize(
             )
         if wholes:  # step 1d: each rewritten block against its whole copy, before anything wraps it
             cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
-            report = certify(wholes, layout_axes(config, dims), cp_group)
-            log.info("plan certificate: %s", report.summary())
+            result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
+            log.info("plan certificate: %s", result.certificate.summary())
             del wholes
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
