@@ -248,6 +248,25 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+class TupleLlamaBlock(LlamaBlock):
+    """Returns (activation, None), as transformers' layers return an unrequested attention-weights slot."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return super().forward(x, cos, sin), None
+
+
+class TupleLlama(Llama):
+    def __init__(self, cfg: ZooConfig) -> None:
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(TupleLlamaBlock(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)[0]
+        return self.output(self.norm(x))
+
+
 class CausalLM(L.LightningModule):
     """An ordinary LightningModule around any token -> logits network, with plain AdamW."""
 
@@ -420,6 +439,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         net = Llama(cfg)
         net.layers = nn.ModuleList(MoELlamaBlock(cfg) for _ in range(cfg.num_layers))
         return CausalLM(net)
+    if family == "tuple_llama":
+        return CausalLM(TupleLlama(cfg))
     if family == "flat_llama":
         return FlatLlama(cfg)
     if family in ("nanogpt_dict", "nanogpt_dict_tied"):

@@ -94,6 +94,8 @@ class ProbeRecord:
 
     rows: int
     block_outputs: list[TensorMeta] = field(default_factory=list)
+    block_tails: list[Optional[tuple]] = field(default_factory=list)
+    """Per block: the items after the activation when it returns a tuple (None, flags), else None."""
     module_outputs: dict[int, Optional[TensorMeta]] = field(default_factory=dict)  # id(module) -> stand-in shape
     module_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks that call it
     param_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(param) -> chunks that use it
@@ -119,8 +121,8 @@ def record_forward(
     """Run ``probe`` (one ordinary forward on ``rows`` samples) and record what the split needs.
 
     Raises PipelineSplitError, naming the block or module, for a forward the split cannot cut:
-    blocks not each called once in order, a block whose output is not one tensor, or an
-    activation changed between two blocks."""
+    blocks not each called once in order, a block whose output is not one tensor (or a tuple of one
+    and no other tensor), or an activation changed between two blocks."""
     record = ProbeRecord(rows=rows)
     outer = outer_modules(model, blocks)
     state = {"position": 0, "inside": None, "last": None}
@@ -147,17 +149,14 @@ def record_forward(
 
     def after_block(module: nn.Module, args: tuple, output: Any) -> None:
         index = block_index[id(module)]
-        if not isinstance(output, torch.Tensor):
-            raise PipelineSplitError(
-                f"block {index} ({type(module).__name__}) returned {type(output).__name__}; the pipeline "
-                "split sends one activation tensor between stages, so each block must return one tensor"
-            )
+        output, tail = _activation_and_tail(index, module, output)
         if output.dim() == 0 or output.shape[0] != rows:
             raise PipelineSplitError(
                 f"block {index} returned shape {tuple(output.shape)} for a microbatch of {rows} samples; "
                 "the pipeline split needs batch-first activations (batch, sequence, hidden)"
             )
         record.block_outputs.append(TensorMeta.of(output))
+        record.block_tails.append(tail)
         state.update(position=index + 1, inside=None, last=output)
 
     def after_outer(module: nn.Module, args: tuple, output: Any) -> None:
@@ -186,6 +185,22 @@ def record_forward(
             "split needs every block called once per forward"
         )
     return record
+
+
+def _activation_and_tail(index: int, block: nn.Module, output: Any) -> tuple[torch.Tensor, Optional[tuple]]:
+    """A block's activation, and what else its tuple holds: only a tensor crosses a stage, so the rest
+    must hold no tensor (an unrequested attention-weights slot, a flag); an earlier stage's block
+    gives it back beside the received activation."""
+    if isinstance(output, torch.Tensor):
+        return output, None
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(output[1:])):
+            return output[0], tuple(output[1:])
+    what = type(output).__name__ + (" holding tensors after the activation" if isinstance(output, tuple) else "")
+    raise PipelineSplitError(
+        f"block {index} ({type(block).__name__}) returned {what}; the pipeline split sends one activation tensor "
+        "between stages, so each block must return one tensor, or a tuple of it and values that are no tensors"
+    )
 
 
 class _ChunkDone(BaseException):
@@ -290,7 +305,8 @@ def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
             raise _ChunkDone(args[0].contiguous())
         ctx.position = index + 1
         if index < own.start:
-            return ctx.received
+            tail = split.record.block_tails[index]
+            return ctx.received if tail is None else (ctx.received, *tail)
         return call(*args, **kwargs)
 
     _install_gate(block, gate)

@@ -89,7 +89,7 @@ class _Block(nn.Module):
 
     def forward(self, x):
         y = x + self.fc2(self.fc1(x))
-        return (y, None) if self.returns_tuple else y
+        return (y, y.sum()) if self.returns_tuple else y  # a second tensor: (y, None) is split (test_pipeline.py)
 
 
 class _Net(nn.Module):
@@ -114,7 +114,7 @@ class _Net(nn.Module):
 @pytest.mark.parametrize(
     ("mode", "match"),
     [
-        ("tuple", r"block 0 \(_Block\) returned tuple; the pipeline split sends one activation tensor"),
+        ("tuple", r"block 0 \(_Block\) returned tuple holding tensors after the activation; the pipeline split"),
         ("between", r"block 1 does not receive block 0's output as its first argument"),
         (
             "reuse",
