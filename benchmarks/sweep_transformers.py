@@ -16,6 +16,7 @@ import fnmatch
 import json
 import logging
 import random
+import re
 import signal
 import sys
 import time
@@ -176,13 +177,18 @@ def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[st
         return "mismatch", assertion_text(error)
     try:
         if moe:
-            expected = expected_moe_shares(routed_only(ref["held"]), strategy_kwargs, devices)
+            full = routed_only(ref["held"])
             for result in results:
                 held = routed_only(result["held"])
-                check_moe_share({**result, "held": held}, stage_experts(expected, held, ref, strategy_kwargs))
+                own, kwargs, ranks = own_stage(full, held, strategy_kwargs, devices)
+                expected = expected_moe_shares(own, kwargs, ranks)
+                outside = expected_moe_shares(full, strategy_kwargs, devices)["others"]
+                check_moe_share({**result, "held": held}, {**expected, "others": outside})
         else:
-            expected = expected_shares(ref["held"], strategy_kwargs, devices)
             for result in results:
+                own, kwargs, ranks = own_stage(ref["held"], result["held"], strategy_kwargs, devices)
+                expected = expected_shares(own, kwargs, ranks)
+                expected["others"] = expected_shares(ref["held"], strategy_kwargs, devices)["others"]
                 check_share(result, expected, ref)
     except AssertionError as error:
         share = assertion_text(error)
@@ -196,16 +202,21 @@ def routed_only(held: dict) -> dict:
     return {name.replace("shared_experts.", "shared_mlp."): value for name, value in held.items()}
 
 
-def stage_experts(expected: dict, held: dict, ref: dict, strategy_kwargs: dict) -> dict:
-    """Under PP, a rank's experts are its own layers' over e: tests/shares.py divides all of them by p,
-    which holds only where every layer has as many (not with dense first layers or every other one sparse)."""
-    from tests.shares import EXPERT
+_LAYER = re.compile(r"^(.*?(?:^|\.)\d+\.)")
 
-    if strategy_kwargs.get("pipeline_parallel_size", 1) == 1:
-        return expected
-    full = routed_only(ref["held"])
-    own = sum(full[name][0] for name in held if EXPERT in name and name in full)
-    return {**expected, "experts": own // strategy_kwargs.get("expert_parallel_size", 1)}
+
+def own_stage(full: dict, held: dict, strategy_kwargs: dict, devices: int) -> tuple[dict, dict, int]:
+    """Under PP, what a rank's share is computed from: its own stage's blocks (and everything outside
+    the blocks), at p=1 over its devices / p ranks. tests/shares.py divides every block by p, which
+    holds only where every block is alike (not with dense first layers before MoE ones)."""
+    p = strategy_kwargs.get("pipeline_parallel_size", 1)
+    if p == 1:
+        return full, strategy_kwargs, devices
+    layers = {m.group(1) for name in held if (m := _LAYER.match(name))}
+    every = {m.group(1) for name in full if (m := _LAYER.match(name))}
+    assert len(layers) * p == len(every), f"a rank holds {len(layers)} of {len(every)} blocks under p={p}"
+    own = {name: nd for name, nd in full.items() if (m := _LAYER.match(name)) is None or m.group(1) in layers}
+    return own, {**strategy_kwargs, "pipeline_parallel_size": 1}, devices // p
 
 
 def assertion_text(error: BaseException) -> str:
