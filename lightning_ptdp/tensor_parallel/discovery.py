@@ -182,9 +182,9 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
     """Fill ``blocks``, ``units`` and ``unit_size`` of every column from the global shapes."""
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
     for col in region.columns:
-        node = nodes[col]
-        size = _shape(node)[-1]
-        parts, blocks = [node], 1
+        node = _cut_at(nodes[col])
+        size, one_head = _shape(node)[-1], len(_shape(node)) > len(_shape(nodes[col]))
+        parts, blocks = [nodes[col]], 1
         if len(node.users) == 1:
             user = next(iter(node.users))
             if _call_name(user) in ("split", "chunk") and _shape(user) is None:
@@ -194,7 +194,7 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
                     blocks = size // pieces[0]
                     parts = list(user.users)
                 elif len(pieces) > 1 and sum(pieces) == size:  # unequal parts: q | k | v with fewer KV heads
-                    _unequal_parts(region, col, list(user.users), pieces)
+                    _unequal_parts(region, col, list(user.users), pieces, one_head)
                     continue
         sliced = _slice_parts(node, size)
         if sliced is not None:  # qkv[..., :q], qkv[..., q:q + kv], ... (Phi-3)
@@ -202,11 +202,33 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
             if len(set(pieces)) == 1:
                 blocks, parts = len(pieces), part_nodes
             else:
-                _unequal_parts(region, col, part_nodes, pieces)
+                _unequal_parts(region, col, part_nodes, pieces, one_head)
                 continue
         units, unit_size = _units_of(parts[0], size // blocks)
         region.blocks[col], region.units[col], region.unit_size[col] = blocks, units, unit_size
     region.is_attention = any(_call_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _cut_at(node: fx.Node) -> fx.Node:
+    """Where a column output's parts are cut: unless a view splits it into heads first (a key of one
+    head, (B, T, 1, hs), whose rotary halves are no parts), follow its only users while they keep its
+    last dim and merely add or drop size-1 dims or keep its shape (GPTBigCode's unsqueeze, a clip)."""
+    if _units_of(node, _shape(node)[-1])[1] > 1:
+        return node
+    current = node
+    for _ in range(8):
+        users = [u for u in current.users if u.op != "output"]
+        if len(users) != 1 or users[0].op not in ("call_function", "call_method"):
+            break
+        shape_in, shape_out = _shape(current), _shape(users[0])
+        if shape_out is None or shape_out[-1] != shape_in[-1] or _squeezed(shape_out) != _squeezed(shape_in):
+            break
+        current = users[0]
+    return current
 
 
 def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | None:
@@ -227,16 +249,20 @@ def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | 
     return [c[2] for c in cuts], [c[1] - c[0] for c in cuts]
 
 
-def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int]) -> None:
-    """A fused projection split into unequal parts: each part's heads (or features) split over t."""
-    shapes = [_units_of(part, size) for part, size in zip(parts, sizes)]
+def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int], one_head: bool) -> None:
+    """A fused projection split into unequal parts: each part's heads (or features) split over t.
+    ``one_head``: the parts were cut after a size-1 dim was added (a heads dim, as GPTBigCode's
+    unsqueeze adds): a part never viewed into heads is one head (its single key/value head)."""
+    shapes = [_units_of(part, size, one_head) for part, size in zip(parts, sizes)]
     unit_size = math.gcd(*(unit for _, unit in shapes))
     region.parts[col] = tuple(size // unit_size for size in sizes)
     region.blocks[col], region.units[col], region.unit_size[col] = len(sizes), max(region.parts[col]), unit_size
 
 
-def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
-    """Follow a column output to the first view that splits its feature dim into (heads, head size)."""
+def _units_of(node: fx.Node, features: int, one_head: bool = False) -> tuple[int, int]:
+    """Follow a column output to the first view that splits its feature dim into (heads, head size),
+    through steps that keep the shape or add or drop size-1 dims; none: ``features`` units of 1, or
+    with ``one_head`` one unit of ``features``."""
     current = node
     for _ in range(8):
         users = [u for u in current.users if u.op != "output"]
@@ -244,15 +270,26 @@ def _units_of(node: fx.Node, features: int) -> tuple[int, int]:
             break
         user = users[0]
         shape_in, shape_out = _shape(current), _shape(user)
-        if _call_name(user) in ("view", "reshape") and shape_out and shape_in and len(shape_out) > len(shape_in):
-            # (..., features) -> (..., units, *unit): heads, or KV groups of q/k/v heads (torchtitan)
-            unit_dims = shape_out[len(shape_in) - 1 :]
-            if math.prod(unit_dims) == features and shape_out[: len(shape_in) - 1] == shape_in[:-1]:
-                return unit_dims[0], features // unit_dims[0]
-        if shape_out is None or shape_in is None or shape_out != shape_in:
+        if shape_out is None or shape_in is None:
+            break
+        if _call_name(user) in ("view", "reshape") and shape_in[-1] == features:
+            split = _feature_split(shape_in, shape_out)
+            if split is not None:
+                return split
+        if shape_out[-1] != shape_in[-1] or _squeezed(shape_out) != _squeezed(shape_in):
             break
         current = user
-    return features, 1
+    return (1, features) if one_head else (features, 1)
+
+
+def _feature_split(shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> tuple[int, int] | None:
+    """(units, unit size) when a view keeps the leading elements together and splits the last dim
+    into (units, *unit): heads, or KV groups of q/k/v heads (torchtitan)."""
+    leading, features = math.prod(shape_in[:-1]), shape_in[-1]
+    for j in range(len(shape_out) - 1):
+        if math.prod(shape_out[:j]) == leading and math.prod(shape_out[j:]) == features:
+            return shape_out[j], features // shape_out[j]
+    return None
 
 
 def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = False) -> BlockPlan:
@@ -262,6 +299,10 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
     regions, replicated, kept = find_regions(gm, name)
     for region in regions:
         detect_layouts(gm, region)
+    single = {id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None}
+    kept += [KeptWhole([*r.columns, r.row], single[id(r)]) for r in regions if id(r) in single]
+    regions = [r for r in regions if id(r) not in single]
+    for region in regions:
         validate_layouts(region, name, tp_size)
     ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
     recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
@@ -292,6 +333,20 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
 def _divisors(n: int) -> str:
     options = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+
+
+def _single_head_part(region: RegionPlan, name: str, tp_size: int) -> str | None:
+    """Why a fused column with a part of one head (multi-query attention's key or value in one
+    projection with the queries) cannot be split: no t above 1 splits that part, and a fused layout
+    holds no part whole beside the others' shares. None when every fused part has more heads."""
+    for col, parts in region.parts.items():
+        if tp_size > 1 and min(parts) == 1:
+            return (
+                f"block '{name}': the fused '{col}' holds parts of {' | '.join(map(str, parts))} heads of "
+                f"{region.unit_size[col]}; a part of one head (a key/value head shared by all query heads) would "
+                "stay whole on every rank beside the others' shares, which a fused projection's layout cannot hold"
+            )
+    return None
 
 
 def validate_layouts(region: RegionPlan, name: str, tp_size: int) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import fx
 
-from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm
+from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, HeadSlices
 
 
 def _blocks_glob(block: str) -> str:
@@ -69,7 +69,8 @@ class RegionPlan:
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
     partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
-    feature_norms: dict[str, FeatureNorm] = field(default_factory=dict)  # norms over all heads (feature_norm.py)
+    # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
+    feature_norms: dict[str, FeatureNorm | HeadSlices] = field(default_factory=dict)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
 
     def style(self, name: str) -> str:

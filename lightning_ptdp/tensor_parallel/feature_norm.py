@@ -1,13 +1,17 @@
-"""A norm over the features tensor parallelism splits (OLMo-2's and OLMoE's q/k norms over all
-heads). Each rank normalises its own features with the statistics of all of them: the sums are
-all-reduced over the tp group. It applies its slice of the weight, which stays whole on every rank.
-Its gradient is then partial on each rank and is summed over tp like a per-head norm's."""
+"""Modules whose weights span the heads tensor parallelism splits, each rank applying its slice.
+
+A norm over all heads' features (OLMo-2's and OLMoE's q/k norms): each rank normalises its own
+features with the statistics of all of them, the sums all-reduced over the tp group. Per-head
+parameters (Cohere's (heads, head_dim) q/k norm, per-head scalars): each rank applies its heads'
+entries. The weights stay whole on every rank; their gradients are then partial on each rank and
+are summed over tp like a per-head norm's."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -47,11 +51,8 @@ def feature_norm_of(module: nn.Module, features: int) -> Optional[FeatureNorm]:
     if any(tuple(p.shape) != (features,) for p in params.values()):
         return None
     epsilons = [v for n in EPS_NAMES if isinstance(v := getattr(module, n, None), float)]
-    sample_module = copy.deepcopy(module).to_empty(device="cpu").float()
-    generator = torch.Generator().manual_seed(0)
-    for param in sample_module.parameters():
-        param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
-    sample = 3 * torch.randn(4, features, generator=generator)
+    sample_module = _cpu_copy(module)
+    sample = 3 * torch.randn(4, features, generator=torch.Generator().manual_seed(1))
     out = sample_module(sample)
     weight, bias = sample_module.weight, getattr(sample_module, "bias", None)
     for eps in epsilons:
@@ -63,8 +64,18 @@ def feature_norm_of(module: nn.Module, features: int) -> Optional[FeatureNorm]:
     return None
 
 
-def shard_feature_norm(module: nn.Module, norm: FeatureNorm, tp: TPGroup) -> None:
-    """Make ``module`` normalise this rank's contiguous 1/t of the features (its heads)."""
+def shard_feature_norm(module: nn.Module, norm: FeatureNorm | HeadSlices, tp: TPGroup) -> None:
+    """Make ``module`` normalise this rank's contiguous 1/t of the features (its heads), or apply
+    its heads' slice of per-head parameters."""
+    if isinstance(norm, HeadSlices):
+        inner = module.forward
+
+        def sliced(*args, **kwargs):
+            with norm.of_rank(module, tp.rank, tp.size):
+                return inner(*args, **kwargs)
+
+        module.forward = sliced
+        return
     local = norm.features // tp.size
     start = tp.rank * local
 
@@ -75,3 +86,77 @@ def shard_feature_norm(module: nn.Module, norm: FeatureNorm, tp: TPGroup) -> Non
         return y + bias[start : start + local] if bias is not None else y
 
     module.forward = forward
+
+
+@dataclass(frozen=True)
+class HeadSlices:
+    """Parameters of a module holding one entry per head along a dim: (name, dim) of each."""
+
+    dims: tuple[tuple[str, int], ...]
+    heads: int
+    """Global size of those dims: the heads of the sharded tensor the module reads."""
+
+    @contextlib.contextmanager
+    def of_rank(self, module: nn.Module, rank: int, size: int) -> Iterator[None]:
+        """Within: ``module``'s per-head parameters are views of rank ``rank``'s contiguous 1/size of
+        the heads (swapped in as torch.func.functional_call swaps tensors: gradients reach the whole)."""
+        local, swapped = self.heads // size, []
+        for name, dim in self.dims:
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path)
+            whole = owner._parameters[leaf]
+            swapped.append((owner, leaf, whole))
+            owner._parameters[leaf] = whole.narrow(dim, rank * local, local)
+        try:
+            yield
+        finally:
+            for owner, leaf, whole in swapped:
+                owner._parameters[leaf] = whole
+
+    @torch.no_grad()
+    def mismatch(self, module: nn.Module, shape: tuple[int, ...], dim: int, size: int) -> Optional[str]:
+        """Why each rank's share of an input of ``shape`` (split along ``dim``) through the sliced
+        module is not that share of the whole output, on a CPU copy with random weights; or None."""
+        sample_module = _cpu_copy(module)
+        generator = torch.Generator().manual_seed(0)
+        kept = [1 if d < dim else s for d, s in enumerate(shape)]  # leading (batch, position) dims: one each
+        sample = torch.randn(kept, generator=generator)
+        local = self.heads // size
+        try:
+            whole = sample_module(sample)
+            for rank in range(size):
+                with self.of_rank(sample_module, rank, size):
+                    share = sample_module(sample.narrow(dim, rank * local, local))
+                if not torch.allclose(share, whole.narrow(dim, rank * local, local), rtol=1e-5, atol=1e-6):
+                    return f"gives rank {rank} other values than its heads' share of the whole module's output"
+        except Exception as err:  # the user's module may raise anything
+            return f"fails on a sample: {type(err).__name__}: {err}"
+        return None
+
+
+def head_slices_of(module: nn.Module, shape: tuple[int, ...], dim: int) -> Optional[HeadSlices]:
+    """The parameters of ``module`` with a dim of the input's global size along ``dim`` (``shape``),
+    aligned with it from the right as broadcasting aligns them; None when there are none."""
+    back = dim - len(shape)
+    dims = tuple(
+        (name, p.dim() + back)
+        for name, p in module.named_parameters()
+        if p.dim() >= -back and p.shape[back] == shape[dim]
+    )
+    return HeadSlices(dims, shape[dim]) if dims else None
+
+
+@torch.no_grad()
+def _cpu_copy(module: nn.Module) -> nn.Module:
+    """A float32 CPU copy with random weights (so that one built on meta is checked too)."""
+    on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    sample_module = copy.deepcopy(module)
+    sample_module = sample_module.to_empty(device="cpu") if on_meta else sample_module.to("cpu")
+    sample_module = sample_module.float()
+    generator = torch.Generator().manual_seed(0)
+    for param in sample_module.parameters():
+        param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+    if on_meta:
+        for buffer in sample_module.buffers():
+            buffer.copy_(torch.rand(buffer.shape, generator=generator) if buffer.is_floating_point() else 0)
+    return sample_module

@@ -10,6 +10,7 @@ replay.py). Anything else raises TPDiscoveryError.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -28,7 +29,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
     _shape_args,
 )
-from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of
+from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
 from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,33 @@ class ShardPropagation:
                         node, "has parameters over the sharded feature dim (and is no RMSNorm or LayerNorm over them)"
                     )
                 self.region.feature_norms[node.target] = norm
+            else:
+                self._per_head_parameters(node, module, src, info)
             # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
-            # all heads): its gradient sums over the group
-            self.region.partial.append(node.target)
+            # all heads or of per-head weights): its gradient sums over the group, once (a module called twice)
+            if node.target not in self.region.partial:
+                self.region.partial.append(node.target)
         if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
             self._tuple_module(node)
             return
         if _shape(node) != _shape(src):
             raise self.fail(node, "changes the shape of a sharded tensor")
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
+        """Parameters with one entry per head (Cohere's (heads, head_dim) q/k norm, per-head scalars):
+        each rank applies its heads' slice, checked on a sample against the whole module."""
+        slices = head_slices_of(module, _shape(src), info.dim)
+        if slices is None:  # one weight shared by all heads (a per-head q/k norm over head_dim)
+            return
+        inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        names = ", ".join(f"{name} {tuple(module.get_parameter(name).shape)}" for name, _ in slices.dims)
+        if inputs != [src] or _shape(node) != _shape(src):
+            raise self.fail(node, f"holds per-head parameters ({names}) and reads or returns more than one tensor")
+        mismatch = slices.mismatch(module, _shape(src), info.dim, self.tp_size)
+        if mismatch is not None:
+            raise self.fail(node, f"holds per-head parameters ({names}), and sliced per rank it {mismatch}")
+        self.region.feature_norms[node.target] = slices
 
     def _tuple_module(self, node: fx.Node) -> None:
         inputs = [a for a in node.args if isinstance(a, fx.Node)]
@@ -148,11 +167,18 @@ class ShardPropagation:
             raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         if _shape(node) is not None:  # one tensor
             if dims[0] is not None:
-                self.shard[node] = Sharded(dims[0], ratio)
+                bounds = {self.shard[i].bounds for i in inputs}
+                self._mark(node, dims[0], Sharded(dims[0], ratio, bounds.pop() if len(bounds) == 1 else ()))
         elif any(d is not None for d in dims):  # a tuple, read through getitem (_op_getitem)
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
             self.shard[node] = Sharded(dims[0], ratio)
+
+    def _mark(self, node: fx.Node, dim: int, info: Sharded) -> None:
+        """``node`` is sharded along ``dim``; a fused column's part boundaries carry over while that
+        dim keeps their global size (through an unsqueeze, a transpose, an elementwise op)."""
+        keep = bool(info.bounds) and _shape(node) is not None and _shape(node)[dim] == info.bounds[-1]
+        self.shard[node] = Sharded(dim, info.ratio, info.bounds if keep else ())
 
     def _divide(self, node: fx.Node, arg: Any, ratio: int) -> Any:
         if arg == -1:
@@ -177,7 +203,7 @@ class ShardPropagation:
         args[target] = self._divide(node, args[target], info.ratio)
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
-        self.shard[node] = Sharded(target, info.ratio)
+        self._mark(node, target, info)
 
     _op_reshape = _op_view
 
@@ -199,11 +225,18 @@ class ShardPropagation:
     _op_broadcast_to = _op_expand
 
     def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
-        if dim % len(_shape(src)) != info.dim:  # e.g. q | k | v within each KV group (torchtitan)
-            self.shard[node] = Sharded(info.dim, info.ratio)
+        """Splits of the sharded dim cut at a fused projection's part boundaries are each rank's share
+        of those parts, at 1/ratio of the sizes (anything else: the generic path, which refuses it)."""
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % len(_shape(src))
+        if dim != info.dim:  # e.g. q | k | v within each KV group (torchtitan)
+            self.shard[node] = Sharded(info.dim, info.ratio, info.bounds)
             return
         sizes = node.args[1]
+        total = _shape(src)[dim]
+        cuts = [*range(0, total, sizes), total] if isinstance(sizes, int) else [0, *itertools.accumulate(sizes)]
+        if info.ratio > 1 and any(cut not in info.bounds for cut in cuts):
+            self._generic(node, [src])
+            return
         new = (
             [self._divide(node, s, info.ratio) for s in sizes]
             if isinstance(sizes, (list, tuple))
@@ -225,7 +258,7 @@ class ShardPropagation:
 
     def _op_getitem(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         if _shape(src) is None:  # an element of split/chunk output
-            self.shard[node] = Sharded(info.dim, info.ratio)
+            self._mark(node, info.dim, info)
             return
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         ndim, dim_in, dim_out = len(_shape(src)), 0, 0
@@ -234,7 +267,7 @@ class ShardPropagation:
             if item is Ellipsis:
                 skip = ndim - explicit
                 if dim_in <= info.dim < dim_in + skip:
-                    self.shard[node] = Sharded(dim_out + info.dim - dim_in, info.ratio)
+                    self._mark(node, dim_out + info.dim - dim_in, info)
                     return
                 dim_in, dim_out = dim_in + skip, dim_out + skip
                 continue
@@ -244,11 +277,11 @@ class ShardPropagation:
             if dim_in == info.dim:
                 if item != slice(None):
                     self._slice_part(node, index, item, info)
-                self.shard[node] = Sharded(dim_out, info.ratio)
+                self._mark(node, dim_out, info)
                 return
             dim_in += 1
             dim_out += 0 if isinstance(item, int) else 1
-        self.shard[node] = Sharded(dim_out + info.dim - dim_in, info.ratio)
+        self._mark(node, dim_out + info.dim - dim_in, info)
 
     def _slice_part(self, node: fx.Node, index: tuple, item: Any, info: Sharded) -> None:
         """``qkv[..., a:b]`` cutting a fused column at its part boundaries (Phi-3's q | k | v):
