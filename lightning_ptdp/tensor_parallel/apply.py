@@ -35,7 +35,7 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
     check_ties,
     rewrite,
 )
-from lightning_ptdp.tensor_parallel.feature_norm import shard_feature_norm
+from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, shard_feature_norm
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -274,7 +274,7 @@ def _shard_planned_block(
     for region in plan.regions:
         for target, norm in region.feature_norms.items():
             shard_feature_norm(block.get_submodule(target), norm, tp)
-            report.entries.append((_join(name, target), "replicated", NORM))
+            report.entries.append((_join(name, target), "replicated", NORM if isinstance(norm, FeatureNorm) else HEADS))
     _install_program(block, plan, group.program, tp, sequence_parallel)
     for region in plan.regions:
         for linear in (*region.columns, region.row):
@@ -285,6 +285,7 @@ def _shard_planned_block(
 
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
 KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
+HEADS = "per-head parameters: whole on every rank, each rank applies its heads' slice, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
 
@@ -355,8 +356,11 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                     report.entries.append((_join(where, name), region.style(name), detail))
             report.entries += [(_join(where, name), "replicated", WHOLE) for name in plan.replicated]
             report.entries += [(_join(where, name), "replicated", KEPT) for k in plan.kept_whole for name in k.linears]
-            norms = [name for region in plan.regions for name in region.feature_norms]
-            report.entries += [(_join(where, name), "replicated", NORM) for name in norms]
+            norms = [(name, norm) for region in plan.regions for name, norm in region.feature_norms.items()]
+            report.entries += [
+                (_join(where, name), "replicated", NORM if isinstance(norm, FeatureNorm) else HEADS)
+                for name, norm in norms
+            ]
     report.entries = cross_check(model, report.entries)
     return report
 
