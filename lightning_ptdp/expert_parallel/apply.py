@@ -24,6 +24,7 @@ from lightning_ptdp.expert_parallel.discovery import (
 )
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard, exchange
 from lightning_ptdp.expert_parallel.expert_list import install_expert_list
+from lightning_ptdp.expert_parallel.grouped import GroupedSite, install_grouped
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,10 @@ def apply_expert_parallel(
     report = EPReport()
     for site in sites:
         shard = _split(site, ep)
-        _install(site, shard, report.stats)
+        if isinstance(site, GroupedSite):
+            install_grouped(site, shard, report.stats)
+        else:
+            _install(site, shard, report.stats)
         report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n, _ in site.module.named_parameters()]
         report.expert_modules += [m for m in site.module.modules() if "_ptdp_experts" in m.__dict__]

@@ -4,11 +4,12 @@ top-k routing per token (hidden [..., H], chosen experts [..., k], weights [...,
 Mixtral, Qwen2/3-MoE, OLMoE experts; torchtitan's RoutedExperts around its GroupedExperts), or a
 layer with a router Linear and a ModuleList of expert MLPs, each called on its rows (litgpt's
 LLaMAMoE). One probe forward records how each is called; of nested candidates the innermost one
-called with top-k routing is the experts module."""
+called with top-k routing is the experts module, else one called on rows grouped by expert (grouped.py)."""
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -17,10 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-
-class ExpertDiscoveryError(ValueError):
-    """The model's experts cannot be split as found (the message names the module and the fix)."""
-
+from lightning_ptdp.expert_parallel.calls import ArgSlot, ExpertDiscoveryError, describe, slots
+from lightning_ptdp.expert_parallel.grouped import GroupedSite, check_grouped, classify_grouped
 
 EP_STYLES = ("experts", "expert_list", "dense")
 PLAN_HINT = (
@@ -28,6 +27,7 @@ PLAN_HINT = (
     "are the experts stacked [n_experts, ...], called with top-k routing), 'expert_list' (a layer holding a "
     "ModuleList of experts) or 'dense' (never split)"
 )
+log = logging.getLogger(__name__)
 _LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "lightning_ptdp" + os.sep)
 
 
@@ -51,23 +51,6 @@ def check_ep_plan(plan: object, expert_parallel_size: int) -> Optional[dict[str,
     if expert_parallel_size == 1:
         raise ValueError("ep_plan names modules for expert parallelism: set expert_parallel_size > 1, or drop ep_plan")
     return dict(plan)
-
-
-@dataclass(frozen=True)
-class ArgSlot:
-    """Where an argument of the experts' forward sits: a position, or a keyword name."""
-
-    position: Optional[int] = None
-    name: Optional[str] = None
-
-    def get(self, args: tuple, kwargs: dict) -> Any:
-        return args[self.position] if self.name is None else kwargs[self.name]
-
-    def put(self, args: list, kwargs: dict, value: Any) -> None:
-        if self.name is None:
-            args[self.position] = value
-        else:
-            kwargs[self.name] = value
 
 
 @dataclass(frozen=True)
@@ -110,25 +93,10 @@ def _torch_layer(module: nn.Module) -> bool:
     )
 
 
-def _slots(args: tuple, kwargs: dict) -> list[tuple[ArgSlot, Any]]:
-    return [(ArgSlot(position=i), a) for i, a in enumerate(args)] + [(ArgSlot(name=k), v) for k, v in kwargs.items()]
-
-
-def _describe(args: tuple, kwargs: dict) -> str:
-    def one(value: Any) -> str:
-        return (
-            f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-            if torch.is_tensor(value)
-            else type(value).__name__
-        )
-
-    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
-
-
 def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict, site: str = "") -> ExpertsSite:
     """The routing convention of one recorded call (made at source line ``site``), or a clear refusal."""
     where = f" at {site}" if site else ""
-    tensors = [(slot, v) for slot, v in _slots(args, kwargs) if torch.is_tensor(v)]
+    tensors = [(slot, v) for slot, v in slots(args, kwargs) if torch.is_tensor(v)]
     hidden = next(((s, v) for s, v in tensors if v.is_floating_point() and v.dim() >= 2), None)
     lead = tuple(hidden[1].shape[:-1]) if hidden else None
     indices = next(
@@ -138,9 +106,10 @@ def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict, site: 
     if hidden is None or indices is None:
         raise ExpertDiscoveryError(
             f"experts module '{name}' ({num_experts} experts stacked) was called{where} with "
-            f"({_describe(args, kwargs)}); expert parallelism needs top-k routing per token: hidden rows [N, H], "
-            "chosen experts [N, k] and their weights [N, k] (as transformers' Mixtral experts take them). Routing by "
-            "expert (tokens per expert) or by capacity is not supported yet; pass expert_parallel_size=1 for this "
+            f"({describe(args, kwargs)}); expert parallelism needs top-k routing per token: hidden rows [N, H], "
+            "chosen experts [N, k] and their weights [N, k] (as transformers' Mixtral experts take them), or rows "
+            "grouped by expert [M, H] with one count per expert (JetMoE's) or n_experts equal blocks (Llama 4's). "
+            "Routing by capacity is not supported yet; pass expert_parallel_size=1 for this "
             f"model, or ep_plan={{'{name}': 'dense'}} if these are not experts" + PLAN_HINT
         )
     k = indices[1].shape[-1]
@@ -148,7 +117,7 @@ def classify_call(name: str, num_experts: int, args: tuple, kwargs: dict, site: 
     weights = next(((s, v) for s, v in tensors if v.is_floating_point() and tuple(v.shape) == shape), None)
     if weights is None or not 1 <= k <= num_experts:
         raise ExpertDiscoveryError(
-            f"experts module '{name}' was called{where} with ({_describe(args, kwargs)}): chosen experts "
+            f"experts module '{name}' was called{where} with ({describe(args, kwargs)}): chosen experts "
             f"{list(shape)} need weights of the same shape and 1 <= k={k} <= {num_experts} (top-k routing per token)"
         )
     counts = next(
@@ -186,11 +155,6 @@ def expert_list_candidates(model: nn.Module) -> list[ExpertListSite]:
 
 def check_calls(site: ExpertListSite, calls: list[tuple[int, tuple, dict, Any]]) -> None:
     """Each expert call must take one tensor of rows and return rows of the same shape."""
-    if not calls:
-        raise ExpertDiscoveryError(
-            f"the experts of '{site.name}' ({site.num_experts} in '{site.experts_attr}') were not called by the probe "
-            "forward, so their calls are unknown; expert parallelism needs every MoE layer to run in an ordinary step"
-        )
     for index, args, kwargs, out in calls:
         rows = args[0] if len(args) == 1 and not kwargs else None
         if not (torch.is_tensor(rows) and torch.is_tensor(out) and out.shape == rows.shape and rows.dim() == 2):
@@ -257,9 +221,30 @@ def find_experts(
         for module in stand_ins:
             del module.forward
     sites = _innermost_routed(candidates, calls)
+    uncalled = {
+        n: m for n, (_, m) in candidates.items() if n not in calls and not any(_related(n, s.name) for s in sites)
+    }
+    uncalled.update({site.name: site.num_experts for site in lists if not list_calls[site.name]})
+    uncalled = {n: m for n, m in uncalled.items() if not any(_inside(other, n) for other in uncalled)}  # innermost
+    lists = [site for site in lists if list_calls[site.name]]
+    _keep_uncalled_whole(uncalled, bool(sites or lists), plan or {})
     for site in lists:
         check_calls(site, list_calls[site.name])
     return sites, lists
+
+
+def _keep_uncalled_whole(uncalled: dict[str, int], others_found: bool, plan: dict[str, str]) -> None:
+    """Stacked parameters or an expert ModuleList the probe step never ran (a per-loop query table, a
+    branch this data does not take) are left whole on every rank: no step exchanges rows with them.
+    Refused where ep_plan names one, or where no MoE layer ran at all (the probe missed the model)."""
+    for name, n in uncalled.items():
+        if name in plan or not others_found:
+            raise ExpertDiscoveryError(
+                f"experts module '{name}' ({n} experts stacked) was not called by the probe forward, so its routing "
+                "is unknown; expert parallelism needs every experts module it splits to run in an ordinary step (the "
+                "probe is one training step on the first batch)"
+            )
+        log.info("expert parallel: '%s' looks like stacked experts but the probe step never ran it: kept whole", name)
 
 
 def _inside(inner: str, outer: str) -> bool:
@@ -323,11 +308,7 @@ def _innermost_routed(
             continue  # around experts already found
         module, n = candidates[name]
         if name not in calls:
-            errors[name] = ExpertDiscoveryError(
-                f"experts module '{name}' ({n} experts stacked) was not called by the probe forward, so its routing "
-                "is unknown; expert parallelism needs every experts module to run in an ordinary step"
-            )
-            continue
+            continue  # no step ran it: nothing to exchange (find_experts keeps it whole)
         try:
             found = classify_call(name, n, *calls[name])
         except ExpertDiscoveryError as error:
@@ -346,10 +327,34 @@ def _innermost_routed(
                 found.counts,
             )
         )
+    sites += _grouped_sites(candidates, calls, errors, sites)
     for name in errors:  # the innermost unresolved one is named (an experts module, not its MoE block)
-        if not any(_inside(name, site.name) for site in sites):
+        if not any(_related(name, site.name) for site in sites):
             raise errors[name]
     return sorted(sites, key=lambda site: list(candidates).index(site.name))
+
+
+def _grouped_sites(
+    candidates: dict[str, tuple[nn.Module, int]],
+    calls: dict[str, tuple[tuple, dict, str]],
+    errors: dict[str, ExpertDiscoveryError],
+    sites: list,
+) -> list[GroupedSite]:
+    """Of the candidates not called with top-k routing and in no chain that is, the innermost ones
+    called on rows grouped by expert that pass ``check_grouped``; a failed check joins the error."""
+    found: list[GroupedSite] = []
+    for name in list(errors):  # innermost first
+        if any(_related(name, site.name) for site in [*sites, *found]):
+            continue
+        module, n = candidates[name]
+        args, kwargs, _ = calls[name]
+        grouped = classify_grouped(name, module, n, args, kwargs)
+        reason = check_grouped(grouped, args, kwargs) if grouped is not None else None
+        if grouped is not None and reason is None:
+            found.append(grouped)
+        elif reason is not None:
+            errors[name] = ExpertDiscoveryError(f"{errors[name]} (taken as rows grouped by expert: {reason})")
+    return found
 
 
 def ep_plan_cross_check(model: nn.Module, found: list[str]) -> Optional[str]:

@@ -86,8 +86,8 @@ def exchange(
 ) -> torch.Tensor:
     """One MoE layer's experts over the ep group. ``hidden`` [N, H], ``indices`` [N, k] global
     expert ids, ``weights`` [N, k]. ``compute(rows, local_ids [R, 1], ones [R, 1])`` runs this
-    rank's experts on the rows it received. Returns [N, H]: each token's weighted sum over its k
-    experts, as the experts' own forward computes it in one process."""
+    rank's experts on the rows it received. Returns [N, H'] (H' the experts' output width): each
+    token's weighted sum over its k experts, as the experts' own forward computes it in one process."""
     local = num_experts // ep.size
     k = indices.shape[1]
     flat = indices.reshape(-1)
@@ -107,7 +107,8 @@ def exchange(
     back = all_to_all(computed, send, receive, ep.group)  # [N * k, H], in ``order``
     if stats is not None:
         stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert.detach().cpu()
-        off_rank = sum(send) - send[ep.rank] + sum(receive) - receive[ep.rank]  # dispatched, then combined
-        stats.bytes_sent += off_rank * hidden.shape[1] * hidden.element_size()
+        dispatched, combined = sum(send) - send[ep.rank], sum(receive) - receive[ep.rank]  # rows off this rank
+        stats.bytes_sent += (dispatched * hidden.shape[1] + combined * back.shape[1]) * hidden.element_size()
     weighted = back * weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+    out = hidden.new_zeros((hidden.shape[0], back.shape[1]))  # the experts' width (rows grouped by expert: any)
+    return out.index_add_(0, token, weighted.to(hidden.dtype))

@@ -14,20 +14,25 @@ from lightning_ptdp.expert_parallel.discovery import stacked_experts
 
 
 class StackedExperts(nn.Module):
-    """Experts stacked as [n, ...], called with tokens-per-expert counts (not top-k per token)."""
+    """Experts stacked as [n, ...], called with tokens-per-expert counts (not top-k per token);
+    ``mix``: every output row also takes the mean of all rows (not experts applied block by block)."""
 
-    def __init__(self, n: int = 4, hidden: int = 8) -> None:
+    def __init__(self, n: int = 4, hidden: int = 8, mix: bool = False) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(n, hidden, hidden))
+        self.mix = mix
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return torch.cat([rows @ w for rows, w in zip(x.split(counts.tolist()), self.w)])
+        out = torch.cat([rows @ w for rows, w in zip(x.split(counts.tolist()), self.w)])
+        return out + x.mean(0) if self.mix else out
 
 
 class CountsMoE(nn.Module):
+    """Rows grouped by expert with a count per expert, but mixed across blocks: not experts."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.experts = StackedExperts()
+        self.experts = StackedExperts(mix=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, torch.tensor([2, 2, 0, 0]))
@@ -51,7 +56,8 @@ def test_routing_that_is_not_top_k_per_token_is_refused_naming_the_module():
     """The refusal names the module, the call (arguments) and the user's source line making it."""
     net = CountsMoE()
     call = r"'experts' .*called at .*test_expert_parallel\.py:\d+ with \(float32\[4, 8\], int64\[4\]\).*top-k"
-    with pytest.raises(ExpertDiscoveryError, match=call + r".*ep_plan=\{'experts': 'dense'\}"):
+    grouped = r".*taken as rows grouped by expert: moving expert 0's rows moved rows outside its block"
+    with pytest.raises(ExpertDiscoveryError, match=call + r".*ep_plan=\{'experts': 'dense'\}" + grouped):
         find_experts(net, lambda: net(torch.randn(4, 8)))
 
 
