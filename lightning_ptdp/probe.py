@@ -82,18 +82,17 @@ def probe_batch(strategy: Strategy, batch: Any) -> Any:
     return strategy.batch_to_device(batch)
 
 
-def forward_probe(strategy: Strategy, trainer: pl.Trainer) -> None:
+def forward_probe(strategy: Strategy, trainer: pl.Trainer) -> Any:
     """One ordinary step on a sample batch: ``example_input_array`` when the module has one, else
     the first batch of the stage's dataloader (the loop's data source knows every way Lightning
-    accepts data)."""
+    accepts data). Returns what the step returns (data parallelism reads its autograd graph)."""
     module = strategy.lightning_module
     if module.example_input_array is not None:
         example = probe_batch(strategy, module.example_input_array)
-        module(*example) if isinstance(example, tuple) else module(example)
-        return
+        return module(*example) if isinstance(example, tuple) else module(example)
     step, batch = stage_step(strategy, trainer)
     with side_effects_muted(module):
-        step(batch, 0)
+        return step(batch, 0)
 
 
 def microbatch_probe(

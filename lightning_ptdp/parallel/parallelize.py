@@ -217,7 +217,7 @@ def parallelize(
         result.module = apply_fsdp(module, replicas, config.zero_stage, dims.pp > 1, experts, edp)
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
-        result.module = apply_data_parallel(module, replicas, ignore=experts)
+        result.module = apply_data_parallel(module, replicas, ignore=experts, probe=probe)
     if training and config.zero_stage == 1 and replicas.size() > 1:
         result.optimizer_state_group = replicas.get_group()
         if result.ep_report is not None:

@@ -29,8 +29,11 @@ class IndexRecorder(L.LightningModule):
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.seen: list[int] = []
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # the fit loop's batches (training_step also runs once at setup: the probe step, logging muted)
         self.seen.extend(batch.tolist())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         rank = torch.tensor(float(self.trainer.global_rank))
         self.log("rank_mean", rank, sync_dist=True, on_step=False, on_epoch=True, batch_size=BATCH)
         self.log("rank_sum", rank, sync_dist=True, reduce_fx="sum", on_step=True, on_epoch=False, batch_size=BATCH)
