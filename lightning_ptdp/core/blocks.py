@@ -117,3 +117,19 @@ def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> d
         for handle in handles:
             handle.remove()
     return captured
+
+
+class BlockInputs:
+    """The first call's inputs of blocks, captured by probe forwards run only for blocks not yet
+    captured, and shared by every setup reader (the certificate, TP's recording); each reader gets
+    its own copy of object inputs, so one reader's run cannot change another's."""
+
+    def __init__(self, probe: Callable[[], Any]) -> None:
+        self.probe = probe
+        self.captured: dict[int, tuple[tuple, dict]] = {}
+
+    def of(self, blocks: list[nn.Module]) -> dict[int, tuple[tuple, dict]]:
+        missing = [b for b in blocks if id(b) not in self.captured]
+        if missing:
+            self.captured.update(capture_block_inputs(missing, self.probe))
+        return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}

@@ -12,7 +12,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from lightning_ptdp.context_parallel.tail import SequenceShard
-from lightning_ptdp.core.blocks import capture_block_inputs, copy_object, find_block_lists, structure_groups
+from lightning_ptdp.core.blocks import BlockInputs, copy_object, find_block_lists, structure_groups
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,14 @@ class CertificateReport:
 _REWRITTEN = ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp")
 
 
-def whole_blocks_to_certify(model: nn.Module, config: Any, dims: Any, probe: Callable[[], Any]) -> list[WholeBlock]:
+def whole_blocks_to_certify(model: nn.Module, config: Any, dims: Any, inputs: BlockInputs) -> list[WholeBlock]:
     """The whole copies to certify the rewrites of t, e and c against; none when the layout rewrites no
     block, when ``certify_plan=False``, or when an earlier stage already rewrote the model."""
     if not config.certify_plan or max(dims.tp, dims.cp, dims.ep) == 1:
         return []
     if any(key in model.__dict__ for key in _REWRITTEN):
         return []
-    wholes = capture_whole_blocks(model, probe)
+    wholes = capture_whole_blocks(model, inputs)
     if wholes and not _alike_on_every_rank([w.copy for w in wholes]):
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning(
@@ -100,7 +100,7 @@ def layout_axes(config: Any, dims: Any) -> str:
     return "the layout " + ", ".join(axes)
 
 
-def capture_whole_blocks(model: nn.Module, probe: Callable[[], Any]) -> list[WholeBlock]:
+def capture_whole_blocks(model: nn.Module, inputs: BlockInputs) -> list[WholeBlock]:
     """A whole copy and the probe's inputs of the first block of each structure (core/blocks.py);
     nothing for a model on the meta device (no values to compare)."""
     if any(p.is_meta for p in model.parameters()):
@@ -109,7 +109,7 @@ def capture_whole_blocks(model: nn.Module, probe: Callable[[], Any]) -> list[Who
     firsts = [
         (path, blocks, group[0]) for path, blocks in find_block_lists(model) for group in structure_groups(blocks)
     ]
-    captured = capture_block_inputs([blocks[i] for _, blocks, i in firsts], probe)
+    captured = inputs.of([blocks[i] for _, blocks, i in firsts])
     wholes = []
     for path, blocks, i in firsts:
         if id(blocks[i]) not in captured:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.context_parallel import CPGroup, apply_context_parallel
+from lightning_ptdp.core.blocks import BlockInputs
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
@@ -143,11 +144,12 @@ def parallelize(
     with torch.compiler.set_stance(
         "force_eager"
     ):  # steps 1-4b record real calls: a block the user compiled runs eagerly
-        wholes = whole_blocks_to_certify(module, config, dims, probe)
+        inputs = BlockInputs(probe)  # one capture of the blocks' inputs for the certificate and TP's recording
+        wholes = whole_blocks_to_certify(module, config, dims, inputs)
         if dims.tp > 1:
             # a second stage (fit, then validate) finds the model already rewritten: reuse that
             if "_ptdp_tp" not in module.__dict__:
-                module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, probe, tp_plan)
+                module.__dict__["_ptdp_tp"] = apply_tensor_parallelism(module, config, mesh, inputs, tp_plan)
             result.tp_group, result.tp_report = module.__dict__["_ptdp_tp"]
         if dims.ep > 1:
             if "_ptdp_ep" not in module.__dict__:
@@ -167,7 +169,7 @@ def parallelize(
             cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
             log.info("plan certificate: %s", result.certificate.summary())
-            del wholes
+        del wholes, inputs
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels
@@ -329,7 +331,7 @@ def apply_tensor_parallelism(
     module: torch.nn.Module,
     config: ParallelConfig,
     mesh: DeviceMesh,
-    probe: Callable[[], Any],
+    inputs: BlockInputs,
     tp_plan: Optional[dict[str, str]],
 ) -> tuple[TPGroup, TPReport]:
     """Step 1: rewrite the model for its tp group, automatically or from an explicit plan."""
@@ -339,7 +341,7 @@ def apply_tensor_parallelism(
         report = apply_explicit_plan(module, tp_plan, tp)
     else:
         report = apply_tensor_parallel(
-            module, tp, sequence_parallel=config.sequence_parallel, probe=probe, strict=config.strict_plan
+            module, tp, sequence_parallel=config.sequence_parallel, probe=inputs, strict=config.strict_plan
         )
     if dist.get_rank() == 0:
         log.info(report.summary())

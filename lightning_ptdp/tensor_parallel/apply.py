@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import capture_block_inputs, find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.blocks import BlockInputs, find_block_lists, is_conv1d, structure_groups
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
@@ -207,10 +207,11 @@ class PlannedGroup:
 
 
 def plan_block_lists(
-    model: nn.Module, tp_size: int, probe: Callable[[], Any], *, strict: bool = False
+    model: nn.Module, tp_size: int, probe: Callable[[], Any] | BlockInputs, *, strict: bool = False
 ) -> list[tuple[str, list[nn.Module], list[PlannedGroup]]]:
     """(path, blocks, planned groups) for every block list of ``model``: the plan of a group's first
-    block serves every block of that structure (same type, same code, same parameter shapes)."""
+    block serves every block of that structure (same type, same code, same parameter shapes).
+    ``probe``: one ordinary forward, or the inputs parallelize already captured with it."""
     block_lists = find_block_lists(model)
     if not block_lists:
         raise TPDiscoveryError(
@@ -218,7 +219,8 @@ def plan_block_lists(
             "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
         )
     groups = {path: structure_groups(blocks) for path, blocks in block_lists}
-    captured = capture_block_inputs([blocks[g[0]] for path, blocks in block_lists for g in groups[path]], probe)
+    inputs = probe if isinstance(probe, BlockInputs) else BlockInputs(probe)
+    captured = inputs.of([blocks[g[0]] for path, blocks in block_lists for g in groups[path]])
     planned = []
     for path, blocks in block_lists:
         planned_groups = []
@@ -238,7 +240,12 @@ def plan_block_lists(
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp: TPGroup, *, sequence_parallel: bool, probe: Callable[[], Any], strict: bool = False
+    model: nn.Module,
+    tp: TPGroup,
+    *,
+    sequence_parallel: bool,
+    probe: Callable[[], Any] | BlockInputs,
+    strict: bool = False,
 ) -> TPReport:
     """Shard ``model`` in place for this rank of ``tp``; ``probe`` runs one ordinary forward.
     ``strict``: refuse a region discovery cannot split instead of keeping it whole with a warning."""

@@ -126,3 +126,29 @@ def test_each_container_kind_holds_blocks_in_order(container):
     holder = nn.Module()
     holder.body, holder.norm = made, nn.LayerNorm(8)
     assert find_block_lists(holder) == [("body", blocks)]
+
+
+def test_block_inputs_run_the_probe_once_and_give_each_reader_its_own_object_inputs():
+    """The certificate and TP's recording read one capture; a cache object one reader's run appends
+    to is not the one the next reader gets."""
+    from lightning_ptdp.core.blocks import BlockInputs
+
+    class Cached(nn.Module):
+        def forward(self, x, cache):
+            cache.append(x)
+            return x
+
+    blocks = nn.ModuleList([Cached(), Cached()])
+    runs = []
+
+    def probe():
+        runs.append(1)
+        x = torch.ones(1)
+        for block in blocks:
+            x = block(x, cache=[])
+
+    inputs = BlockInputs(probe)
+    first = inputs.of(list(blocks))
+    first[id(blocks[0])][1]["cache"].append("a reader's write")
+    second = inputs.of([blocks[0]])
+    assert len(runs) == 1 and second[id(blocks[0])][1]["cache"] == []
