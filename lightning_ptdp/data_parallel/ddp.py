@@ -3,13 +3,12 @@ parameters without a gradient only where a setup probe step finds some."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -65,28 +64,14 @@ def params_without_grad(module: torch.nn.Module, probe: Callable[[], Any], ignor
     each step, made once. Empty when the output holds no tensor with a graph (nothing to tell)."""
     with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
         output = probe()
-    roots = [t for t in _tensors(output) if t.requires_grad]
+    roots: list[torch.Tensor] = []  # the tensors of the step's output (mappings, sequences, dataclasses of them)
+    apply_to_collection(output, torch.Tensor, lambda t: roots.append(t) if t.requires_grad else None)
     if not roots:
         return []
     reached = _graph_params(roots)
     return [
         name for name, p in module.named_parameters() if p.requires_grad and name not in ignore and id(p) not in reached
     ]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a step's output: a tensor, or mappings, sequences and dataclasses of them."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name))
 
 
 def _graph_params(roots: list[torch.Tensor]) -> set[int]:
