@@ -281,13 +281,22 @@ def _shard_planned_block(
     for region in plan.regions:
         for target, norm in region.feature_norms.items():
             shard_feature_norm(block.get_submodule(target), norm, tp)
-            report.entries.append((_join(name, target), "replicated", NORM if isinstance(norm, FeatureNorm) else HEADS))
     _install_program(block, plan, group.program, tp, sequence_parallel)
     for region in plan.regions:
         for linear in (*region.columns, region.row):
             report.entries.append((_join(name, linear), region.style(linear), _layout_text(block, linear)))
-    report.entries += [(_join(name, linear), "replicated", WHOLE) for linear in plan.replicated]
-    report.entries += [(_join(name, linear), "replicated", KEPT) for k in plan.kept_whole for linear in k.linears]
+    report.entries += _replicated_entries(name, plan)
+
+
+def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, str]]:
+    """The report's lines for what a block keeps whole: routers and routed experts, regions discovery
+    could not split, norms over all heads and modules with per-head parameters."""
+    norms = [(name, norm) for region in plan.regions for name, norm in region.feature_norms.items()]
+    return [
+        *((_join(prefix, name), "replicated", WHOLE) for name in plan.replicated),
+        *((_join(prefix, name), "replicated", KEPT) for kept in plan.kept_whole for name in kept.linears),
+        *((_join(prefix, name), "replicated", NORM if isinstance(n, FeatureNorm) else HEADS) for name, n in norms),
+    ]
 
 
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
@@ -361,13 +370,7 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                     what = "heads" if unit_size > 1 else "units"
                     detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                     report.entries.append((_join(where, name), region.style(name), detail))
-            report.entries += [(_join(where, name), "replicated", WHOLE) for name in plan.replicated]
-            report.entries += [(_join(where, name), "replicated", KEPT) for k in plan.kept_whole for name in k.linears]
-            norms = [(name, norm) for region in plan.regions for name, norm in region.feature_norms.items()]
-            report.entries += [
-                (_join(where, name), "replicated", NORM if isinstance(norm, FeatureNorm) else HEADS)
-                for name, norm in norms
-            ]
+            report.entries += _replicated_entries(where, plan)
     report.entries = cross_check(model, report.entries)
     return report
 
