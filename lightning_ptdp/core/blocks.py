@@ -9,12 +9,8 @@ holding at least two Linear-like modules.
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable
-
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -79,57 +75,3 @@ def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Mod
         for name, module in model.named_modules()
         if id(module) not in inside and any(True for _ in module.parameters(recurse=False))
     }
-
-
-class _ProbeDone(Exception):
-    pass
-
-
-def copy_object(value: Any) -> Any:
-    """A copy of an object input the block may change as it runs (a key/value cache), so the call can
-    run again as it was; tensors and plain values are kept as they are."""
-    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
-        return value
-
-
-def capture_block_inputs(blocks: list[nn.Module], probe: Callable[[], Any]) -> dict[int, tuple[tuple, dict]]:
-    """Run ``probe`` (one forward of the model) until every given block has been called once: each
-    block's (args, kwargs), non-tensor values copied as they were at the call."""
-    captured: dict[int, tuple[tuple, dict]] = {}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if id(module) not in captured:
-            captured[id(module)] = tree_map(copy_object, (args, kwargs))
-        if len(captured) == len(blocks):
-            raise _ProbeDone
-
-    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
-    try:
-        with torch.no_grad():
-            probe()
-    except _ProbeDone:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
-
-
-class BlockInputs:
-    """The first call's inputs of blocks, captured by probe forwards run only for blocks not yet
-    captured, and shared by every setup reader (the certificate, TP's recording); each reader gets
-    its own copy of object inputs, so one reader's run cannot change another's."""
-
-    def __init__(self, probe: Callable[[], Any]) -> None:
-        self.probe = probe
-        self.captured: dict[int, tuple[tuple, dict]] = {}
-
-    def of(self, blocks: list[nn.Module]) -> dict[int, tuple[tuple, dict]]:
-        missing = [b for b in blocks if id(b) not in self.captured]
-        if missing:
-            self.captured.update(capture_block_inputs(missing, self.probe))
-        return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}

@@ -4,13 +4,15 @@ parameters without a gradient only where a setup probe step finds some."""
 from __future__ import annotations
 
 import logging
+from typing import AbstractSet as Set
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ptdp.core.census import ModelCensus, ParamsReached
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ def apply_data_parallel(
     dp_mesh: DeviceMesh,
     *,
     ignore: Sequence[str] = (),
-    probe: Optional[Callable[[], Any]] = None,
+    probe: Optional[Callable[[], Any] | ParamsReached] = None,
     **ddp_kwargs: Any,
 ) -> torch.nn.Module:
     """Average gradients over the dp group only (never over tp or pp ranks).
@@ -29,8 +31,9 @@ def apply_data_parallel(
     restricted to the dp sub-group. With d == 1 there is nothing to average and the module is
     returned unwrapped. ``ignore``: parameter names DDP leaves alone, neither broadcast at the
     start nor averaged (split experts, which differ per rank and average over their own group).
-    ``probe``: one training step returning what the step returns (its loss); the parameters its
-    graph does not reach on some rank turn on DDP's ``find_unused_parameters``.
+    ``probe``: the census's ``ParamsReached`` (or one training step returning what the step
+    returns); the parameters its graph does not reach on some rank turn on DDP's
+    ``find_unused_parameters``.
     """
     if dp_mesh.size() == 1:
         return module
@@ -58,34 +61,16 @@ def apply_data_parallel(
     return DistributedDataParallel(module, device_ids=device_ids, process_group=dp_mesh.get_group(), **ddp_kwargs)
 
 
-def params_without_grad(module: torch.nn.Module, probe: Callable[[], Any], ignore: set[str] = frozenset()) -> list[str]:
-    """Names of ``module``'s trainable parameters (less ``ignore``) that the autograd graph of the
-    probe step's output tensors does not reach: the search DDP's ``find_unused_parameters`` makes
-    each step, made once. Empty when the output holds no tensor with a graph (nothing to tell)."""
-    with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
-        output = probe()
-    roots: list[torch.Tensor] = []  # the tensors of the step's output (mappings, sequences, dataclasses of them)
-    apply_to_collection(output, torch.Tensor, lambda t: roots.append(t) if t.requires_grad else None)
-    if not roots:
-        return []
-    reached = _graph_params(roots)
-    return [
-        name for name, p in module.named_parameters() if p.requires_grad and name not in ignore and id(p) not in reached
-    ]
-
-
-def _graph_params(roots: list[torch.Tensor]) -> set[int]:
-    """Ids of the leaf tensors (parameters) the autograd graphs of ``roots`` accumulate into."""
-    reached = {id(t) for t in roots if t.grad_fn is None}
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes .grad of
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(child for child, _ in node.next_functions)
-    return reached
+def params_without_grad(
+    module: torch.nn.Module, probe: Callable[[], Any] | ParamsReached, ignore: Set[str] = frozenset()
+) -> list[str]:
+    """Names of ``module``'s trainable parameters (less ``ignore``) that the probe step's graph does
+    not reach: read from the setup's census, or from a census of its own when given a probe."""
+    reached = probe
+    if not isinstance(reached, ParamsReached):
+        reached = ParamsReached(module)
+        census = ModelCensus(probe)
+        census.add(reached)
+        with torch.compiler.set_stance("force_eager"):
+            census.run()
+    return [name for name in reached.unused if name not in ignore]

@@ -10,7 +10,7 @@ from lightning_ptdp.expert_parallel.apply import (
     gather_experts,
     has_split_experts,
 )
-from lightning_ptdp.expert_parallel.discovery import ExpertDiscoveryError, check_ep_plan, find_experts
+from lightning_ptdp.expert_parallel.discovery import ExpertCalls, ExpertDiscoveryError, check_ep_plan, find_experts
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "cut_experts",
     "expert_shards",
     "find_experts",
+    "ExpertCalls",
     "gather_expert_optimizer_state",
     "gather_experts",
     "has_split_experts",

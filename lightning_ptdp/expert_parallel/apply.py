@@ -17,6 +17,7 @@ from lightning_ptdp.core.comm import detached_cpu, divisors
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.expert_parallel.discovery import (
     PLAN_HINT,
+    ExpertCalls,
     ExpertDiscoveryError,
     ExpertsSite,
     ep_plan_cross_check,
@@ -54,12 +55,16 @@ class EPReport:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep: EPGroup, probe: Callable[[], Any], plan: Optional[dict[str, str]] = None
+    model: nn.Module, ep: EPGroup, probe: Callable[[], Any] | ExpertCalls, plan: Optional[dict[str, str]] = None
 ) -> EPReport:
-    """Split every MoE layer's experts over ``ep``: found by one probe forward (every rank still
-    holds all experts), then each rank keeps its n/e and its experts' forward exchanges tokens.
-    ``plan``: ep_plan, {module path or glob: style}, deciding where it names a module."""
-    sites, lists = find_experts(model, probe, resolve_plan(model, plan, "ep_plan") if plan else None)
+    """Split every MoE layer's experts over ``ep``: found from the setup census's ``ExpertCalls``
+    (or one probe forward; every rank still holds all experts), then each rank keeps its n/e and its
+    experts' forward exchanges tokens. ``plan``: ep_plan, {module path or glob: style}, deciding
+    where it names a module (the census's recorder was built with it)."""
+    if isinstance(probe, ExpertCalls):
+        sites, lists = probe.sites()
+    else:
+        sites, lists = find_experts(model, probe, resolve_plan(model, plan, "ep_plan") if plan else None)
     every = [*sites, *lists]
     if not every:
         raise ExpertDiscoveryError(

@@ -17,7 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
+from lightning_ptdp.core.census import ModelCensus
 from lightning_ptdp.expert_parallel.calls import ArgSlot, ExpertDiscoveryError, describe, slots
 from lightning_ptdp.expert_parallel.grouped import GroupedSite, check_grouped, classify_grouped
 
@@ -29,6 +31,10 @@ PLAN_HINT = (
 )
 log = logging.getLogger(__name__)
 _LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "lightning_ptdp" + os.sep)
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _call_site() -> str:
@@ -165,72 +171,99 @@ def check_calls(site: ExpertListSite, calls: list[tuple[int, tuple, dict, Any]])
             )
 
 
+class ExpertCalls:
+    """The census recorder of every stacked-experts candidate and ModuleList MoE layer of ``model``
+    (``plan``: {module path: ep_plan style}, resolved; it decides where it names): how the step
+    calls each. On a model built on meta, a stacked candidate answers with rows like its input
+    while the census runs (its own forward picks rows by value, which meta cannot)."""
+
+    needs_grad = False
+    done = False  # every call of the step: an uncalled candidate is kept whole
+
+    def __init__(self, model: nn.Module, plan: Optional[dict[str, str]] = None) -> None:
+        self.plan = plan or {}
+        self.candidates, self.lists = _candidates(model, self.plan)
+        on_meta = [site.name for site in self.lists if any(p.is_meta for p in site.module.parameters())]
+        if on_meta:
+            raise ExpertDiscoveryError(
+                f"the MoE layer '{on_meta[0]}' holds its experts in a ModuleList and was built on the meta device: "
+                "such a layer picks each expert's rows by value (torch.where / nonzero), which cannot run on meta, so "
+                "the probe cannot see how it calls its experts. Build this model with real weights (each rank then "
+                "keeps its n/e experts), or use stacked [n_experts, ...] experts (transformers' MoE models) to build "
+                "on meta"
+            )
+        self.calls: dict[str, tuple[tuple, dict, str]] = {}
+        self.list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in self.lists}
+        self._stand_ins: list[nn.Module] = []
+
+    def arm(self, census: Any) -> list[Any]:
+        armed: list[Any] = []
+        for name, (module, n) in self.candidates.items():
+
+            def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                if name not in self.calls:  # without the step's graph: the census may run with autograd
+                    self.calls[name] = (*tree_map(_detached, (args, kwargs)), _call_site())
+
+            armed.append(module.register_forward_pre_hook(record, with_kwargs=True))
+            if any(p.is_meta for p in module.parameters()):
+                # a module not called with top-k routing (an MoE block around the experts) runs its own
+                def rows_out(
+                    *args: Any, name: str = name, n: int = n, module: nn.Module = module, **kwargs: Any
+                ) -> Any:
+                    try:
+                        site = classify_call(name, n, args, kwargs)
+                    except ExpertDiscoveryError:
+                        return type(module).forward(module, *args, **kwargs)
+                    return torch.zeros_like(site.hidden.get(args, kwargs))
+
+                module.forward = rows_out
+                self._stand_ins.append(module)
+        for site in self.lists:
+            for index, expert in enumerate(getattr(site.module, site.experts_attr)):
+
+                def note(
+                    _m: nn.Module, args: tuple, kwargs: dict, out: Any, name: str = site.name, i: int = index
+                ) -> None:
+                    self.list_calls[name].append((i, *tree_map(_detached, (args, kwargs, out))))
+
+                armed.append(expert.register_forward_hook(note, with_kwargs=True))
+        return armed
+
+    def finish(self, output: Any) -> None:
+        for module in self._stand_ins:
+            del module.forward
+        self._stand_ins = []
+
+    def sites(self) -> tuple[list[ExpertsSite], list[ExpertListSite]]:
+        """The experts modules and ModuleList layers the step called, each checked against its layout's
+        convention (top-k per token; an expert on its rows); the uncalled ones kept whole, or refused."""
+        candidates, calls, plan = self.candidates, self.calls, self.plan
+        sites = _innermost_routed(candidates, calls)
+        uncalled = {
+            n: m for n, (_, m) in candidates.items() if n not in calls and not any(_related(n, s.name) for s in sites)
+        }
+        uncalled.update({site.name: site.num_experts for site in self.lists if not self.list_calls[site.name]})
+        uncalled = {n: m for n, m in uncalled.items() if not any(_inside(other, n) for other in uncalled)}  # innermost
+        lists = [site for site in self.lists if self.list_calls[site.name]]
+        _keep_uncalled_whole(uncalled, bool(sites or lists), plan)
+        for site in lists:
+            check_calls(site, self.list_calls[site.name])
+        return sites, lists
+
+
 def find_experts(
     model: nn.Module, probe: Callable[[], Any], plan: Optional[dict[str, str]] = None
 ) -> tuple[list[ExpertsSite], list[ExpertListSite]]:
     """Every stacked-experts module and every ModuleList MoE layer of ``model``, with how one probe
-    forward calls them. ``plan``: {module path: ep_plan style}, resolved; it decides where it names.
-    Refused: a candidate the probe never called, or one called otherwise than the layout's
-    convention (top-k per token; an expert on its rows)."""
-    candidates, lists = _candidates(model, plan or {})
-    if not candidates and not lists:
+    forward calls them (a census of its own; ``parallelize`` records them in the setup's census)."""
+    calls = ExpertCalls(model, plan)
+    if not calls.candidates and not calls.lists:
         return [], []
-    on_meta = [site.name for site in lists if any(p.is_meta for p in site.module.parameters())]
-    if on_meta:
-        raise ExpertDiscoveryError(
-            f"the MoE layer '{on_meta[0]}' holds its experts in a ModuleList and was built on the meta device: such a "
-            "layer picks each expert's rows by value (torch.where / nonzero), which cannot run on meta, so the probe "
-            "cannot see how it calls its experts. Build this model with real weights (each rank then keeps its "
-            "n/e experts), or use stacked [n_experts, ...] experts (transformers' MoE models) to build on meta"
-        )
-    calls: dict[str, tuple[tuple, dict, str]] = {}
-    list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in lists}
-    hooks, stand_ins = [], []
-    for name, (module, n) in candidates.items():
-
-        def record(_module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            calls.setdefault(name, (args, kwargs, _call_site()))
-
-        hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
-        if any(p.is_meta for p in module.parameters()):
-            # built on meta (configure_model): the experts' own forward picks rows by value (nonzero,
-            # bincount), which meta cannot; their output is rows like the input's, all the probe needs
-            # (a module not called with top-k routing, an MoE block around the experts, runs its own)
-            def rows_out(*args: Any, name: str = name, n: int = n, module: nn.Module = module, **kwargs: Any) -> Any:
-                try:
-                    site = classify_call(name, n, args, kwargs)
-                except ExpertDiscoveryError:
-                    return type(module).forward(module, *args, **kwargs)
-                return torch.zeros_like(site.hidden.get(args, kwargs))
-
-            module.forward = rows_out
-            stand_ins.append(module)
-    for site in lists:
-        for index, expert in enumerate(getattr(site.module, site.experts_attr)):
-
-            def note(_m: nn.Module, args: tuple, kwargs: dict, out: Any, name: str = site.name, i: int = index) -> None:
-                list_calls[name].append((i, args, kwargs, out))
-
-            hooks.append(expert.register_forward_hook(note, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            probe()
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for module in stand_ins:
-            del module.forward
-    sites = _innermost_routed(candidates, calls)
-    uncalled = {
-        n: m for n, (_, m) in candidates.items() if n not in calls and not any(_related(n, s.name) for s in sites)
-    }
-    uncalled.update({site.name: site.num_experts for site in lists if not list_calls[site.name]})
-    uncalled = {n: m for n, m in uncalled.items() if not any(_inside(other, n) for other in uncalled)}  # innermost
-    lists = [site for site in lists if list_calls[site.name]]
-    _keep_uncalled_whole(uncalled, bool(sites or lists), plan or {})
-    for site in lists:
-        check_calls(site, list_calls[site.name])
-    return sites, lists
+    census = ModelCensus(probe)
+    census.add(calls)
+    with torch.no_grad():
+        census.run()
+    return calls.sites()
 
 
 def _keep_uncalled_whole(uncalled: dict[str, int], others_found: bool, plan: dict[str, str]) -> None:

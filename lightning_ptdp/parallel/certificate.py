@@ -20,7 +20,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from lightning_ptdp.context_parallel.tail import SequenceShard
-from lightning_ptdp.core.blocks import BlockInputs, copy_object, find_block_lists, structure_groups
+from lightning_ptdp.core.blocks import find_block_lists, structure_groups
+from lightning_ptdp.core.census import BlockInputs, copy_object
 
 log = logging.getLogger(__name__)
 

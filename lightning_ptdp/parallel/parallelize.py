@@ -1,6 +1,6 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
-``parallelize`` applies, in a fixed order, each its own function: 1 tensor parallel, 1b expert
+``parallelize`` applies, in a fixed order, each its own function: 0 census, 1 tensor parallel, 1b expert
 parallel, 2 kernels, 2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
 this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
 the pipeline engine, the step's gradient owner ``StepGradients`` and the ``ShardingView``
@@ -20,11 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.context_parallel import CPGroup, apply_context_parallel
-from lightning_ptdp.core.blocks import BlockInputs
+from lightning_ptdp.core.census import BlockInputs, ModelCensus, ParamsReached
 from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
-from lightning_ptdp.expert_parallel import EPGroup, EPReport, apply_expert_parallel
+from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply_expert_parallel
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
@@ -100,10 +101,12 @@ def parallelize(
 ) -> Parallelized:
     """Apply the steps in this fixed order:
 
+    0. census           one run of the user's step on the whole model, every reader's recorder
+                        armed (core/census.py): the steps below read it instead of probing.
     1. tensor parallel  rewrite Linear/Embedding weights into per-rank shards before the
                         pipeline split drops the other stages' parameters.
-    1b. expert parallel split each MoE layer's experts over the ep ranks (``expert_mesh``), found
-                        by a probe forward while every rank still holds them all.
+    1b. expert parallel split each MoE layer's experts over the ep ranks (``expert_mesh``), as the
+                        census saw the step call them (every rank held them all).
     1c. context parallel cut each block's sequence for the cp ranks; attention gathers keys and
                         values (after TP: this rank's heads; before compile and recompute: they wrap it).
     1d. certificate     the first block of each structure under 1-1c against a whole copy taken
@@ -125,8 +128,7 @@ def parallelize(
                         under PP the step's gradient owner averages them over dp chunk by chunk;
                         ZeRO-1 keeps this and shards the optimizer state, see data_parallel/zero1.py).
 
-    ``probe`` runs one ordinary forward (tensor-parallel discovery records the first transformer
-    block on its real inputs); ``pipeline_probe`` gives a forward on one microbatch and its sample
+    ``probe`` runs one ordinary step (the census); ``pipeline_probe`` gives a forward on one microbatch and its sample
     count. Data parallelism only when training. TP, recompute, the split and the pretrained read are
     cached in the model's ``__dict__`` (``_ptdp_tp``...), so a second stage (fit, then validate) reuses them."""
     log.info(
@@ -144,7 +146,7 @@ def parallelize(
     with torch.compiler.set_stance(
         "force_eager"
     ):  # steps 1-4b record real calls: a block the user compiled runs eagerly
-        inputs = BlockInputs(probe)  # one capture of the blocks' inputs for the certificate and TP's recording
+        census, inputs, experts, reached = take_census(module, config, dims, mesh, probe, ep_plan, training)
         wholes = whole_blocks_to_certify(module, config, dims, inputs)
         if dims.tp > 1:
             # a second stage (fit, then validate) finds the model already rewritten: reuse that
@@ -155,7 +157,7 @@ def parallelize(
             if "_ptdp_ep" not in module.__dict__:
                 ep_mesh = expert_mesh["ep"]
                 group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
-                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, probe, ep_plan)
+                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, experts, ep_plan)
             result.ep_report = module.__dict__["_ptdp_ep"]
         if dims.cp > 1 and "_ptdp_cp" not in module.__dict__:
             cp_mesh = mesh["cp"]
@@ -169,7 +171,7 @@ def parallelize(
             cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
             log.info("plan certificate: %s", result.certificate.summary())
-        del wholes, inputs
+        del wholes, inputs, census
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels
@@ -219,7 +221,7 @@ def parallelize(
         result.module = apply_fsdp(module, replicas, config.zero_stage, dims.pp > 1, experts, edp)
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
-        result.module = apply_data_parallel(module, replicas, ignore=experts, probe=probe)
+        result.module = apply_data_parallel(module, replicas, ignore=experts, probe=reached or probe)
     if training and config.zero_stage == 1 and replicas.size() > 1:
         result.optimizer_state_group = replicas.get_group()
         if result.ep_report is not None:
@@ -228,6 +230,35 @@ def parallelize(
             result.optimizer_experts = ExpertGroups(frozenset(split), expert_mesh["edp"].get_group(), dims.ep)
     result.gradients = step_gradients(module, result, config, dims, mesh, expert_mesh, on_nonfinite, device)
     return result
+
+
+def take_census(
+    module: torch.nn.Module,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    probe: Callable[[], Any],
+    ep_plan: Optional[dict[str, str]],
+    training: bool,
+) -> tuple[ModelCensus, BlockInputs, Optional[ExpertCalls], Optional[ParamsReached]]:
+    """Step 0: one run of the user's step on the whole model with every reader's recorder armed
+    (core/census.py): the blocks' inputs (TP's recording, the certificate), the experts' calls (EP)
+    and the parameters the step's graph reaches (DDP). A reader left out is one this layout skips
+    or an earlier stage already served; the blocks' inputs are then captured only if asked for."""
+    census = ModelCensus(probe)
+    rewritten = any(key in module.__dict__ for key in ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp"))
+    records_tp = dims.tp > 1 and "_ptdp_tp" not in module.__dict__
+    certifies = config.certify_plan and max(dims.tp, dims.cp, dims.ep) > 1 and not rewritten
+    inputs = BlockInputs.of_structures(module, probe) if records_tp or certifies else BlockInputs(probe)
+    census.add(inputs)
+    experts = None
+    if dims.ep > 1 and "_ptdp_ep" not in module.__dict__:
+        experts = census.add(ExpertCalls(module, resolve_plan(module, ep_plan, "ep_plan") if ep_plan else None))
+    reached = None
+    if training and not config.fsdp and dims.pp == 1 and dims.replica_mesh(mesh).size() > 1:
+        reached = census.add(ParamsReached(module))
+    census.run()
+    return census, inputs, experts, reached
 
 
 def step_gradients(

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_ptdp.core.blocks import outer_modules
+from lightning_ptdp.core.census import Armed, EveryCall, ModelCensus
 from lightning_ptdp.core.comm import divisors
 
 
@@ -166,19 +167,17 @@ def record_forward(
             record.param_chunks.setdefault(id(param), set()).add(chunk)
         record.module_outputs[id(module)] = TensorMeta.of(output) if type(output) is torch.Tensor else None
 
-    handles = []
-    for block in blocks:
-        handles.append(block.register_forward_pre_hook(before_block, with_kwargs=True))
-        handles.append(block.register_forward_hook(after_block))
-    for module in outer.values():
-        handles.append(module.register_forward_hook(after_outer))
-    watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
-    try:
-        with torch.no_grad(), _ParamUse(watched, where, record.param_chunks):
-            probe()
-    finally:
-        for handle in handles:
-            handle.remove()
+    def armed() -> list[Armed]:
+        hooks = [b.register_forward_pre_hook(before_block, with_kwargs=True) for b in blocks]
+        hooks += [b.register_forward_hook(after_block) for b in blocks]
+        hooks += [m.register_forward_hook(after_outer) for m in outer.values()]
+        watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
+        return [*hooks, _ParamUse(watched, where, record.param_chunks)]
+
+    census = ModelCensus(probe)  # the census mechanism, run on the rewritten model: the stages' shapes
+    census.add(EveryCall(armed))
+    with torch.no_grad():
+        census.run()
     if state["position"] != len(blocks):
         raise PipelineSplitError(
             f"the probe forward ran {state['position']} of {len(blocks)} transformer blocks; the pipeline "

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import BlockInputs, find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.blocks import find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.census import BlockInputs
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup

@@ -131,7 +131,7 @@ def test_each_container_kind_holds_blocks_in_order(container):
 def test_block_inputs_run_the_probe_once_and_give_each_reader_its_own_object_inputs():
     """The certificate and TP's recording read one capture; a cache object one reader's run appends
     to is not the one the next reader gets."""
-    from lightning_ptdp.core.blocks import BlockInputs
+    from lightning_ptdp.core.census import BlockInputs
 
     class Cached(nn.Module):
         def forward(self, x, cache):

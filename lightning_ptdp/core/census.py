@@ -1,0 +1,209 @@
+"""The model census: one run of the user's step, before any rewrite, with every setup reader's
+recorder armed, so no axis probes the model its own way: ``BlockInputs`` (each block structure's
+first call: TP's recording, the certificate), the experts' calls (``expert_parallel/discovery.py``
+``ExpertCalls``) and ``ParamsReached`` (DDP's unused-parameter search). The run stops once every
+recorder has what it needs and keeps autograd only where one reads the graph; the pipeline split
+runs the same mechanism on the rewritten model (docs/architecture.md, "One census of the model").
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from typing import Any, Callable, ContextManager, Optional, Protocol, Union
+
+import torch
+import torch.nn as nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
+
+from lightning_ptdp.core.blocks import find_block_lists, structure_groups
+
+Armed = Union[RemovableHandle, ContextManager]
+
+
+class Recorder(Protocol):
+    """One reader's part of the census."""
+
+    needs_grad: bool
+    """The recorder reads the step's autograd graph: the run keeps it."""
+
+    def arm(self, census: "ModelCensus") -> list[Armed]:
+        """Hooks (removed after the run) or modes (entered around it); a hook that has recorded what
+        it needs calls ``census.recorded()``, which ends the run once every recorder is done."""
+        ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def finish(self, output: Any) -> None:
+        """After the run, with what the step returned (None if the run stopped early)."""
+        ...
+
+
+class _CensusDone(Exception):
+    pass
+
+
+class ModelCensus:
+    """Recorders armed together over one run of ``probe`` (one ordinary step of the user's model)."""
+
+    def __init__(self, probe: Callable[[], Any]) -> None:
+        self.probe = probe
+        self.recorders: list[Recorder] = []
+        self.runs = 0
+
+    def add(self, recorder: Recorder) -> Any:
+        self.recorders.append(recorder)
+        return recorder
+
+    def recorded(self) -> None:
+        """Called by a recorder's hook after it recorded: stop the run once nothing is missing."""
+        if all(r.done for r in self.recorders):
+            raise _CensusDone
+
+    def run(self) -> None:
+        """Run the step once with every recorder armed; each recorder then finishes with its output."""
+        pending = [r for r in self.recorders if not r.done]
+        if not pending:
+            return
+        output = None
+        with ExitStack() as stack:
+            for recorder in pending:
+                for armed in recorder.arm(self):
+                    if isinstance(armed, RemovableHandle):
+                        stack.callback(armed.remove)
+                    else:
+                        stack.enter_context(armed)
+            self.runs += 1
+            try:
+                with torch.set_grad_enabled(any(r.needs_grad for r in pending)):
+                    output = self.probe()
+            except _CensusDone:
+                pass
+        for recorder in pending:
+            recorder.finish(output)
+
+
+class EveryCall:
+    """A recorder of hooks and modes that watch the whole step (nothing stops it early)."""
+
+    needs_grad = False
+    done = False
+
+    def __init__(self, armed: Callable[[], list[Armed]]) -> None:
+        self.armed = armed
+
+    def arm(self, census: ModelCensus) -> list[Armed]:
+        return self.armed()
+
+    def finish(self, output: Any) -> None:
+        pass
+
+
+def copy_object(value: Any) -> Any:
+    """A copy of an object input the block may change as it runs (a key/value cache), so the call can
+    run again as it was; tensors and plain values are kept as they are."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+        return value
+
+
+def _kept(value: Any) -> Any:
+    """A block input as the census keeps it: a tensor without the step's graph, an object copied."""
+    return value.detach() if isinstance(value, torch.Tensor) else copy_object(value)
+
+
+class BlockInputs:
+    """The first call's (args, kwargs) of blocks, shared by every setup reader (the certificate,
+    TP's recording); each reader gets its own copy of object inputs, so one reader's run cannot
+    change another's. Armed in a census for the blocks named; a block asked for later is captured
+    by a census of its own."""
+
+    needs_grad = False
+
+    def __init__(self, probe: Callable[[], Any], blocks: Optional[list[nn.Module]] = None) -> None:
+        self.probe = probe
+        self.wanted: list[nn.Module] = list(blocks or [])
+        self.captured: dict[int, tuple[tuple, dict]] = {}
+        self.ran = False
+
+    @classmethod
+    def of_structures(cls, model: nn.Module, probe: Callable[[], Any]) -> "BlockInputs":
+        """Recording the first block of each structure of every block list: what TP and the
+        certificate read."""
+        firsts = [blocks[g[0]] for _, blocks in find_block_lists(model) for g in structure_groups(blocks)]
+        return cls(probe, firsts)
+
+    @property
+    def done(self) -> bool:
+        return all(id(b) in self.captured for b in self.wanted)
+
+    def arm(self, census: ModelCensus) -> list[Armed]:
+        wanted = {id(b) for b in self.wanted}
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if id(module) in wanted and id(module) not in self.captured:
+                self.captured[id(module)] = tree_map(_kept, (args, kwargs))
+                census.recorded()
+
+        return [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.wanted]
+
+    def finish(self, output: Any) -> None:
+        self.ran = True
+
+    def of(self, blocks: list[nn.Module]) -> dict[int, tuple[tuple, dict]]:
+        """Each given block's inputs (a block the step never called is absent)."""
+        missing = [b for b in blocks if id(b) not in self.captured and (not self.ran or b not in self.wanted)]
+        if missing:
+            self.wanted += missing
+            census = ModelCensus(self.probe)
+            census.add(self)
+            with torch.no_grad():
+                census.run()
+        return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}
+
+
+class ParamsReached:
+    """Names of ``module``'s trainable parameters the autograd graph of the step's output tensors
+    does not reach: the search DDP's ``find_unused_parameters`` makes each step, made once. Empty
+    when the output holds no tensor with a graph (nothing to tell)."""
+
+    needs_grad = True
+    done = False  # the whole step: the graph is read from its output
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.unused: list[str] = []
+
+    def arm(self, census: ModelCensus) -> list[Armed]:
+        return []
+
+    def finish(self, output: Any) -> None:
+        roots: list[torch.Tensor] = []  # the tensors of the step's output (mappings, sequences, dataclasses)
+        apply_to_collection(output, torch.Tensor, lambda t: roots.append(t) if t.requires_grad else None)
+        if not roots:
+            return
+        reached = graph_leaves(roots)
+        self.unused = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in reached]
+
+
+def graph_leaves(roots: list[torch.Tensor]) -> set[int]:
+    """Ids of the leaf tensors (parameters) the autograd graphs of ``roots`` accumulate into."""
+    reached = {id(t) for t in roots if t.grad_fn is None}
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes .grad of
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
