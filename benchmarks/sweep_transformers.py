@@ -33,6 +33,7 @@ from tests.distributed.test_context_parallel import LAYOUTS as CP_LAYOUTS
 from tests.distributed.test_expert_parallel import LAYOUTS as EP_LAYOUTS
 from tests.distributed.test_real_models import GRAD_REL, LOSS_RTOL, STEPS, UPDATE_REL
 from tests.distributed.test_real_models import LAYOUTS as MATRIX_LAYOUTS
+from tests.fit_utils import ROUNDOFF_FACTOR
 from tests.models import TINY
 
 SECTION = "sweep_transformers"
@@ -266,10 +267,24 @@ def reference(model_type: str, steps: int, timeout: float) -> tuple[dict | None,
                 if not torch.allclose(logits[:, :-1], model.logits(other_last)[:, :-1], rtol=0, atol=CAUSAL_ATOL):
                     return None, "excluded: not causal, earlier positions' logits depend on the last token"
             stage = "one process"
-            return fit_and_record(TINY + model_type, steps=steps), ""
+            ref = fit_and_record(TINY + model_type, steps=steps)
+            return {**ref, "floor": fp32_floor(model_type, ref, steps)}, ""
     except Exception as error:  # noqa: BLE001 - the family's outcome
         failure = describe_failure(error, started=False)
         return None, f"build_failure: {stage}: {failure_reason({**failure, 'phase': ''})}"
+
+
+def fp32_floor(model_type: str, ref: dict, steps: int) -> dict | None:
+    """How far fp32 round-off alone moves this model's one-process run (the same run in fp64;
+    tests/fit_utils.py roundoff_floor), or None where the model cannot run in fp64 (an op with no
+    fp64 kernel): its cells keep the fixed tolerances."""
+    from tests.fit_utils import fit_and_record, roundoff_floor
+
+    try:
+        ref64 = fit_and_record(TINY + model_type, steps=steps, trainer_kwargs={"precision": "64-true"})
+    except Exception:  # noqa: BLE001 - e.g. grouped_mm has no fp64 kernel
+        return None
+    return roundoff_floor(ref, ref64)
 
 
 class Pools:
@@ -392,7 +407,9 @@ def render(record: dict) -> str:
         f"- `{record['command']}`: {len(record['families'])} of {record['registered']} architectures in "
         f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; tiny configs from tests/tiny_configs.py; {record['steps']} steps, "
         f"fp32, 2 gloo ranks; losses {LOSS_RTOL:g} relative, first gradients {GRAD_REL:g}, weights {UPDATE_REL:g} "
-        f"of their update, then each rank's share (tests/shares.py); {record['minutes']:.1f} min, "
+        f"of their update, each raised to {ROUNDOFF_FACTOR:g}x the model's own fp32 round-off where larger (the "
+        "one-process run against itself in fp64: tests/fit_utils.py roundoff_floor), then each rank's share "
+        "(tests/shares.py); {record['minutes']:.1f} min, "
         f"{record['pools_started']} pool(s) started.",
         "",
         "| layout | " + " | ".join(OUTCOMES) + " | cells |",

@@ -7,7 +7,7 @@ process) and on every rank of a ``DistributedPool``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -190,6 +190,37 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Te
     return float((actual.double() - expected.double()).norm() / scale.double().norm().clamp_min(1e-30))
 
 
+ROUNDOFF_FACTOR = 4.0
+"""A layout's fp32 run and the one-process fp32 run are two roundings of one computation; each lies
+about the one-process fp64 run's distance from it (``roundoff_floor``), so their distance from each
+other is at most about twice that (sqrt(2) for independent roundings); 4 leaves a margin."""
+
+
+def roundoff_floor(ref: dict, ref64: dict) -> dict:
+    """How far fp32 round-off alone moves the one-process run from the same run in fp64: per-step
+    loss (relative), first-step gradient (relative to its norm) and final weight (relative to its
+    update), each as ``assert_matches_reference`` measures a layout. An ill-conditioned model (Adam
+    on gradients that cancel) shows a large floor here whatever the layout."""
+    losses = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ref["losses"], ref64["losses"])]
+    grads = {
+        n: relative_error(g, ref64["first_grads"][n], ref64["first_grads"][n]) for n, g in ref["first_grads"].items()
+    }
+    weights = {
+        n: relative_error(w, ref64["state"][n], ref64["state"][n].double() - ref64["initial"][n].double())
+        for n, w in ref["state"].items()
+        if w.is_floating_point()
+    }
+    return {"losses": losses, "grads": grads, "weights": weights}
+
+
+def _bound(given: float, floor: Optional[dict], kind: str, key: Any) -> float:
+    """The tolerance ``given``, or ``ROUNDOFF_FACTOR`` times the model's own round-off floor where larger."""
+    if floor is None:
+        return given
+    value = floor[kind].get(key, 0.0) if kind != "losses" else max(floor["losses"])
+    return max(given, ROUNDOFF_FACTOR * value)
+
+
 def noise_only(grad: torch.Tensor) -> bool:
     """A whole tensor whose gradient is round-off (a separate key bias): nothing to compare."""
     return bool(grad.abs().max() < 1e-6)
@@ -223,16 +254,30 @@ def assert_matches_reference(
 ) -> None:
     """Per-step losses element-wise; first-step gradients relative to the gradient's norm; final
     weights relative to how far training moved them (||w - w_ref|| / ||w_ref - w_init||), without
-    the elements a round-off gradient drives (``round_off_driven``; only they, not the tensor)."""
+    the elements a round-off gradient drives (``round_off_driven``; only they, not the tensor).
+    ``ref["floor"]`` (``roundoff_floor``), where given: each tolerance raised to ``ROUNDOFF_FACTOR``
+    times the model's own fp32 round-off where that is larger."""
     assert len(result["losses"]) == len(ref["losses"]) > 0
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
+    floor = ref.get("floor")
+    loss_rtol = _bound(loss_rtol, floor, "losses", None)
+    losses, expected = (
+        torch.tensor(result["losses"], dtype=torch.float64),
+        torch.tensor(ref["losses"], dtype=torch.float64),
+    )
+    worst = float(((losses - expected).abs() / expected.abs().clamp_min(1e-30)).max())
+    assert worst <= loss_rtol, (
+        f"losses {result['losses']} against one process {ref['losses']}: relative error {worst:.2e} > {loss_rtol:.2e}"
+    )
     grads = result["first_grads"] if result["first_grads"] is not None else ref["first_grads"]  # None: checked apart
     assert grads.keys() == ref["first_grads"].keys()
     for name, expected in ref["first_grads"].items():
         expected = without_key_third(name, expected)
         if not name.endswith(skip) and not noise_only(expected):
-            err = relative_error(without_key_third(name, grads[name]), expected, expected)
-            assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e} > {grad_rel:.0e}"
+            err, bound = (
+                relative_error(without_key_third(name, grads[name]), expected, expected),
+                _bound(grad_rel, floor, "grads", name),
+            )
+            assert err <= bound, f"gradient of {name}: relative error {err:.2e} > {bound:.2e}"
     for name, expected in ref["state"].items():
         if not name.endswith(skip):
             actual, initial = (
@@ -247,8 +292,11 @@ def assert_matches_reference(
             if grad is not None and grad.shape == expected.shape and round_off_driven(grad).any():
                 keep = ~round_off_driven(grad)
                 actual, expected, initial = actual[keep], expected[keep], initial[keep]
-            err = relative_error(actual, expected, expected - initial)
-            assert err <= update_rel, f"weight {name}: error {err:.2e} of its update > {update_rel:.0e}"
+            err, bound = (
+                relative_error(actual, expected, expected - initial),
+                _bound(update_rel, floor, "weights", name),
+            )
+            assert err <= bound, f"weight {name}: error {err:.2e} of its update > {bound:.2e}"
 
 
 def assert_ranks_match_reference(
@@ -257,7 +305,7 @@ def assert_ranks_match_reference(
     """Every rank: the reference's losses, and the gradients it holds (a pipeline stage holds its
     own; a weight tied across stages appears under its stage's name); the ranks that return a
     state (rank 0 alone under ZeRO) the reference's final weights. Every gradient is held somewhere."""
-    seen = set()
+    seen, floor = set(), ref.get("floor")
     for result in results:
         state = result["state"] or ref["state"]  # ranks without the full state compare losses and gradients
         assert_matches_reference(
@@ -275,7 +323,10 @@ def assert_ranks_match_reference(
             seen.add(name)
             expected = without_key_third(name, ref["first_grads"][name])
             if not name.endswith(skip) and not noise_only(expected):
-                err = relative_error(without_key_third(name, grad), expected, expected)
-                assert err <= grad_rel, f"gradient of {name}: relative error {err:.2e}"
+                err, bound = (
+                    relative_error(without_key_third(name, grad), expected, expected),
+                    _bound(grad_rel, floor, "grads", name),
+                )
+                assert err <= bound, f"gradient of {name}: relative error {err:.2e}"
     assert seen == set(ref["first_grads"]), "some gradients are held by no rank"
     assert any(result["state"] for result in results), "no rank returned the trained weights"

@@ -50,3 +50,25 @@ def test_other_tensors_stay_whole_and_uneven_fused_biases_are_refused():
     assert without_key_third(NAME, tensor).tolist() == [0.0, 1.0, 4.0, 5.0]
     with pytest.raises(ValueError, match=r"c_attn\.bias has 7 elements, not three equal parts q \| k \| v"):
         without_key_third(NAME, torch.zeros(7))
+
+
+def test_the_roundoff_floor_raises_a_tolerance_only_to_the_model_own_fp32_spread():
+    """A weight whose one-process fp32 run is itself 1e-3 of its update away from fp64 may differ by
+    up to ROUNDOFF_FACTOR times that in a layout; twice that still fails."""
+    from tests.fit_utils import ROUNDOFF_FACTOR, roundoff_floor
+
+    name = "w"
+    initial, update = torch.zeros(8), torch.ones(8)
+    ref64 = {"losses": [1.0], "first_grads": {name: update}, "initial": {name: initial}, "state": {name: update}}
+    spread = update * 1e-3  # fp32 round-off moved the one-process weights by 1e-3 of the update
+    ref = {**ref64, "state": {name: update + spread}}
+    floor = roundoff_floor(ref, ref64)
+    assert floor["weights"][name] == pytest.approx(1e-3, rel=1e-4)  # fp32 storage of the spread
+    near = {**ref, "state": {name: update + spread + 0.9 * ROUNDOFF_FACTOR * spread}}
+    far = {**ref, "state": {name: update + spread + 2 * ROUNDOFF_FACTOR * spread}}
+    kwargs = {"loss_rtol": 1e-5, "grad_rel": 1e-5, "update_rel": 1e-3}
+    assert_matches_reference(near, {**ref, "floor": floor}, **kwargs)
+    with pytest.raises(AssertionError, match="weight w: error"):
+        assert_matches_reference(near, ref, **kwargs)  # without the floor: the fixed 1e-3
+    with pytest.raises(AssertionError, match="weight w: error"):
+        assert_matches_reference(far, {**ref, "floor": floor}, **kwargs)
