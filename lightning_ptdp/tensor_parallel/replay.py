@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -225,16 +225,11 @@ class BlockRuntime:
     def watch_leaves(self, block: nn.Module) -> None:
         """Count leaf-module depth, so calls inside Linears, norms, etc. are not matched."""
         names = {m: n for n, m in block.named_modules() if n}
+        enter, leave = _depth_hooks(self)
         for module in names:
             if is_leaf(module):
-                module.register_forward_pre_hook(self._enter_leaf)
-                module.register_forward_hook(self._leave_leaf, prepend=True)
-
-    def _enter_leaf(self, module: nn.Module, args: tuple) -> None:
-        self.depth += 1
-
-    def _leave_leaf(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.depth -= 1
+                module.register_forward_pre_hook(enter)
+                module.register_forward_hook(leave, prepend=True)
 
     def site(self, func: Any) -> CallSite | None:
         """The recorded call this one is. Eager: by call site (code, instruction, occurrence), and
@@ -273,6 +268,20 @@ class BlockRuntime:
             if entered is not None:
                 leaves[positions[index]] = entered
         return tree_unflatten(leaves, spec)
+
+
+def _depth_hooks(runtime: BlockRuntime) -> tuple[Callable, Callable]:
+    """The leaf hooks as plain functions, not bound methods: a leaf module shared with another model
+    (a global activation instance) keeps them, and ``deepcopy`` copies a function by reference but a
+    bound method with its runtime (and process group), which cannot be copied."""
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        runtime.depth += 1
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        runtime.depth -= 1
+
+    return enter, leave
 
 
 class _ReplayMode(TorchFunctionMode):

@@ -83,3 +83,41 @@ def test_a_list_of_two_block_structures_trains_equal_to_one_process(dist_pool):
         assert result["rows"] == [8, 16, 16]  # every block split in half, each by its own plan
         for name, expected in ref["grads"].items():
             assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+
+
+SHARED_ACT = nn.GELU()  # one instance every block (and every model) calls, as a global activation table holds it
+
+
+class SharedActBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.act = nn.Linear(8, 16), nn.Linear(16, 8), SHARED_ACT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def _shared_leaf_models() -> list:
+    """Two models in one process whose blocks call one activation module instance: the second one's
+    blocks still copy (the certificate needs a whole copy) after the first one's rewrite."""
+    import copy
+
+    import torch.distributed as dist
+
+    from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
+
+    tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    copied, inputs = [], torch.randn(2, 4, 8)
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = nn.Sequential(SharedActBlock(), SharedActBlock())
+        copied.append(isinstance(copy.deepcopy(net[0]), SharedActBlock))  # raises if a hook holds a process group
+        apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda net=net: net(inputs))
+        net(inputs).sum().backward()
+    return copied
+
+
+@pytest.mark.world_size(2)
+def test_a_leaf_module_shared_by_blocks_and_models_keeps_them_copyable(dist_pool):
+    for copied in dist_pool(2).run(_shared_leaf_models):
+        assert copied == [True, True]
