@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 from lightning_ptdp.context_parallel.tail import SequenceShard
 from lightning_ptdp.core.blocks import find_block_lists, structure_groups
 from lightning_ptdp.core.census import BlockInputs, copy_object
+from lightning_ptdp.parallel.certificate_diff import agreed_first, first_difference
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +156,20 @@ def certify(wholes: list[WholeBlock], axes: str, cp_group: Optional[tuple[Any, i
             grad = grad / cp_group[1]
         errors += [_error(out, theirs[0]), _error(grad, theirs[1])]
         report.blocks.append(whole.name)
+    errors += [float(whole.name in failures) for whole in wholes]  # raised on some rank: no rank diagnoses
     if dist.is_available() and dist.is_initialized():
         worst = torch.tensor(errors, dtype=torch.float64, device=_device(wholes[0].copy))  # nccl: on the GPU
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         errors = worst.tolist()
     for k, whole in enumerate(wholes):
         report.errors[whole.name] = (errors[2 * k], errors[2 * k + 1])
-        _refuse(whole, axes, errors[2 * k : 2 * k + 2], failures.get(whole.name))
+        raised = errors[2 * len(wholes) + k] > 0
+        _refuse(whole, axes, errors[2 * k : 2 * k + 2], failures.get(whole.name), raised)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional[BaseException]) -> None:
+def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional[BaseException], raised: bool) -> None:
     fix = (
         "Keep that axis at 1 for this model, or split it by hand (tp_plan / ep_plan); certify_plan=False skips "
         "this check"
@@ -182,11 +185,41 @@ def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional
     tolerance = CERTIFICATE_RTOL.get(dtype, CERTIFICATE_RTOL[torch.float32])
     for what, error in zip(("output", "input gradient"), errors):
         if error > tolerance:
+            first_op = "" if raised else _first_op_note(whole, errors[0], tolerance)
             raise PlanCertificateError(
                 f"plan certificate: block '{whole.name}' under {axes} differs from the same block run whole: its "
                 f"{what} is off by {error:.2e} (relative, > {tolerance:.0e} for {dtype}); something the rewrite "
-                f"did not see (a position, a mask, a per-head weight) is computed from this rank's share. {fix}"
+                f"did not see (a position, a mask, a per-head weight) is computed from this rank's share"
+                f"{first_op}. {fix}"
             )
+
+
+def _first_op_note(whole: WholeBlock, output_error: float, tolerance: float) -> str:
+    """Where the rewritten block first departs from its copy (certificate_diff.py); every rank runs it
+    together, since the rewritten block's collectives need them all."""
+    block = whole.blocks[whole.index]
+
+    def ours() -> Any:  # the block's own output, before the exit hooks (CP's gather) take it
+        outputs: list = []
+        with _as_only_block(block, whole.blocks):
+            hook = block.register_forward_hook(lambda _m, _a, out: outputs.append(out), prepend=True)
+            try:
+                _run(block, whole.args, whole.kwargs)
+            finally:
+                hook.remove()
+        return outputs[0] if outputs else None
+
+    try:
+        found = first_difference(lambda: _run(whole.copy, whole.args, whole.kwargs), ours, tolerance)
+    except Exception as error:  # noqa: BLE001 - the refusal stands without the note
+        log.info("plan certificate: the first op that differs was not found (%s)", error)
+        found = None
+    text = agreed_first(found)
+    if text is not None:
+        return f"; the first op that differs: {text}"
+    if output_error <= tolerance:
+        return "; the forward agrees (the difference is in the backward)"
+    return "; no single op differs beyond the tolerance (the difference builds up)"
 
 
 def _own_refusal(error: BaseException) -> bool:

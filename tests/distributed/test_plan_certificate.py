@@ -37,7 +37,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, -1, HEAD_DIM) for t in (self.q(x), self.k(x), self.v(x)))  # this rank's heads
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.kind == "feature_norm":  # a weightless norm over all of q's features (OLMo 2's q_norm), not per head
+            q = F.rms_norm(q, (q.shape[-1],))
+        q, k, v = (t.view(B, T, -1, HEAD_DIM) for t in (q, k, v))  # this rank's heads
         if self.kind == "per_head_weight":
             q = self.head_scale(q)
         if self.kind == "local_positions":
@@ -69,11 +72,18 @@ CASES = {
     "local_positions": (
         {"context_parallel_size": 2},
         r"plan certificate: block 'blocks\.0' under the layout c=2 differs from the same block run whole: its "
-        r"output is off by .*a position, a mask",
+        r"output is off by .*a position, a mask.*the first op that differs: mul at .*test_plan_certificate\.py:\d+ "
+        r"\(q, k = q \* torch\.cos\(angle\)",
     ),
     "local_mask": (
         {"context_parallel_size": 2},
         r"plan certificate: block 'blocks\.0' under the layout c=2 (raised RuntimeError|differs from the same block)",
+    ),
+    "feature_norm": (  # an explicit plan that splits q's features but not the norm's statistic over them
+        {"tensor_parallel_size": 2, "tp_plan": {"blocks.*.[qkv]": "colwise", "blocks.*.proj": "rowwise"}},
+        r"plan certificate: block 'blocks\.0' under the layout t=2 differs from the same block run whole: its "
+        r"output is off by .*the first op that differs: rms_norm at .*test_plan_certificate\.py:\d+ "
+        r"\(q = F\.rms_norm\(q, \(q\.shape\[-1\],\)\)\)",
     ),
     "per_head_weight": (  # an explicit plan that splits the heads but leaves their [heads, head_dim] weight whole
         {"tensor_parallel_size": 2, "tp_plan": {"blocks.*.[qkv]": "colwise", "blocks.*.proj": "rowwise"}},
