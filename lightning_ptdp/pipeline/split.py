@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.blocks import outer_modules
 from lightning_ptdp.core.census import Armed, EveryCall, ModelCensus
@@ -99,21 +100,63 @@ class ProbeRecord:
     """Per block: the items after the activation when it returns a tuple (None, flags), else None."""
     module_outputs: dict[int, Optional[TensorMeta]] = field(default_factory=dict)  # id(module) -> stand-in shape
     module_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks that call it
+    module_reads: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks reading what it made
     param_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(param) -> chunks that use it
 
 
-class _ParamUse(TorchFunctionMode):
-    """Notes which watched parameters each torch op receives, and in which chunk's code."""
+@dataclass(frozen=True)
+class _Made:
+    """Where a tensor's value comes from, as the recording forward saw it."""
 
-    def __init__(self, watched: set[int], where: Callable[[], int], seen: dict[int, set[int]]) -> None:
+    modules: frozenset[int]  # outer modules whose outputs it was computed from
+    chunk: int  # the chunk whose code made it
+    from_blocks: bool  # computed from a block's output
+
+
+class _Flow(TorchFunctionMode):
+    """Follows values through the recording forward: which chunk's code uses each watched parameter,
+    and which chunk reads what each outer module made. A later stage re-runs an outer module whose
+    result its blocks read (gemma's per-layer inputs, made once before the first block); a block's
+    result read by another chunk's code, other than the activation handed on, cannot cross a stage."""
+
+    def __init__(self, watched: set[int], where: Callable[[], int], record: ProbeRecord) -> None:
         super().__init__()
-        self.watched, self.where, self.seen = watched, where, seen
+        self.watched, self.where, self.record = watched, where, record
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.inside_block = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        chunk, record = self.where(), self.record
+        modules: set[int] = set()
+        from_blocks = self.inside_block
         for leaf in tree_leaves((args, kwargs or {})):
-            if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
-                self.seen.setdefault(id(leaf), set()).add(self.where())
-        return func(*args, **(kwargs or {}))
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if id(leaf) in self.watched:
+                record.param_chunks.setdefault(id(leaf), set()).add(chunk)
+            made = self.made.get(leaf)
+            if made is None:
+                continue
+            if made.from_blocks and made.chunk < chunk:
+                raise PipelineSplitError(
+                    f"{getattr(func, '__name__', func)} in chunk {chunk} reads a tensor the blocks of chunk "
+                    f"{made.chunk} computed, besides the activation handed from block to block (a key/value "
+                    "state shared between layers, block outputs collected for the head); the pipeline split "
+                    "sends only that activation between stages. Use pipeline_parallel_size=1 for this model"
+                )
+            for module in made.modules:
+                record.module_reads.setdefault(module, set()).add(chunk)
+            modules |= made.modules
+            from_blocks = from_blocks or made.from_blocks
+        result = func(*args, **(kwargs or {}))
+        if modules or from_blocks:
+            self.tag(result, _Made(frozenset(modules), chunk, from_blocks))
+        return result
+
+    def tag(self, value: Any, made: _Made) -> None:
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                self.made[leaf] = made
 
 
 def record_forward(
@@ -147,6 +190,9 @@ def record_forward(
                 "that changes the activation between blocks into a block)"
             )
         state["inside"] = index
+        flow.inside_block = True
+        if args and isinstance(args[0], torch.Tensor):  # the activation handed on: this chunk's from here
+            flow.tag(args[0], _Made(frozenset(), layout.chunk_of_block(index), True))
 
     def after_block(module: nn.Module, args: tuple, output: Any) -> None:
         index = block_index[id(module)]
@@ -159,6 +205,7 @@ def record_forward(
         record.block_outputs.append(TensorMeta.of(output))
         record.block_tails.append(tail)
         state.update(position=index + 1, inside=None, last=output)
+        flow.inside_block = False
 
     def after_outer(module: nn.Module, args: tuple, output: Any) -> None:
         chunk = where()
@@ -166,18 +213,26 @@ def record_forward(
         for param in module.parameters(recurse=False):
             record.param_chunks.setdefault(id(param), set()).add(chunk)
         record.module_outputs[id(module)] = TensorMeta.of(output) if type(output) is torch.Tensor else None
+        made = flow.made.get(output) if isinstance(output, torch.Tensor) else None
+        modules = (made.modules if made else frozenset()) | {id(module)}
+        flow.tag(output, _Made(modules, chunk, made.from_blocks if made else False))
 
     def armed() -> list[Armed]:
         hooks = [b.register_forward_pre_hook(before_block, with_kwargs=True) for b in blocks]
         hooks += [b.register_forward_hook(after_block) for b in blocks]
         hooks += [m.register_forward_hook(after_outer) for m in outer.values()]
-        watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
-        return [*hooks, _ParamUse(watched, where, record.param_chunks)]
+        return [*hooks, flow]
+
+    watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
+    flow = _Flow(watched, where, record)
 
     census = ModelCensus(probe)  # the census mechanism, run on the rewritten model: the stages' shapes
     census.add(EveryCall(armed))
     with torch.no_grad():
         census.run()
+    for module in outer.values():  # a later chunk reading what an outer module made runs it again
+        for param in module.parameters(recurse=False):
+            record.param_chunks.setdefault(id(param), set()).update(record.module_reads.get(id(module), ()))
     if state["position"] != len(blocks):
         raise PipelineSplitError(
             f"the probe forward ran {state['position']} of {len(blocks)} transformer blocks; the pipeline "
@@ -313,11 +368,12 @@ def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
 
 def _gate_outer(module: nn.Module, split: PipelineSplit) -> None:
     ctx, layout, meta = split.context, split.layout, split.record.module_outputs.get(id(module))
+    reads = split.record.module_reads.get(id(module), set())  # later chunks whose blocks read its output
 
     def gate(call: Callable, args: tuple, kwargs: dict) -> Any:
         if ctx.active is None:
             raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
-        if layout.chunk_at(ctx.position) == ctx.active or meta is None:
+        if layout.chunk_at(ctx.position) == ctx.active or ctx.active in reads or meta is None:
             return call(*args, **kwargs)
         # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores
         return torch.zeros((), dtype=meta.dtype, device=_device_of(module)).expand(meta.shape)
@@ -339,7 +395,11 @@ def _drop_idle_registrations(model: nn.Module, blocks: list[nn.Module], record: 
     token embedding, tied to its LM head) is unregistered from that module, so each kept
     parameter has one home on this rank (FSDP shards it once) and state_dict keys stay honest."""
     outer = outer_modules(model, blocks)
-    idle = [m for m in outer.values() if not (record.module_chunks.get(id(m), {0}) & local)]
+    idle = [
+        m
+        for m in outer.values()
+        if not ((record.module_chunks.get(id(m), {0}) | record.module_reads.get(id(m), set())) & local)
+    ]
     idle_ids = {id(m) for m in idle}
     busy = {id(p) for m in outer.values() if id(m) not in idle_ids for p in m.parameters(recurse=False)}
     busy |= {id(p) for block in blocks for p in block.parameters()}

@@ -130,6 +130,66 @@ def test_forwards_the_split_cannot_cut_are_named(mode, match):
         record_forward(net, list(net.blocks), ChunkLayout(num_layers=2, pp=2, vpp=1), lambda: net(x), 3)
 
 
+class _PerLayerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, extra, shared: dict):
+        h = self.fc1(x) + extra
+        if "kv" in shared:  # a later layer reuses the first layer's state
+            h = h + shared["kv"]
+        elif "store" in shared:
+            shared["kv"] = h
+        return x + self.fc2(torch.tanh(h))
+
+
+class _PerLayerNet(nn.Module):
+    """Each block reads its slice of inputs an outer module makes once, before the first block (as
+    gemma's per-layer inputs); with ``share``, later blocks read the first block's result too (a
+    key/value state shared between layers)."""
+
+    def __init__(self, share: bool = False) -> None:
+        super().__init__()
+        self.embed, self.per_layer = nn.Embedding(16, 8), nn.Linear(8, 4 * 8)
+        self.blocks = nn.ModuleList(_PerLayerBlock() for _ in range(4))
+        self.head, self.share = nn.Linear(8, 16), share
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        extras = self.per_layer(x).unflatten(-1, (4, 8))  # [B, T, layers, H]
+        shared = {"store": True} if self.share else {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, extras[:, :, i], shared)
+        return self.head(x)
+
+
+def test_inputs_an_outer_module_makes_once_for_every_block_reach_later_stages():
+    """Stage 1 runs the embedding and the per-layer projection again (their weights tied over the
+    stages, gradients summed): chunk by chunk the split gives the unsplit model's logits."""
+    torch.manual_seed(0)
+    net, idx = _PerLayerNet(), torch.randint(0, 16, (2, 5))
+    expected = net(idx)
+    layout = ChunkLayout(num_layers=4, pp=2, vpp=1)
+    stages = []
+    for rank in range(2):
+        part = copy.deepcopy(net)
+        record = record_forward(part, list(part.blocks), layout, lambda part=part: part(idx), 2)
+        stages.append((split_model(part, list(part.blocks), layout, rank, record), part))
+    activation = None
+    for chunk in range(2):
+        stage, part = stages[chunk]
+        _, activation = stage.run_chunk(chunk, activation, lambda part=part: part(idx))
+    assert torch.equal(activation, expected)
+    assert {name for name, *_ in stages[1][0].tied} == {"embed.weight", "per_layer.weight", "per_layer.bias"}
+
+
+def test_a_block_result_read_by_a_later_stage_is_refused():
+    net, idx = _PerLayerNet(share=True), torch.randint(0, 16, (2, 5))
+    with pytest.raises(PipelineSplitError, match=r"in chunk 1 reads a tensor the blocks of chunk 0 computed"):
+        record_forward(net, list(net.blocks), ChunkLayout(num_layers=4, pp=2, vpp=1), lambda: net(idx), 2)
+
+
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(
         PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks"
