@@ -39,6 +39,28 @@ def container_children(container: nn.Module) -> list[nn.Module]:
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
 
+def acts_as(module: nn.Module, base: type) -> bool:
+    """Whether a subclass of nn.Linear / nn.Embedding with its own forward still computes the
+    base's (Falcon's Linear does; Gemma's embedding scales): checked on a small sample input.
+    The shards run the base computation, so anything else must not be swapped for one. A parameter
+    besides weight and bias (a learned logit scale, 1 at first) would stop training in the swap."""
+    if any(name not in ("weight", "bias") for name, _ in module.named_parameters()):
+        return False
+    if type(module).forward is base.forward:
+        return True
+    weight = module.weight
+    if weight.is_meta:  # values unknown: only the class can vouch
+        return False
+    generator = torch.Generator().manual_seed(0)
+    if base is nn.Embedding:
+        sample = torch.randint(0, module.num_embeddings, (2, 3), generator=generator).to(weight.device)
+        expected = nn.Embedding.forward(module, sample)
+    else:
+        sample = torch.randn(2, module.in_features, generator=generator).to(weight.device, weight.dtype)
+        expected = nn.Linear.forward(module, sample)
+    return torch.allclose(module(sample), expected, rtol=1e-4, atol=1e-6)
+
+
 def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """(path, blocks in order) of every outermost block list of ``model`` (see the module docstring)."""
     found: list[tuple[str, list[nn.Module]]] = []

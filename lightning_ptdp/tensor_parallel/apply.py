@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.blocks import acts_as, find_block_lists, is_conv1d, structure_groups
 from lightning_ptdp.core.census import BlockInputs
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
@@ -84,25 +84,6 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 @torch.no_grad()
-def acts_as(module: nn.Module, base: type) -> bool:
-    """Whether a subclass of nn.Linear / nn.Embedding with its own forward still computes the
-    base's (Falcon's Linear does; Gemma's embedding scales): checked on a small sample input.
-    The shards run the base computation, so anything else must not be swapped for one."""
-    if type(module).forward is base.forward:
-        return True
-    weight = module.weight
-    if weight.is_meta:  # values unknown: only the class can vouch
-        return False
-    generator = torch.Generator().manual_seed(0)
-    if base is nn.Embedding:
-        sample = torch.randint(0, module.num_embeddings, (2, 3), generator=generator).to(weight.device)
-        expected = nn.Embedding.forward(module, sample)
-    else:
-        sample = torch.randn(2, module.in_features, generator=generator).to(weight.device, weight.dtype)
-        expected = nn.Linear.forward(module, sample)
-    return torch.allclose(module(sample), expected, rtol=1e-4, atol=1e-6)
-
-
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
     for name in (n for region in regions for n in (*region.columns, region.row)):
         linear = block.get_submodule(name)

@@ -16,7 +16,7 @@ import operator
 import torch.nn as nn
 from torch import fx
 
-from lightning_ptdp.core.blocks import is_linear_like
+from lightning_ptdp.core.blocks import acts_as, is_conv1d, is_linear_like
 from lightning_ptdp.tensor_parallel.discovery_types import (
     BlockPlan,
     KeptWhole,
@@ -300,6 +300,7 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
     for region in regions:
         detect_layouts(gm, region)
     single = {id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None}
+    single.update({id(r): reason for r in regions if (reason := _own_forward(gm, r, name)) is not None})
     kept += [KeptWhole([*r.columns, r.row], single[id(r)]) for r in regions if id(r) in single]
     regions = [r for r in regions if id(r) not in single]
     for region in regions:
@@ -333,6 +334,19 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
 def _divisors(n: int) -> str:
     options = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+
+
+def _own_forward(gm: RecordedBlock, region: RegionPlan, name: str) -> str | None:
+    """Why a region holding a Linear subclass that computes more than F.linear (or trains another
+    parameter) cannot be split: its shards run F.linear alone. None when every Linear is plain."""
+    for linear in (*region.columns, region.row):
+        module = gm.get_submodule(linear)
+        if not is_conv1d(module) and not acts_as(module, nn.Linear):
+            return (
+                f"block '{name}': '{linear}' is a {type(module).__name__} whose own forward or parameters go beyond "
+                "F.linear(x, weight, bias), which a column or row shard computes"
+            )
+    return None
 
 
 def _single_head_part(region: RegionPlan, name: str, tp_size: int) -> str | None:

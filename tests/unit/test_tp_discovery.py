@@ -203,6 +203,50 @@ def test_a_region_discovery_cannot_split_runs_whole_with_one_warning_naming_op_a
     assert _styles(report) == {"q": "replicated", "o": "replicated", "up": "colwise", "down": "rowwise"}
 
 
+class ScaledLinear(nn.Linear):
+    """A Linear with a learned output scale of its own (1 at first, so it computes F.linear until it trains)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_a_linear_with_parameters_of_its_own_is_never_swapped_for_a_shard():
+    """A shard computes F.linear alone: the Linear's own scale would be lost (silently, while it is 1)."""
+    from lightning_ptdp.core.blocks import acts_as
+
+    assert not acts_as(ScaledLinear(4, 4), nn.Linear) and acts_as(nn.Linear(4, 4), nn.Linear)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), ScaledLinear(16, 8)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(32, 8), ScaledLinear(8, 32, bias=False)
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    net = Net()
+    with pytest.warns(PartialSplitWarning, match=r"'down' is a ScaledLinear whose own forward or parameters go beyond"):
+        report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.zeros(2, 4, dtype=torch.long)))
+    styles = _styles(report)
+    assert styles["up"] == styles["down"] == "replicated" and "head" not in styles  # the head stays whole
+
+
 def test_sequence_parallel_refuses_a_region_kept_whole_at_setup():
     """Under SP the blocks see 1/t of the sequence: a whole region would attend to its rank's tokens only."""
     from lightning_ptdp.tensor_parallel import apply_tensor_parallel
