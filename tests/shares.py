@@ -12,9 +12,16 @@ import re
 SHARE_SLACK = 0.01
 BLOCK_PARAMETER = re.compile(r"(^|\.)\d+\.")
 EXPERT = "experts."  # "mlp.experts.gate_up_proj", "moe.experts.0.w1.weight", torchtitan's "inner_experts.w1_EFD"
-# a router ("mlp.gate", torchtitan's "moe.router.gate") or Qwen2-MoE's "shared_expert_gate": one score
-# per expert (or one), kept whole on every rank under TP so that every rank chooses the same experts
-ROUTER = re.compile(r"gate\.weight$")
+# a router ("mlp.gate", torchtitan's "moe.router.gate", JetMoE's "experts.router.layer") or Qwen2-MoE's
+# "shared_expert_gate": one score per expert (or one), kept whole on every rank under TP so that every
+# rank chooses the same experts
+ROUTER = re.compile(r"(gate|router(\.\w+)?)\.weight$")
+
+
+def is_expert(name: str, dim: int) -> bool:
+    """A tensor of per-expert weights that expert parallelism splits: under "experts.", stacked or one
+    expert's matrix; not a router, nor a vector every expert shares (JetMoE's experts.bias)."""
+    return EXPERT in name and dim >= 2 and not ROUTER.search(name)
 
 
 def _degrees(strategy_kwargs: dict, devices: int) -> tuple[int, int, int, int]:
@@ -71,7 +78,7 @@ def expected_moe_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict,
     t, p, d, zero = _degrees(strategy_kwargs, devices)
     e = strategy_kwargs.get("expert_parallel_size", 1)
     z, z_experts = (d, d // e) if zero >= 2 else (1, 1)
-    dense = {name: nd for name, nd in full.items() if EXPERT not in name}
+    dense = {name: nd for name, nd in full.items() if not is_expert(name, nd[1])}
     in_block = {name: nd for name, nd in dense.items() if BLOCK_PARAMETER.search(name)}
     outside = {name: nd for name, nd in dense.items() if name not in in_block}
     routers = _total(in_block, lambda name, dim: ROUTER.search(name))
@@ -82,7 +89,7 @@ def expected_moe_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict,
     blocks = ((split + vectors) / t + routers) / (p * z), (split / t + vectors + routers) / (p * z)
     others_high = (head / t + _total(outside, lambda name, dim: dim < 2)) / z + pad
     return {
-        "experts": _total(full, lambda name, dim: EXPERT in name) // (e * p * z_experts),
+        "experts": _total(full, is_expert) // (e * p * z_experts),
         "blocks": (blocks[0] - pad, blocks[1] + pad),
         # under PP the first stage holds the embedding and the last the head: only an upper bound there
         "others": ((head / t / z - pad) if p == 1 else 0, others_high),
@@ -90,10 +97,14 @@ def expected_moe_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict,
 
 
 def check_moe_share(result: dict, expected: dict) -> None:
-    held = {name: n for name, (n, _) in result["held"].items()}
-    experts = sum(n for name, n in held.items() if EXPERT in name)
+    held = result["held"]
+    experts = sum(n for name, (n, dim) in held.items() if is_expert(name, dim))
     assert experts == expected["experts"], f"a rank holds {experts} expert parameters, not {expected['experts']}"
     for part, in_part in (("blocks", True), ("others", False)):
-        got = sum(n for name, n in held.items() if EXPERT not in name and bool(BLOCK_PARAMETER.search(name)) == in_part)
+        got = sum(
+            n
+            for name, (n, dim) in held.items()
+            if not is_expert(name, dim) and bool(BLOCK_PARAMETER.search(name)) == in_part
+        )
         low, high = expected[part]
         assert low <= got <= high, f"a rank holds {got} dense {part} parameters; the layout gives {low:.0f}-{high:.0f}"

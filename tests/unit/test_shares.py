@@ -58,3 +58,15 @@ def test_zero1_state_not_spread_over_the_data_parallel_ranks_fails():
         check_share({**rank, "optimizer_numel": 2 * 440}, expected, ref)
     with pytest.raises(AssertionError, match="a balanced split holds"):  # d2: every rank holds the whole model
         check_share({**rank, "held": {"layers.0.w": (100, 2)}, "optimizer_numel": 200}, expected, ref)
+
+
+def test_a_vector_every_expert_shares_and_a_router_under_experts_are_dense():
+    """JetMoE keeps experts.bias (one per output, all experts) and experts.router.layer beside its
+    stacked experts: expert parallelism splits only the stacked ones, and the check says so."""
+    from tests.shares import is_expert
+
+    assert is_expert("layers.0.attn.experts.input_linear.weight", 3)
+    assert is_expert("layers.0.moe.experts.0.w1.weight", 2)  # one expert of a ModuleList
+    assert not is_expert("layers.0.attn.experts.bias", 1)
+    assert not is_expert("layers.0.attn.experts.router.layer.weight", 2)
+    assert not is_expert("layers.0.mlp.gate.weight", 2)
