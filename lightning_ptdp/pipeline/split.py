@@ -97,7 +97,7 @@ class ProbeRecord:
     rows: int
     block_outputs: list[TensorMeta] = field(default_factory=list)
     block_tails: list[Optional[tuple]] = field(default_factory=list)
-    """Per block: the items after the activation when it returns a tuple (None, flags), else None."""
+    """Per block: (tuple or list, the items after the activation) when it returns one, else None."""
     module_outputs: dict[int, Optional[TensorMeta]] = field(default_factory=dict)  # id(module) -> stand-in shape
     module_chunks: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks that call it
     module_reads: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> chunks reading what it made
@@ -231,8 +231,8 @@ def record_forward(
     with torch.no_grad():
         census.run()
     for module in outer.values():  # a later chunk reading what an outer module made runs it again
-        for param in module.parameters(recurse=False):
-            record.param_chunks.setdefault(id(param), set()).update(record.module_reads.get(id(module), ()))
+        for param in module.parameters(recurse=False) if id(module) in record.module_reads else ():
+            record.param_chunks.setdefault(id(param), set()).update(record.module_reads[id(module)])
     if state["position"] != len(blocks):
         raise PipelineSplitError(
             f"the probe forward ran {state['position']} of {len(blocks)} transformer blocks; the pipeline "
@@ -242,18 +242,20 @@ def record_forward(
 
 
 def _activation_and_tail(index: int, block: nn.Module, output: Any) -> tuple[torch.Tensor, Optional[tuple]]:
-    """A block's activation, and what else its tuple holds: only a tensor crosses a stage, so the rest
-    must hold no tensor (an unrequested attention-weights slot, a flag); an earlier stage's block
-    gives it back beside the received activation."""
+    """A block's activation, and (its container, what else it holds) for a tuple or list: only a
+    tensor crosses a stage, so the rest must hold no tensor (an unrequested attention-weights slot,
+    a flag); an earlier stage's block gives it back beside the received activation."""
     if isinstance(output, torch.Tensor):
         return output, None
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(output[1:])):
-            return output[0], tuple(output[1:])
-    what = type(output).__name__ + (" holding tensors after the activation" if isinstance(output, tuple) else "")
+    sequence = type(output) in (tuple, list)
+    if sequence and output and isinstance(output[0], torch.Tensor):
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(list(output[1:]))):
+            return output[0], (type(output), tuple(output[1:]))
+    what = type(output).__name__ + (" holding tensors after the activation" if sequence else "")
     raise PipelineSplitError(
         f"block {index} ({type(block).__name__}) returned {what}; the pipeline split sends one activation tensor "
-        "between stages, so each block must return one tensor, or a tuple of it and values that are no tensors"
+        "between stages, so each block must return one tensor, or a tuple or list of it and values that are no "
+        "tensors"
     )
 
 
@@ -360,7 +362,7 @@ def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
         ctx.position = index + 1
         if index < own.start:
             tail = split.record.block_tails[index]
-            return ctx.received if tail is None else (ctx.received, *tail)
+            return ctx.received if tail is None else tail[0]((ctx.received, *tail[1]))
         return call(*args, **kwargs)
 
     _install_gate(block, gate)

@@ -130,6 +130,19 @@ def test_forwards_the_split_cannot_cut_are_named(mode, match):
         record_forward(net, list(net.blocks), ChunkLayout(num_layers=2, pp=2, vpp=1), lambda: net(x), 3)
 
 
+def _two_stages(net: nn.Module, x: torch.Tensor, num_layers: int) -> tuple[list, torch.Tensor]:
+    """Each pipeline rank's copy of ``net`` recorded and cut (p=2), and chunk 0's output fed to chunk 1."""
+    layout, stages = ChunkLayout(num_layers=num_layers, pp=2, vpp=1), []
+    for rank in range(2):
+        part = copy.deepcopy(net)
+        record = record_forward(part, list(part.blocks), layout, lambda part=part: part(x), x.shape[0])
+        stages.append((split_model(part, list(part.blocks), layout, rank, record), part))
+    activation = None
+    for chunk, (stage, part) in enumerate(stages):
+        _, activation = stage.run_chunk(chunk, activation, lambda part=part: part(x))
+    return stages, activation
+
+
 class _PerLayerBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -169,25 +182,64 @@ def test_inputs_an_outer_module_makes_once_for_every_block_reach_later_stages():
     stages, gradients summed): chunk by chunk the split gives the unsplit model's logits."""
     torch.manual_seed(0)
     net, idx = _PerLayerNet(), torch.randint(0, 16, (2, 5))
-    expected = net(idx)
+    stages, activation = _two_stages(net, idx, num_layers=4)
+    assert torch.equal(activation, net(idx))
+    assert {name for name, *_ in stages[1][0].tied} == {"embed.weight", "per_layer.weight", "per_layer.bias"}
+
+
+def test_a_parameter_no_forward_uses_stays_with_the_first_chunk():
+    """Saved and loaded like any other (a checkpoint holds every entry): rank 0 keeps it."""
+    net, idx = _PerLayerNet(), torch.randint(0, 16, (2, 5))
+    net.unused = nn.Linear(8, 8)
     layout = ChunkLayout(num_layers=4, pp=2, vpp=1)
-    stages = []
+    held = []
     for rank in range(2):
         part = copy.deepcopy(net)
-        record = record_forward(part, list(part.blocks), layout, lambda part=part: part(idx), 2)
-        stages.append((split_model(part, list(part.blocks), layout, rank, record), part))
-    activation = None
-    for chunk in range(2):
-        stage, part = stages[chunk]
-        _, activation = stage.run_chunk(chunk, activation, lambda part=part: part(idx))
-    assert torch.equal(activation, expected)
-    assert {name for name, *_ in stages[1][0].tied} == {"embed.weight", "per_layer.weight", "per_layer.bias"}
+        split_model(
+            part,
+            list(part.blocks),
+            layout,
+            rank,
+            record_forward(part, list(part.blocks), layout, lambda part=part: part(idx), 2),
+        )
+        held.append({n for n, _ in part.named_parameters() if n.startswith("unused.")})
+    assert held == [{"unused.weight", "unused.bias"}, set()]
 
 
 def test_a_block_result_read_by_a_later_stage_is_refused():
     net, idx = _PerLayerNet(share=True), torch.randint(0, 16, (2, 5))
     with pytest.raises(PipelineSplitError, match=r"in chunk 1 reads a tensor the blocks of chunk 0 computed"):
         record_forward(net, list(net.blocks), ChunkLayout(num_layers=4, pp=2, vpp=1), lambda: net(idx), 2)
+
+
+class _ListBlock(nn.Module):
+    """Returns a list, as GPT-1 (transformers' openai-gpt) does: [hidden, attention weights if asked]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return [x + self.fc2(torch.tanh(self.fc1(x)))]
+
+
+class _ListNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ListBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)[0]
+        return x
+
+
+def test_blocks_returning_a_list_are_cut_like_a_tuple():
+    torch.manual_seed(0)
+    net, x = _ListNet(), torch.randn(3, 8)
+    stages, activation = _two_stages(net, x, num_layers=2)
+    assert torch.equal(activation, net(x))
+    assert stages[0][0].record.block_tails == [(list, ()), (list, ())]
 
 
 def test_a_model_without_blocks_is_refused():
