@@ -35,6 +35,7 @@ class ZooConfig:
     padding_idx: int | None = None  # of the Llama token embedding (transformers sets it from pad_token_id)
     repeat_from_shapes: bool = False  # Llama's KV repeat count read from the tensors' head dims, not attributes
     flash: bool = True  # nanoGPT's attention: SDPA, or written out with its causal `bias` buffer
+    baddbmm: bool = False  # written out: scores as baddbmm(zeros, q, k^T) over heads folded into the batch
 
 
 class NanoAttention(nn.Module):
@@ -44,7 +45,7 @@ class NanoAttention(nn.Module):
         self.n_embd = cfg.hidden_size
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.flash = cfg.flash
+        self.flash, self.baddbmm = cfg.flash, cfg.baddbmm
         if not self.flash:  # nanoGPT's slow path, as written there
             causal = torch.tril(torch.ones(cfg.seq_length, cfg.seq_length))
             self.register_buffer("bias", causal.view(1, 1, cfg.seq_length, cfg.seq_length))
@@ -58,7 +59,13 @@ class NanoAttention(nn.Module):
         if self.flash:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+            if self.baddbmm:  # GPT-NeoX-Japanese / BLOOM: the scores' bias is baddbmm's input, heads in the batch
+                zeros = torch.zeros(B * self.n_head, T, k.size(-2), dtype=q.dtype)  # (B*nh, T, T)
+                folded = q.reshape(B * self.n_head, T, -1), k.reshape(B * self.n_head, -1, C // self.n_head)
+                att = torch.baddbmm(zeros, folded[0], folded[1].transpose(1, 2), alpha=1.0 / math.sqrt(k.size(-1)))
+                att = att.view(B, self.n_head, T, -1)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
             y = F.softmax(att, dim=-1) @ v  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -433,6 +440,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return CausalLM(PackedDocumentsGPT(cfg))
     if family == "nanogpt_eager":
         return CausalLM(NanoGPT(dataclasses.replace(cfg, flash=False)))
+    if family == "nanogpt_baddbmm":
+        return CausalLM(NanoGPT(dataclasses.replace(cfg, flash=False, baddbmm=True)))
     if family == "llama":
         return CausalLM(Llama(cfg))
     if family == "moe_llama":

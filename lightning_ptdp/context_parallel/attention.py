@@ -20,7 +20,8 @@ from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, 
 from lightning_ptdp.core.sdpa import sdpa_args
 
 _PRODUCTS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm}
-_MATMULS = {*_PRODUCTS, torch.einsum}
+_BIASED = {torch.baddbmm, torch.Tensor.baddbmm}  # bias + a @ b: scores with their bias in one call (BLOOM)
+_MATMULS = {*_PRODUCTS, *_BIASED, torch.einsum}
 _FIX = (
     "set attn_implementation='sdpa' (transformers) or call F.scaled_dot_product_attention, or context_parallel_size=1"
 )
@@ -56,6 +57,8 @@ class ContextAttention(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func in _PRODUCTS and len(args) >= 2:
             return self._product(func, args, kwargs)
+        if func in _BIASED and len(args) >= 3:
+            return self._biased_product(func, args, kwargs)
         if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
             if self._is_key_mask(args[0]):
                 args = (args[0], self._whole_keys(args[1]))
@@ -88,6 +91,19 @@ class ContextAttention(TorchFunctionMode):
                 self.calls += 1
                 b = gather_keys_values(b, b.dim() - 1, self.cp)
             return func(a, b, *args[2:], **kwargs)
+        return func(*args, **kwargs)
+
+    def _biased_product(self, func, args, kwargs):
+        """``baddbmm(bias, q, k^T)``: the scores gather their keys as ``q @ k^T`` does, and a bias with a
+        column per local key (zeros sized from the local length, a mask) gathers its columns with them."""
+        bias, a, b = args[:3]
+        if all(isinstance(t, torch.Tensor) for t in (bias, a, b)) and a.dim() == b.dim() == 3:
+            if a.size(-2) == self.local and b.size(-1) == self.local:
+                self.calls += 1
+                b = gather_keys_values(b, 2, self.cp)
+                if bias.dim() >= 1 and bias.size(-1) == self.local:
+                    bias = gather_keys_values(bias, bias.dim() - 1, self.cp)
+                return func(bias, a, b, *args[3:], **kwargs)
         return func(*args, **kwargs)
 
     def _is_key_mask(self, x: Any) -> bool:

@@ -54,6 +54,7 @@ ALL = (
     "hf_llama_shifted",
     "nanogpt_documents",
     "hf_gpt2_eager",
+    "nanogpt_baddbmm",  # scores in baddbmm with a bias sized from the local keys, heads folded into the batch
     "hf_mistral",
     "hf_neox",
     *MORE_HF,
