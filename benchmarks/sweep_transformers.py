@@ -275,16 +275,18 @@ def reference(model_type: str, steps: int, timeout: float) -> tuple[dict | None,
 
 
 def fp32_floor(model_type: str, ref: dict, steps: int) -> dict | None:
-    """How far fp32 round-off alone moves this model's one-process run (the same run in fp64;
-    tests/fit_utils.py roundoff_floor), or None where the model cannot run in fp64 (an op with no
-    fp64 kernel): its cells keep the fixed tolerances."""
+    """How far fp32 round-off alone moves this model's one-process run (tests/fit_utils.py
+    roundoff_floor): against the same run in fp64, or, where the model has an op without an fp64
+    kernel (grouped_mm), against the same run with each batch in two accumulated halves (the same
+    sum in another order, as d2 computes it). None if neither runs: the fixed tolerances apply."""
     from tests.fit_utils import fit_and_record, roundoff_floor
 
-    try:
-        ref64 = fit_and_record(TINY + model_type, steps=steps, trainer_kwargs={"precision": "64-true"})
-    except Exception:  # noqa: BLE001 - e.g. grouped_mm has no fp64 kernel
-        return None
-    return roundoff_floor(ref, ref64)
+    for variant in ({"trainer_kwargs": {"precision": "64-true"}}, {"accumulate": 2}):
+        try:
+            return roundoff_floor(ref, fit_and_record(TINY + model_type, steps=steps, **variant))
+        except Exception:  # noqa: BLE001 - e.g. grouped_mm has no fp64 kernel
+            continue
+    return None
 
 
 class Pools:
@@ -408,8 +410,8 @@ def render(record: dict) -> str:
         f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; tiny configs from tests/tiny_configs.py; {record['steps']} steps, "
         f"fp32, 2 gloo ranks; losses {LOSS_RTOL:g} relative, first gradients {GRAD_REL:g}, weights {UPDATE_REL:g} "
         f"of their update, each raised to {ROUNDOFF_FACTOR:g}x the model's own fp32 round-off where larger (the "
-        "one-process run against itself in fp64: tests/fit_utils.py roundoff_floor), then each rank's share "
-        "(tests/shares.py); {record['minutes']:.1f} min, "
+        "one-process run against itself in fp64, or with its batches in two accumulated halves where an op has no "
+        "fp64 kernel: tests/fit_utils.py roundoff_floor), then each rank's share (tests/shares.py); {record['minutes']:.1f} min, "
         f"{record['pools_started']} pool(s) started.",
         "",
         "| layout | " + " | ".join(OUTCOMES) + " | cells |",
