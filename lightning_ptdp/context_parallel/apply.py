@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.context_parallel.attention import ChunkMasks, ContextAttention
@@ -85,7 +86,8 @@ def _attention_split(block: nn.Module, name: str, cp: CPGroup, shrink: int, mask
     def run(*args: Any, **kwargs: Any) -> Any:
         length = _residual(args, name).size(1) * shrink
         buffers = list(block.buffers())
-        attention = ContextAttention(cp, name, length // cp.size, length, buffers, masks)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]  # a mask among them
+        attention = ContextAttention(cp, name, length // cp.size, length, buffers, masks, inputs)
         with attention:
             out = forward(*args, **kwargs)
         if attention.calls == 0:

@@ -44,11 +44,18 @@ class ContextAttention(TorchFunctionMode):
     at the second, and reads the mask's columns up to the whole length instead of the local one."""
 
     def __init__(
-        self, cp: CPGroup, block: str, local: int, length: int, buffers: list[torch.Tensor], masks: "ChunkMasks"
+        self,
+        cp: CPGroup,
+        block: str,
+        local: int,
+        length: int,
+        buffers: list[torch.Tensor],
+        masks: "ChunkMasks",
+        inputs: list[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.cp, self.block, self.local, self.length = cp, block, local, length
-        self.buffers, self.masks = buffers, masks
+        self.buffers, self.masks, self.inputs = buffers, masks, inputs
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -107,16 +114,25 @@ class ContextAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _is_key_mask(self, x: Any) -> bool:
-        """A mask over all keys, [..., local or 1, length] (its rows were cut for this rank)."""
+        """A mask over all keys the block received, [..., local or 1, length] (its rows were cut for this
+        rank); not a tensor of the same shape made inside the block (a rotary cache [1, T, 1, 2 * head_dim]
+        read up to head_dim, equal to the local length)."""
         return (
-            isinstance(x, torch.Tensor) and x.dim() == 4 and x.size(-1) == self.length and x.size(-2) in (1, self.local)
+            isinstance(x, torch.Tensor)
+            and x.dim() == 4
+            and x.size(-1) == self.length
+            and x.size(-2) in (1, self.local)
+            and any(x is t for t in self.inputs)
         )
 
     def _is_position_table(self, table: torch.Tensor, index: Any) -> bool:
         """A buffer of the block (a rotary cache, nanoGPT's causal ``bias``) read up to the local
-        length: ``cache[0:T]``, ``bias[:, :, :T, :T]``; its rows are positions."""
+        length: ``cache[0:T]``, ``bias[:, :, :T, :T]``; its rows are positions. A slice after an
+        Ellipsis reads the last dims, features (torchtitan's ``rope_cache[..., :head_dim]``), even
+        when head_dim equals the local length."""
         items = index if isinstance(index, tuple) else (index,)
-        return any(table is b for b in self.buffers) and any(self._prefix(i) == self.local for i in items)
+        leading = items[: next((k for k, i in enumerate(items) if i is Ellipsis), len(items))]
+        return any(table is b for b in self.buffers) and any(self._prefix(i) == self.local for i in leading)
 
     @staticmethod
     def _prefix(index: Any) -> Any:

@@ -21,6 +21,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
         self.proj = nn.Linear(HIDDEN, HIDDEN)
         self.pos = nn.Embedding(SEQ + 2, HIDDEN)
+        if kind == "rope_cache":  # torchtitan's layout: [positions, cos | sin], one head of HIDDEN features
+            angle = torch.arange(SEQ + 2)[:, None] * 0.1 ** torch.arange(HIDDEN)[None, :]
+            self.register_buffer("rope", torch.cat([angle.cos(), angle.sin()], dim=-1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -28,7 +31,12 @@ class Block(nn.Module):
             return x + self.proj(F.gelu(self.qkv(x)[..., :C]))
         if self.kind == "arange":  # positions from the length the block sees
             x = x + self.pos(torch.arange(T, device=x.device))
-        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        q, k, v = self.qkv(x).split(C, dim=2)
+        if self.kind == "rope_cache":  # torchtitan: positions read up to the length, then features; C == local length
+            cache = self.rope[0:T].view(1, T, 1, 2 * C)
+            cos, sin = cache[..., :C], cache[..., C:]
+            q, k = ((t.view(B, T, 1, C) * cos + t.view(B, T, 1, C) * sin).view(B, T, C) for t in (q, k))
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
         if self.kind == "local_mask":  # a causal mask built inside the block from its own length
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -59,7 +67,7 @@ class TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(kind: str, c: int, seq: int = SEQ + 2) -> None:
+def fit(kind: str, c: int, seq: int = SEQ + 2) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ptdp import PTDPStrategy
@@ -68,7 +76,10 @@ def fit(kind: str, c: int, seq: int = SEQ + 2) -> None:
     tokens = torch.randint(0, VOCAB, (8, seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
     trainer = quiet_trainer(devices=c, strategy=PTDPStrategy(context_parallel_size=c), max_steps=1)
-    trainer.fit(TinyLM(kind), data)
+    torch.manual_seed(0)
+    model = TinyLM(kind)
+    trainer.fit(model, data)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 REFUSALS = {
@@ -89,6 +100,16 @@ def test_an_attention_it_cannot_split_is_refused_with_its_source_line(dist_pool,
 
     with pytest.raises(RankFailure, match=REFUSALS[kind]):
         dist_pool(2).run(fit, kind, 2)
+
+
+@pytest.mark.world_size(2)
+def test_a_rotary_cache_read_by_positions_then_features_trains_as_one_process(dist_pool):
+    """``rope[0:T]`` reads positions (all of them, then this rank's), ``[..., :C]`` features, even where C
+    equals the 16 tokens a rank holds: one SGD step at c=2 moves the weights as one process does."""
+    whole = fit("rope_cache", 1)
+    for split in dist_pool(2).run(fit, "rope_cache", 2):
+        for name, value in whole.items():
+            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.world_size(2)
