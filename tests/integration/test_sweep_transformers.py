@@ -34,8 +34,10 @@ def test_fixed_sample_writes_a_classified_cell_per_family_and_layout(tmp_path):
         assert set(family["cells"]) == {"d2", "t2"}
         for cell in family["cells"].values():
             assert cell["outcome"] in OUTCOMES and (cell["outcome"] == "ok" or cell["reason"])
-    # Mixtral trains equal to one process at d2 and t2 in the conformance matrices: the instrument says so too
-    assert {c["outcome"] for c in record["families"]["mixtral"]["cells"].values()} == {"ok"}
+    # the seed draws bert-generation, minicpm3 and mpt; MiniCPM3 (latent attention) trains equal to one process at
+    # d2 and t2 in the recorded sweep (t2 keeps the latent projections whole, and warns): the instrument says so too
+    cells = record["families"]["minicpm3"]["cells"]
+    assert cells["d2"]["outcome"] == "ok" and cells["t2"]["outcome"] in ("ok", "warned")
     text = results.read_text()
     assert f"<!-- section:{SECTION} -->" in text and "- Code: " in text
     total = sum(n for layout in record["counts"].values() for n in layout.values())
