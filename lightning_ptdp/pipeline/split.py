@@ -377,8 +377,9 @@ def _gate_outer(module: nn.Module, split: PipelineSplit) -> None:
             raise RuntimeError(_OUTSIDE.format(chunks=split.local_chunks))
         if layout.chunk_at(ctx.position) == ctx.active or ctx.active in reads or meta is None:
             return call(*args, **kwargs)
-        # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores
-        return torch.zeros((), dtype=meta.dtype, device=_device_of(module)).expand(meta.shape)
+        # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores; real
+        # memory, since the model may write into it in place (CTRL scales its embeddings with *=)
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=_device_of(module))
 
     _install_gate(module, gate)
 

@@ -242,6 +242,27 @@ def test_blocks_returning_a_list_are_cut_like_a_tuple():
     assert stages[0][0].record.block_tails == [(list, ()), (list, ())]
 
 
+class _InPlaceScaledNet(_ListNet):
+    """Scales what an outer module made in place before the blocks (CTRL's ``inputs_embeds *= sqrt(d)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h *= 2.0
+        return super().forward(h)
+
+
+def test_a_later_stage_may_write_into_another_chunk_module_output():
+    """Its stand-in holds memory, so the in-place scale runs on it (its result is not used there)."""
+    torch.manual_seed(0)
+    net, x = _InPlaceScaledNet(), torch.randn(3, 8)
+    _, activation = _two_stages(net, x, num_layers=2)
+    assert torch.equal(activation, net(x))
+
+
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(
         PipelineSplitError, match=r"Linear has no nn.ModuleList/nn.Sequential/nn.ModuleDict of repeated blocks"
