@@ -9,6 +9,8 @@ holding at least two Linear-like modules.
 
 from __future__ import annotations
 
+from typing import Any, Optional, Union
+
 import torch
 import torch.nn as nn
 
@@ -97,3 +99,19 @@ def outer_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Mod
         for name, module in model.named_modules()
         if id(module) not in inside and any(True for _ in module.parameters(recurse=False))
     }
+
+
+def residual_input(args: tuple, kwargs: dict) -> Optional[tuple[Union[int, str], torch.Tensor]]:
+    """Where a block's residual stream comes in: its first positional floating tensor, else its first
+    keyword one (a block called as ``block(hidden_states=x)``); (position or keyword, tensor), or None."""
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2:
+            return key, value
+    return None
+
+
+def with_input(args: tuple, kwargs: dict, key: Union[int, str], value: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the input at ``key`` (a position or a keyword) replaced by ``value``."""
+    if isinstance(key, int):
+        return (*args[:key], value, *args[key + 1 :]), kwargs
+    return args, {**kwargs, key: value}

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from lightning_ptdp.context_parallel.tail import SequenceShard
-from lightning_ptdp.core.blocks import find_block_lists, structure_groups
+from lightning_ptdp.core.blocks import find_block_lists, residual_input, structure_groups, with_input
 from lightning_ptdp.core.census import BlockInputs, copy_object
 from lightning_ptdp.parallel.certificate_diff import agreed_first, first_difference
 
@@ -251,13 +251,16 @@ def _error(ours: Optional[torch.Tensor], theirs: Optional[torch.Tensor]) -> floa
 
 def _run(block: nn.Module, args: tuple, kwargs: dict) -> Any:
     """(first output, gradient of the residual input) of ``block`` in eval mode, or the exception."""
-    hidden = args[0].detach().clone().requires_grad_(args[0].is_floating_point())
     training = block.training
     try:
         block.train(False)
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            rest, kwargs = tree_map(copy_object, (args[1:], kwargs))  # a fresh key/value cache for each run
-            out = block(hidden, *rest, **kwargs)
+            args, kwargs = tree_map(copy_object, (args, kwargs))  # a fresh key/value cache for each run
+            slot = residual_input(args, kwargs)  # positional, or a keyword (block(hidden_states=x))
+            hidden = None if slot is None else slot[1].detach().clone().requires_grad_(True)
+            if slot is not None:
+                args, kwargs = with_input(args, kwargs, slot[0], hidden)
+            out = block(*args, **kwargs)
             out = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(out, SequenceShard):
                 out = out.whole()
@@ -265,7 +268,7 @@ def _run(block: nn.Module, args: tuple, kwargs: dict) -> Any:
             cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
             grad = (
                 torch.autograd.grad((out * cotangent).sum(), hidden, allow_unused=True)[0]
-                if hidden.requires_grad and out.requires_grad
+                if hidden is not None and out.requires_grad
                 else None
             )
         return out.detach(), grad

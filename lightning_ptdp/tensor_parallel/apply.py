@@ -237,6 +237,12 @@ def apply_tensor_parallel(
         for group in groups:
             first = _join(path, str(group.indices[0]))
             if sequence_parallel:
+                if not (group.args and isinstance(group.args[0], torch.Tensor)):
+                    raise TPDiscoveryError(
+                        f"sequence_parallel=True scatters the residual stream where it enters the blocks, as their "
+                        f"first positional argument, but block '{first}' is called without one (its hidden states "
+                        "passed by keyword); call the blocks as block(hidden, ...), or use sequence_parallel=False"
+                    )
                 C.check_sequence_divisible(group.args[0].shape[C.SEQ_DIM], tp)
                 refuse_whole_regions_under_sp(first, group.plan)
             warn_whole_regions(first, blocks[group.indices[0]], group.plan, tp.size)

@@ -55,7 +55,17 @@ class Block(nn.Module):
         return x + self.proj(y.transpose(1, 2).flatten(2))
 
 
-def fit(kind: str, layout: dict) -> None:
+class KeywordLM(TinyLM):
+    """Calls its blocks with the hidden states by keyword, ``block(x=x)`` (transformers' BLT)."""
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch[0])
+        for block in self.blocks:
+            x = block(x=x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+
+def fit(kind: str, layout: dict, model_class: type = TinyLM) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ptdp import PTDPStrategy
@@ -65,7 +75,7 @@ def fit(kind: str, layout: dict) -> None:
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
     trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(**layout), max_steps=1)
-    trainer.fit(TinyLM(kind, Block), data)
+    trainer.fit(model_class(kind, Block), data)
 
 
 CASES = {
@@ -107,3 +117,16 @@ def test_certify_plan_false_skips_it_and_a_plain_block_passes_it(dist_pool):
     dist_pool(2).run(fit, "local_positions", {"context_parallel_size": 2, "certify_plan": False})
     dist_pool(2).run(fit, "plain", {"context_parallel_size": 2})
     dist_pool(2).run(fit, "plain", {"tensor_parallel_size": 2, "sequence_parallel": True})
+
+
+@pytest.mark.world_size(2)
+def test_blocks_called_with_their_hidden_states_by_keyword_are_certified(dist_pool):
+    """The certificate finds the residual input by keyword too; sequence parallelism, which scatters
+    the first positional argument, refuses such blocks at setup."""
+    from lightning_ptdp.testing import RankFailure
+
+    dist_pool(2).run(fit, "plain", {"tensor_parallel_size": 2}, KeywordLM)
+    with pytest.raises(
+        RankFailure, match=r"block 'blocks\.0' is called without one \(its hidden states passed by keyword"
+    ):
+        dist_pool(2).run(fit, "plain", {"tensor_parallel_size": 2, "sequence_parallel": True}, KeywordLM)
