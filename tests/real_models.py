@@ -360,6 +360,7 @@ FAMILY_NAMES = {
     "hf_llama_padded": "transformers Llama, padded batches (attention_mask, labels -100, its own loss)",
     "hf_llama_shifted": "transformers Llama, the shift written in training_step",
     "nanogpt_eager": "a nanoGPT-style model, attention written out (causal `bias` buffer)",
+    "nanogpt_baddbmm": "a nanoGPT-style model, scores as `baddbmm(bias, q, k^T)` over heads folded into the batch",
     "nanogpt_documents": "a nanoGPT-style model over packed documents (a block-diagonal mask passed to its blocks)",
     "flat_llama": "a Llama-style LightningModule holding its blocks itself",
     **{family: f"transformers {model_cls}" for family, (_, model_cls, _) in MORE_HF.items()},
