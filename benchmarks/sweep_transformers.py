@@ -411,7 +411,8 @@ def render(record: dict) -> str:
         f"fp32, 2 gloo ranks; losses {LOSS_RTOL:g} relative, first gradients {GRAD_REL:g}, weights {UPDATE_REL:g} "
         f"of their update, each raised to {ROUNDOFF_FACTOR:g}x the model's own fp32 round-off where larger (the "
         "one-process run against itself in fp64, or with its batches in two accumulated halves where an op has no "
-        "fp64 kernel: tests/fit_utils.py roundoff_floor), then each rank's share (tests/shares.py); {record['minutes']:.1f} min, "
+        "fp64 kernel: tests/fit_utils.py roundoff_floor), then each rank's share (tests/shares.py); "
+        f"{record['minutes']:.1f} min, "
         f"{record['pools_started']} pool(s) started.",
         "",
         "| layout | " + " | ".join(OUTCOMES) + " | cells |",
