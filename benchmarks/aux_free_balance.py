@@ -160,7 +160,8 @@ def render(record: dict, command: str) -> str:
         f"- Model: transformers DeepSeek-V3 at the tests' tiny config ({record['routers']} MoE layers, "
         f"{record['experts']} routed experts, top-{record['top_k']}), global batch {GLOBAL_BATCH}, {steps} steps, "
         f"the same seed and data in both runs; each router's gate rows of experts 0 and 1 moved by {SKEW} logits "
-        f"along its mean input first; `AuxFreeBalancing(rate={record['rate']})`.",
+        f"along its mean input first, then frozen (only a correction bias can undo the skew), the rest trained by "
+        f"AdamW at lr {LR}; `AuxFreeBalancing(rate={record['rate']})`.",
         "- Imbalance: the worst router's max tokens per expert over its mean, in the step, from the routers' own "
         "top-k indices (a hook apart from the callback); 1.0 is balanced, "
         f"{record['experts'] / record['top_k']:.1f} is every token on the same experts. Mean over the steps shown.",
