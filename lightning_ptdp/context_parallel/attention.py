@@ -20,7 +20,10 @@ from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, 
 from lightning_ptdp.core.sdpa import sdpa_args
 
 _PRODUCTS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm}
-_BIASED = {torch.baddbmm, torch.Tensor.baddbmm}  # bias + a @ b: scores with their bias in one call (BLOOM)
+_BIASED = {
+    torch.baddbmm,
+    torch.Tensor.baddbmm,
+}  # bias + a @ b: scores with their bias in one call, heads folded into the batch
 _MATMULS = {*_PRODUCTS, *_BIASED, torch.einsum}
 _FIX = (
     "set attn_implementation='sdpa' (transformers) or call F.scaled_dot_product_attention, or context_parallel_size=1"
@@ -128,7 +131,7 @@ class ContextAttention(TorchFunctionMode):
     def _is_position_table(self, table: torch.Tensor, index: Any) -> bool:
         """A buffer of the block (a rotary cache, nanoGPT's causal ``bias``) read up to the local
         length: ``cache[0:T]``, ``bias[:, :, :T, :T]``; its rows are positions. A slice after an
-        Ellipsis reads the last dims, features (torchtitan's ``rope_cache[..., :head_dim]``), even
+        Ellipsis reads the last dims, features (a rotary cache read by ``[..., :head_dim]``), even
         when head_dim equals the local length."""
         items = index if isinstance(index, tuple) else (index,)
         leading = items[: next((k for k, i in enumerate(items) if i is Ellipsis), len(items))]

@@ -43,8 +43,9 @@ def container_children(container: nn.Module) -> list[nn.Module]:
 
 def acts_as(module: nn.Module, base: type) -> bool:
     """Whether a subclass of nn.Linear / nn.Embedding with its own forward still computes the
-    base's (Falcon's Linear does; Gemma's embedding scales): checked on a small sample input.
-    The shards run the base computation, so anything else must not be swapped for one. A parameter
+    base's (one that only casts does; an embedding that scales its lookup does not): checked on a
+    small sample input. The shards run the base computation, so anything else must not be swapped
+    for one. A parameter
     besides weight and bias (a learned logit scale, 1 at first) would stop training in the swap."""
     if any(name not in ("weight", "bias") for name, _ in module.named_parameters()):
         return False

@@ -102,6 +102,14 @@ class EveryCall:
         pass
 
 
+def record_alone(probe: Callable[[], Any], recorder: Recorder) -> Recorder:
+    """A census of ``probe`` with one recorder: a reader used outside ``parallelize``'s census."""
+    census = ModelCensus(probe)
+    census.add(recorder)
+    census.run()  # autograd only if the recorder reads the graph
+    return recorder
+
+
 def copy_object(value: Any) -> Any:
     """A copy of an object input the block may change as it runs (a key/value cache), so the call can
     run again as it was; tensors and plain values are kept as they are."""
@@ -161,10 +169,7 @@ class BlockInputs:
         missing = [b for b in blocks if id(b) not in self.captured and (not self.ran or b not in self.wanted)]
         if missing:
             self.wanted += missing
-            census = ModelCensus(self.probe)
-            census.add(self)
-            with torch.no_grad():
-                census.run()
+            record_alone(self.probe, self)
         return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ptdp.core.census import ModelCensus, ParamsReached
+from lightning_ptdp.core.census import ParamsReached, record_alone
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,6 @@ def params_without_grad(
     reached = probe
     if not isinstance(reached, ParamsReached):
         reached = ParamsReached(module)
-        census = ModelCensus(probe)
-        census.add(reached)
         with torch.compiler.set_stance("force_eager"):
-            census.run()
+            record_alone(probe, reached)
     return [name for name in reached.unused if name not in ignore]

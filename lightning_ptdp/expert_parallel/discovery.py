@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from lightning_ptdp.core.census import ModelCensus
+from lightning_ptdp.core.census import record_alone
 from lightning_ptdp.expert_parallel.calls import ArgSlot, ExpertDiscoveryError, describe, slots
 from lightning_ptdp.expert_parallel.grouped import GroupedSite, check_grouped, classify_grouped
 
@@ -259,11 +259,7 @@ def find_experts(
     calls = ExpertCalls(model, plan)
     if not calls.candidates and not calls.lists:
         return [], []
-    census = ModelCensus(probe)
-    census.add(calls)
-    with torch.no_grad():
-        census.run()
-    return calls.sites()
+    return record_alone(probe, calls).sites()
 
 
 def _keep_uncalled_whole(uncalled: dict[str, int], others_found: bool, plan: dict[str, str]) -> None:

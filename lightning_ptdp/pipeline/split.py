@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.blocks import outer_modules
-from lightning_ptdp.core.census import Armed, EveryCall, ModelCensus
+from lightning_ptdp.core.census import Armed, EveryCall, record_alone
 from lightning_ptdp.core.comm import divisors
 
 
@@ -116,7 +116,7 @@ class _Made:
 class _Flow(TorchFunctionMode):
     """Follows values through the recording forward: which chunk's code uses each watched parameter,
     and which chunk reads what each outer module made. A later stage re-runs an outer module whose
-    result its blocks read (gemma's per-layer inputs, made once before the first block); a block's
+    result its blocks read (per-layer inputs made once before the first block); a block's
     result read by another chunk's code, other than the activation handed on, cannot cross a stage."""
 
     def __init__(self, watched: set[int], where: Callable[[], int], record: ProbeRecord) -> None:
@@ -226,10 +226,7 @@ def record_forward(
     watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
     flow = _Flow(watched, where, record)
 
-    census = ModelCensus(probe)  # the census mechanism, run on the rewritten model: the stages' shapes
-    census.add(EveryCall(armed))
-    with torch.no_grad():
-        census.run()
+    record_alone(probe, EveryCall(armed))  # the census mechanism, run on the rewritten model: the stages' shapes
     for module in outer.values():  # a later chunk reading what an outer module made runs it again
         for param in module.parameters(recurse=False) if id(module) in record.module_reads else ():
             record.param_chunks.setdefault(id(param), set()).update(record.module_reads[id(module)])
@@ -378,7 +375,7 @@ def _gate_outer(module: nn.Module, split: PipelineSplit) -> None:
         if layout.chunk_at(ctx.position) == ctx.active or ctx.active in reads or meta is None:
             return call(*args, **kwargs)
         # another chunk's module: a zero stand-in, read only by code whose result this chunk ignores; real
-        # memory, since the model may write into it in place (CTRL scales its embeddings with *=)
+        # memory, since the model may write into it in place (embeddings scaled with *=)
         return torch.zeros(meta.shape, dtype=meta.dtype, device=_device_of(module))
 
     _install_gate(module, gate)
