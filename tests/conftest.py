@@ -57,3 +57,31 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     rest = [i for i in items if i not in set(distributed)]
     ordered = sorted(distributed, key=_world_size)
     items[:] = rest[:first] + ordered + rest[first:]
+
+
+@pytest.fixture(autouse=True)
+def _test_process_left_clean(request):
+    """A test that runs a strategy in the pytest process itself (not in a pool rank) leaves its process
+    group's store listening on MASTER_PORT and its SIGTERM handler installed: later tests that launch
+    processes then meet EADDRINUSE. Fail that test by name, and clean up so the rest of the run is sound."""
+    import signal
+
+    import torch.distributed as dist
+
+    port, sigterm = os.environ.get("MASTER_PORT"), signal.getsignal(signal.SIGTERM)
+    yield
+    leaked = []
+    if dist.is_available() and dist.is_initialized():
+        leaked.append("a default process group")
+        dist.destroy_process_group()
+    if os.environ.get("MASTER_PORT") != port:
+        leaked.append(f"MASTER_PORT={os.environ.get('MASTER_PORT')}")
+        os.environ.pop("MASTER_PORT") if port is None else os.environ.__setitem__("MASTER_PORT", port)
+    if signal.getsignal(signal.SIGTERM) is not sigterm:
+        leaked.append("a SIGTERM handler")
+        signal.signal(signal.SIGTERM, sigterm)
+    if leaked:
+        pytest.fail(
+            f"{request.node.nodeid} left {', '.join(leaked)} in the pytest process: run the strategy in a "
+            "dist_pool rank, or Lightning's default strategy for a one-process reference"
+        )

@@ -75,7 +75,10 @@ def fit(kind: str, c: int, seq: int = SEQ + 2) -> dict:
 
     tokens = torch.randint(0, VOCAB, (8, seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
-    trainer = quiet_trainer(devices=c, strategy=PTDPStrategy(context_parallel_size=c), max_steps=1)
+    # c=1 is the reference: Lightning's default strategy, in the test process itself
+    strategy = PTDPStrategy(context_parallel_size=c) if c > 1 else "auto"
+    # dp is 1: every rank reads the whole batch in order (Lightning's sampler would shuffle under ptdp alone)
+    trainer = quiet_trainer(devices=c, strategy=strategy, max_steps=1, use_distributed_sampler=False)
     torch.manual_seed(0)
     model = TinyLM(kind)
     trainer.fit(model, data)
