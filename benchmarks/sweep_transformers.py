@@ -24,7 +24,7 @@ import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 
@@ -33,7 +33,7 @@ from tests.distributed.test_context_parallel import LAYOUTS as CP_LAYOUTS
 from tests.distributed.test_expert_parallel import LAYOUTS as EP_LAYOUTS
 from tests.distributed.test_real_models import GRAD_REL, LOSS_RTOL, STEPS, UPDATE_REL
 from tests.distributed.test_real_models import LAYOUTS as MATRIX_LAYOUTS
-from tests.fit_utils import ROUNDOFF_FACTOR
+from tests.fit_utils import FP64_RECHECK, ROUNDOFF_FACTOR
 from tests.models import TINY
 
 SECTION = "sweep_transformers"
@@ -54,13 +54,18 @@ OUTCOMES = {
     "refused": "ptdp refused at setup with its own error (first line recorded)",
     "build_failure": "the tiny config, its model or the one-process run failed: nothing to compare",
     "excluded": "not a decoder-only text model, or not deterministic in training",
-    "ok": "equal to one process at fp32, each rank holding the layout's share",
+    "ok": "equal to one process at fp32 (or, where fp32 differs beyond the tolerances, in fp64 at a million times "
+    "tighter tolerances: round-off, its reason says so), each rank holding the layout's share",
 }
 SAMPLE_SEED = 0
 DEFAULT_TIMEOUT_S = 300.0
 HEALTH_TIMEOUT = timedelta(seconds=30)  # ranks that all came back meet here; one stuck in a collective does not
 REASON_CHARS = 240
 CAUSAL_ATOL = 1e-5  # a masked position moves a logit by round-off at most; a bidirectional model by ~1e-1
+FP64_VARIANTS = (  # fit_and_record's arguments for a run in fp64
+    {"trainer_kwargs": {"precision": "64-true"}},
+    {"trainer_kwargs": {"precision": "64-true"}, "model_overrides": {"experts_implementation": "eager"}},
+)
 _HEALTH: dict[str, Any] = {}
 
 
@@ -103,8 +108,9 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def run_cell(model_type: str, strategy_kwargs: dict, devices: int, steps: int) -> dict:
-    """On every rank: ``fit_and_record`` of the tiny model, or where it failed. Ranks that all return meet
+def run_cell(model_type: str, strategy_kwargs: dict, devices: int, steps: int, variant: dict | None = None) -> dict:
+    """On every rank: ``fit_and_record`` of the tiny model (``variant``: the fp64 recheck's arguments to
+    it), or where it failed. Ranks that all return meet
     at a barrier on a group of their own; a rank that cannot (a peer stuck in a collective) raises, and
     the pool is replaced."""
     import torch.distributed as dist
@@ -118,7 +124,12 @@ def run_cell(model_type: str, strategy_kwargs: dict, devices: int, steps: int) -
     with ptdp_warnings() as warned:
         try:
             result = fit_and_record(
-                TINY + model_type, strategy_kwargs=strategy_kwargs, devices=devices, steps=steps, callbacks=[started]
+                TINY + model_type,
+                strategy_kwargs=strategy_kwargs,
+                devices=devices,
+                steps=steps,
+                callbacks=[started],
+                **(variant or {}),
             )
         except Exception as error:  # noqa: BLE001 - the cell's outcome
             result = {"error": describe_failure(error, started.started)}
@@ -160,9 +171,11 @@ def failure_reason(failure: dict) -> str:
     return f"{phase}{failure['first_line']}" + (f" [{where}]" if where else "")
 
 
-def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[str, str]:
-    """(outcome, reason) of a cell whose ranks all returned."""
-    from tests.fit_utils import assert_ranks_match_reference
+def classify(
+    results: list[dict], ref: dict, layout: str, moe: bool, recheck: Callable[[], list[dict]] | None = None
+) -> tuple[str, str]:
+    """(outcome, reason) of a cell whose ranks all returned. ``recheck``: the same cell in fp64, run where
+    fp32 differs beyond the tolerances and the model has an fp64 reference (tests/fit_utils.py FP64_RECHECK)."""
     from tests.shares import check_moe_share, check_share, expected_moe_shares, expected_shares
 
     failures = [r["error"] for r in results if "error" in r]
@@ -172,10 +185,13 @@ def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[st
         return ("refused", first["first_line"]) if refused else ("exception", failure_reason(first))
     warned = sorted({w for r in results for w in r["warnings"]})
     strategy_kwargs, devices = LAYOUTS[layout]
-    try:
-        assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
-    except Exception as error:  # noqa: BLE001 - AssertionError, or a KeyError on a missing name
-        return "mismatch", assertion_text(error)
+    differs, note = differences(results, ref), []
+    if differs and recheck is not None and ref.get("fp64") is not None:
+        in_fp64 = recheck()
+        if not [r for r in in_fp64 if "error" in r] and not differences(in_fp64, ref["fp64"], FP64_RECHECK):
+            note, differs = [f"fp32 round-off ({differs}): in fp64 equal to one process at {FP64_RECHECK:g}x"], ""
+    if differs:
+        return "mismatch", differs
     try:
         if moe:
             full = routed_only(ref["held"])
@@ -193,8 +209,22 @@ def classify(results: list[dict], ref: dict, layout: str, moe: bool) -> tuple[st
                 check_share(result, expected, ref)
     except AssertionError as error:
         share = assertion_text(error)
+        share = "; ".join([share, *note])
         return ("warned", f"{share}; warned: {warned[0]}") if warned else ("unsharded", share)
-    return "ok", "; ".join(warned)
+    return "ok", "; ".join(note + warned)
+
+
+def differences(results: list[dict], ref: dict, scale: float = 1.0) -> str:
+    """Why the ranks' losses, gradients or weights differ from one process at the matrix's tolerances
+    times ``scale`` (its round-off floor included where ``ref`` has one), or "" where they agree."""
+    from tests.fit_utils import assert_ranks_match_reference
+
+    tolerances = {"loss_rtol": LOSS_RTOL * scale, "grad_rel": GRAD_REL * scale, "update_rel": UPDATE_REL * scale}
+    try:
+        assert_ranks_match_reference(results, ref, **tolerances)
+    except Exception as error:  # noqa: BLE001 - AssertionError, or a KeyError on a missing name
+        return assertion_text(error)
+    return ""
 
 
 def routed_only(held: dict) -> dict:
@@ -268,25 +298,31 @@ def reference(model_type: str, steps: int, timeout: float) -> tuple[dict | None,
                     return None, "excluded: not causal, earlier positions' logits depend on the last token"
             stage = "one process"
             ref = fit_and_record(TINY + model_type, steps=steps)
-            return {**ref, "floor": fp32_floor(model_type, ref, steps)}, ""
+            floor, ref64, variant = fp32_floor(model_type, ref, steps)
+            return {**ref, "floor": floor, "fp64": ref64, "fp64_variant": variant}, ""
     except Exception as error:  # noqa: BLE001 - the family's outcome
         failure = describe_failure(error, started=False)
         return None, f"build_failure: {stage}: {failure_reason({**failure, 'phase': ''})}"
 
 
-def fp32_floor(model_type: str, ref: dict, steps: int) -> dict | None:
+def fp32_floor(model_type: str, ref: dict, steps: int) -> tuple[dict | None, dict | None, dict | None]:
     """How far fp32 round-off alone moves this model's one-process run (tests/fit_utils.py
-    roundoff_floor): against the same run in fp64, or, where the model has an op without an fp64
-    kernel (grouped_mm), against the same run with each batch in two accumulated halves (the same
-    sum in another order, as d2 computes it). None if neither runs: the fixed tolerances apply."""
+    roundoff_floor): against the same run in fp64 (returned too, with the arguments that ran it: the
+    fp64 recheck's reference). Experts whose grouped_mm has no fp64 kernel run in fp64 as transformers'
+    eager loop (the same sums). Where neither runs, against the same run with each batch in two
+    accumulated halves (the same sum in another order, as d2 computes it). None: the fixed tolerances."""
     from tests.fit_utils import fit_and_record, roundoff_floor
 
-    for variant in ({"trainer_kwargs": {"precision": "64-true"}}, {"accumulate": 2}):
+    for variant in FP64_VARIANTS:
         try:
-            return roundoff_floor(ref, fit_and_record(TINY + model_type, steps=steps, **variant))
-        except Exception:  # noqa: BLE001 - e.g. grouped_mm has no fp64 kernel
+            ref64 = fit_and_record(TINY + model_type, steps=steps, **variant)
+            return roundoff_floor(ref, ref64), ref64, variant
+        except Exception:  # noqa: BLE001 - e.g. an op with no fp64 kernel
             continue
-    return None
+    try:
+        return roundoff_floor(ref, fit_and_record(TINY + model_type, steps=steps, accumulate=2)), None, None
+    except Exception:  # noqa: BLE001
+        return None, None, None
 
 
 class Pools:
@@ -316,9 +352,14 @@ def run_layout(pools: Pools, model_type: str, layout: str, ref: dict, moe: bool,
 
     strategy_kwargs, devices = LAYOUTS[layout]
     start = time.monotonic()
+
+    def in_fp64() -> list[dict]:
+        variant = ref["fp64_variant"]
+        return pools.get(devices).run(run_cell, model_type, strategy_kwargs, devices, steps, variant, timeout=timeout)
+
     try:
         results = pools.get(devices).run(run_cell, model_type, strategy_kwargs, devices, steps, timeout=timeout)
-        outcome, reason = classify(results, ref, layout, moe)
+        outcome, reason = classify(results, ref, layout, moe, in_fp64)
     except RankFailure as failure:  # the pool is closed: the next cell starts a new one
         text = str(failure)
         reason = rank_failure_reason(text)
@@ -411,7 +452,8 @@ def render(record: dict) -> str:
         f"fp32, 2 gloo ranks; losses {LOSS_RTOL:g} relative, first gradients {GRAD_REL:g}, weights {UPDATE_REL:g} "
         f"of their update, each raised to {ROUNDOFF_FACTOR:g}x the model's own fp32 round-off where larger (the "
         "one-process run against itself in fp64, or with its batches in two accumulated halves where an op has no "
-        "fp64 kernel: tests/fit_utils.py roundoff_floor), then each rank's share (tests/shares.py); "
+        "fp64 kernel: tests/fit_utils.py roundoff_floor); a cell beyond them is rerun in fp64 against one process in "
+        f"fp64 at {FP64_RECHECK:g}x the tolerances (FP64_RECHECK); then each rank's share (tests/shares.py); "
         f"{record['minutes']:.1f} min, "
         f"{record['pools_started']} pool(s) started.",
         "",

@@ -196,6 +196,13 @@ about the one-process fp64 run's distance from it (``roundoff_floor``), so their
 other is at most about twice that (sqrt(2) for independent roundings); 4 leaves a margin."""
 
 
+FP64_RECHECK = 1e-6
+"""An fp32 difference beyond the tolerances is round-off, not a defect, where the same layout run in fp64
+equals one process run in fp64 within the fp32 tolerances times this. fp64 rounds 2**29 (5.4e8) times
+finer than fp32, so a round-off difference shrinks far below 1e-6 of its size; a defect (a wrong
+position, mask or reduction, a lost cast) does not shrink with the precision."""
+
+
 def roundoff_floor(ref: dict, ref64: dict) -> dict:
     """How far fp32 round-off alone moves the one-process run from the same run in fp64: per-step
     loss (relative), first-step gradient (relative to its norm) and final weight (relative to its

@@ -428,7 +428,7 @@ def build_model(family: str, **overrides) -> L.LightningModule:
     if family.startswith(TINY):  # any transformers causal LM at a tiny config (benchmarks/sweep_transformers.py)
         from tests.tiny_configs import build_tiny
 
-        return CausalLM(build_tiny(family.removeprefix(TINY)))
+        return CausalLM(build_tiny(family.removeprefix(TINY), **overrides))
     if family.startswith("hfplan_"):  # raw transformers models, for explicit-plan paths
         from tests.hf_models import build_hf_model
 

@@ -332,11 +332,12 @@ def _first_int(config: Any, values: dict[str, Any], names: tuple[str, ...]) -> i
     return None
 
 
-def build_tiny(model_type: str) -> nn.Module:
-    """The architecture at its tiny config, fp32, as ids -> logits (tests/real_models.py's wrapper)."""
+def build_tiny(model_type: str, **kwargs: Any) -> nn.Module:
+    """The architecture at its tiny config, fp32, as ids -> logits (tests/real_models.py's wrapper);
+    ``kwargs`` go to ``from_config`` (``experts_implementation``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tests.real_models import HFCausalLM
 
-    return HFCausalLM(AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32))
+    return HFCausalLM(AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32, **kwargs))

@@ -56,6 +56,12 @@ def global_order(gathered: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
     return torch.cat(order, dim=dim)
 
 
+def _rank_order(x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
+    """Sequence order -> rank order (``global_order`` undone): each rank's two chunks, rank by rank."""
+    pieces, c = x.chunk(2 * cp.size, dim=dim), cp.size
+    return torch.cat([p for r in range(c) for p in (pieces[r], pieces[2 * c - 1 - r])], dim=dim)
+
+
 def _all_gather(x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * cp.size, *x.shape[1:]))
@@ -87,12 +93,14 @@ class _GatherKeysValues(Function):
 
 
 class _GatherSequence(Function):
-    """Leaving the blocks: all-gather along ``dim`` / this rank's chunks of the gradient, times c.
+    """Leaving the blocks: all-gather along ``dim`` / reduce-scatter (the sum over ranks) of the gradient.
 
-    What follows the blocks (final norm, head, the user's loss) runs on the whole sequence on every
-    cp rank alike, so each receives the whole gradient and keeps its chunks. Times c because the
-    gradients average over dp x cp: a block parameter's gradient on one rank holds only its tokens'
-    share, and the c shares' mean times c is their sum, while the head's (alike on all c) is unchanged."""
+    What follows the blocks (final norm, head, the user's loss) usually runs on the whole sequence on
+    every cp rank alike, so the sum is c times this rank's chunks of it; that c is right because the
+    gradients average over dp x cp (a block parameter's gradient on one rank holds only its tokens'
+    share, and the c shares' mean times c is their sum). But a model that runs its blocks again
+    (recurrent depth) cuts the gathered sequence anew, and each rank's gradient then reaches only its
+    own chunks: only the sum is right in both cases."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
@@ -101,7 +109,7 @@ class _GatherSequence(Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return own_chunks(grad, ctx.dim, ctx.cp) * ctx.cp.size, None, None
+        return _reduce_scatter(_rank_order(grad, ctx.dim, ctx.cp), ctx.dim, ctx.cp), None, None
 
 
 def gather_keys_values(x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:

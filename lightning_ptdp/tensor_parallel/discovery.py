@@ -147,7 +147,7 @@ def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[s
         rows = [n for n in nodes if role[n] == "row"]
         if len(nodes) == 1 and not rows:
             continue  # a column no Linear reads: replicated below
-        reason = _unsplittable(nodes, rows, mixed, upstream, name)
+        reason = _unsplittable(nodes, rows, mixed, upstream, name, set(everything))
         if reason is not None:
             kept.append(KeptWhole([n.target for n in nodes], reason))
             continue
@@ -160,10 +160,19 @@ def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[s
     return regions, [n.target for n in everything if n.target not in grouped], kept
 
 
-def _unsplittable(nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, upstream: dict, name: str) -> str | None:
+def _unsplittable(
+    nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, upstream: dict, name: str, linears: set[fx.Node]
+) -> str | None:
     """Why one group of Linears is no column -> row region, or None when it is one."""
     if any(n in mixed for n in nodes):
         return mixed[next(n for n in nodes if n in mixed)]
+    leaving = next((c for c in nodes if c not in rows and _returned(c, linears)), None)
+    if leaving is not None:
+        return (
+            f"block '{name}': the output of column-parallel linear '{leaving.target}' is returned by the block "
+            "before a row-parallel linear sums it (a value handed to the next block besides the hidden states): "
+            "each rank would return 1/t of its features"
+        )
     if len(rows) != 1:
         return (
             f"block '{name}': a column-parallel linear feeds two row-parallel linears "
@@ -176,6 +185,20 @@ def _unsplittable(nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, upstre
             f"'{rows[0].target}' read different inputs"
         )
     return None
+
+
+def _returned(node: fx.Node, linears: set[fx.Node]) -> bool:
+    """Whether ``node``'s value, before any other Linear reads it, reaches the block's outputs."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "output":
+                return True
+            if user not in seen and user not in linears:
+                seen.add(user)
+                stack.append(user)
+    return False
 
 
 def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from lightning_ptdp.core.dtypes import at_least_fp32
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, sum_over_tp_region
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -33,7 +34,7 @@ class FeatureNorm:
 
 def _formula(kind: str, x: torch.Tensor, eps: float, sums: Callable[[torch.Tensor], torch.Tensor], n: int):
     """The normalised features (before the weight), from sums over all ``n`` features."""
-    xf = x.float()
+    xf = at_least_fp32(x)
     if kind == "rms":
         return (xf * torch.rsqrt(sums(xf.pow(2).sum(-1, keepdim=True)) / n + eps)).to(x.dtype)
     centered = xf - sums(xf.sum(-1, keepdim=True)) / n

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from lightning_ptdp.core.dtypes import at_least_fp32
 from lightning_ptdp.core.subclasses import run_converted
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, all_reduce_max, all_reduce_sum
 
@@ -31,7 +32,7 @@ class _VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, target: torch.Tensor, shard, tp: TPGroup, ignore_index: int):
-        x = local.float()
+        x = at_least_fp32(local)
         if shard.valid < shard.local:  # padding rows never win the softmax
             x = x.masked_fill(torch.arange(shard.local, device=x.device) >= shard.valid, float("-inf"))
         x = x - all_reduce_max(x.max(dim=-1).values, tp).unsqueeze(-1)

@@ -53,14 +53,19 @@ class TinyLM(L.LightningModule):
 
     def __init__(self, kind: str, block_class: type = Block) -> None:
         super().__init__()
+        self.kind = kind
         self.emb = nn.Embedding(VOCAB, HIDDEN)
         self.blocks = nn.ModuleList(block_class(kind) for _ in range(2))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def training_step(self, batch, batch_idx):
-        x = self.emb(batch[0])
+        x = emb = self.emb(batch[0])
         for block in self.blocks:
             x = block(x)
+        if self.kind == "recurrent":  # the blocks again (recurrent depth), from their output plus the input
+            x = x + emb
+            for block in self.blocks:
+                x = block(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
 
     def configure_optimizers(self):
@@ -111,6 +116,17 @@ def test_a_rotary_cache_read_by_positions_then_features_trains_as_one_process(di
     equals the 16 tokens a rank holds: one SGD step at c=2 moves the weights as one process does."""
     whole = fit("rope_cache", 1)
     for split in dist_pool(2).run(fit, "rope_cache", 2):
+        for name, value in whole.items():
+            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.world_size(2)
+def test_blocks_run_again_on_their_gathered_output_train_as_one_process(dist_pool):
+    """A second pass over the blocks gathers their output (it meets the whole embedding) and cuts it anew:
+    each rank's gradient reaches only its own chunks of the gathered sequence, so leaving the blocks sums
+    the gradients over the ranks (one SGD step: a gradient twice too large moves every weight twice)."""
+    whole = fit("recurrent", 1)
+    for split in dist_pool(2).run(fit, "recurrent", 2):
         for name, value in whole.items():
             torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -149,6 +149,25 @@ def test_trainer_fit_matches_single_process(dist_pool, family, devices, strategy
         )
 
 
+# fp64 rounds 2**29 times finer than fp32: the fp32 tolerances times 1e-6 still leave 500x margin over its
+# round-off, while a single fp32 rounding inside the layout (measured 5e-8 on the losses) fails them
+FP64_REL = 1e-11
+
+
+@pytest.mark.world_size(2)
+def test_fp64_training_stays_fp64_through_the_vocab_split_loss_and_split_norms(dist_pool):
+    """precision="64-true": the vocab-parallel cross entropy and a norm over split features compute in
+    the input's precision (they upcast bf16 to fp32, and never round fp64 down to it)."""
+    kwargs = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    fp64 = {"precision": "64-true"}
+    results = dist_pool(2).run(fit_and_record, "llama", strategy_kwargs=kwargs, devices=2, steps=3, trainer_kwargs=fp64)
+    ref = fit_and_record("llama", steps=3, trainer_kwargs=fp64)
+    for result in results:
+        assert_matches_reference(
+            result, ref, loss_rtol=FP64_REL, grad_rel=FP64_REL, update_rel=FP64_REL * 10, skip=NOISE_DRIVEN
+        )
+
+
 @pytest.mark.world_size(2)
 def test_explicit_plan_matches_single_process(dist_pool):
     plan = {"gpt.token_embedding": "vocab_embedding", "gpt.lm_head": "vocab_head"}

@@ -247,6 +247,42 @@ def test_a_linear_with_parameters_of_its_own_is_never_swapped_for_a_shard():
     assert styles["up"] == styles["down"] == "replicated" and "head" not in styles  # the head stays whole
 
 
+class HandsOnBlock(nn.Module):
+    """A block that returns, besides the hidden states, a value its router made for the next block (ZAYA's
+    router states): down's output leaves the block before its row (out) sums it."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.down, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.up, self.proj = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.first = first
+
+    def forward(self, x, carried=None):
+        state = self.down(x) if self.first else self.down(x) + carried
+        x = x + self.out(torch.tanh(state)) + self.proj(F.gelu(self.up(x)))
+        return x, state
+
+
+def test_a_column_output_the_block_returns_keeps_its_region_whole():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([HandsOnBlock(True), HandsOnBlock(False)])
+
+        def forward(self, x):
+            carried = None
+            for layer in self.layers:
+                x, carried = layer(x, carried)
+            return x
+
+    net = Net()
+    with pytest.warns(PartialSplitWarning, match=r"column-parallel linear 'down' is returned by the block"):
+        report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+    styles = _styles(report)
+    assert styles["down"] == styles["out"] == "replicated"
+    assert (styles["up"], styles["proj"]) == ("colwise", "rowwise")
+
+
 def test_sequence_parallel_refuses_a_region_kept_whole_at_setup():
     """Under SP the blocks see 1/t of the sequence: a whole region would attend to its rank's tokens only."""
     from lightning_ptdp.tensor_parallel import apply_tensor_parallel
