@@ -15,7 +15,8 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Union
 import torch
 import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from lightning_ptdp.core.blocks import find_block_lists, structure_groups
@@ -176,25 +177,50 @@ class BlockInputs:
 class ParamsReached:
     """Names of ``module``'s trainable parameters the autograd graph of the step's output tensors
     does not reach: the search DDP's ``find_unused_parameters`` makes each step, made once. Empty
-    when the output holds no tensor with a graph (nothing to tell)."""
+    when the output holds no tensor with a graph (nothing to tell). ``routed``: the experts found by
+    structure, and parameters the step reads by index (``experts.gate_up_proj[expert_idx]`` in a loop
+    over the experts hit): whether a step reads them follows the data, so a later step may not."""
 
     needs_grad = True
     done = False  # the whole step: the graph is read from its output
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, experts: list[str] = ()) -> None:
         self.module = module
         self.unused: list[str] = []
+        self.routed: list[str] = list(experts)  # experts found by structure: routed whatever their call
+        self._indexed: set[int] = set()
 
     def arm(self, census: ModelCensus) -> list[Armed]:
-        return []
+        return [_IndexedParameters(self._indexed)]
 
     def finish(self, output: Any) -> None:
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.routed = list(dict.fromkeys([*self.routed, *(n for n, p in params if id(p) in self._indexed)]))
         roots: list[torch.Tensor] = []  # the tensors of the step's output (mappings, sequences, dataclasses)
         apply_to_collection(output, torch.Tensor, lambda t: roots.append(t) if t.requires_grad else None)
         if not roots:
             return
         reached = graph_leaves(roots)
-        self.unused = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in reached]
+        self.unused = [n for n, p in params if id(p) not in reached]
+
+
+class _IndexedParameters(TorchFunctionMode):
+    """Ids of the parameters read one slice at a time, by an integer or tensor index: a loop over the
+    experts a step hit reads ``gate_up_proj[expert_idx]`` only for those (an index read with ``.item()``
+    is a plain int here, so a constant index counts too: it costs DDP's search, never correctness)."""
+
+    _PICKS = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select}
+
+    def __init__(self, indexed: set[int]) -> None:
+        super().__init__()
+        self.indexed = indexed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._PICKS and args and isinstance(args[0], nn.Parameter):
+            index = args[1:] if func is torch.Tensor.__getitem__ else args[2:3]
+            if any(isinstance(i, (torch.Tensor, int)) and not isinstance(i, bool) for i in tree_flatten(index)[0]):
+                self.indexed.add(id(args[0]))
+        return func(*args, **(kwargs or {}))
 
 
 def graph_leaves(roots: list[torch.Tensor]) -> set[int]:

@@ -46,13 +46,14 @@ def apply_data_parallel(
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_mesh.get_group())
         if flag.item():
             # A parameter no step's loss reaches (a sparse-attention indexer feeding only top-k indices, a
-            # head the inputs never use) never fires DDP's hook, so its bucket never reduces and the next
-            # step raises. find_unused_parameters makes DDP walk the autograd graph from the outputs after
-            # each forward (CPU time linear in the graph's nodes) and all-reduce one used-flag per
-            # parameter; a parameter unused on every rank keeps no gradient, as in one process.
+            # head the inputs never use, an expert no token of this rank's batch is routed to) never fires
+            # DDP's hook, so its bucket never reduces and the next step raises. find_unused_parameters makes
+            # DDP walk the autograd graph from the outputs after each forward (CPU time linear in the graph's
+            # nodes) and all-reduce one used-flag per parameter; a parameter unused on every rank keeps no
+            # gradient, as in one process.
             shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
             log.info(
-                "data parallel: the probe step gives no gradient to %s: DDP searches each step's graph for unused "
+                "data parallel: a step may give no gradient to %s: DDP searches each step's graph for unused "
                 "parameters (find_unused_parameters)",
                 shown or "parameters of another rank",
             )
@@ -65,10 +66,12 @@ def params_without_grad(
     module: torch.nn.Module, probe: Callable[[], Any] | ParamsReached, ignore: Set[str] = frozenset()
 ) -> list[str]:
     """Names of ``module``'s trainable parameters (less ``ignore``) that the probe step's graph does
-    not reach: read from the setup's census, or from a census of its own when given a probe."""
+    not reach, or that a later step may not (``ParamsReached.routed``): read from the setup's census,
+    or from a census of its own when given a probe."""
     reached = probe
     if not isinstance(reached, ParamsReached):
         reached = ParamsReached(module)
         with torch.compiler.set_stance("force_eager"):
             record_alone(probe, reached)
-    return [name for name in reached.unused if name not in ignore]
+    maybe_unused = dict.fromkeys([*reached.unused, *reached.routed])  # routed: reached by value, step by step
+    return [name for name in maybe_unused if name not in ignore]

@@ -10,7 +10,13 @@ from lightning_ptdp.expert_parallel.apply import (
     gather_experts,
     has_split_experts,
 )
-from lightning_ptdp.expert_parallel.discovery import ExpertCalls, ExpertDiscoveryError, check_ep_plan, find_experts
+from lightning_ptdp.expert_parallel.discovery import (
+    ExpertCalls,
+    ExpertDiscoveryError,
+    check_ep_plan,
+    find_experts,
+    routed_parameters,
+)
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard
 
 __all__ = [
@@ -28,4 +34,5 @@ __all__ = [
     "gather_expert_optimizer_state",
     "gather_experts",
     "has_split_experts",
+    "routed_parameters",
 ]

@@ -276,6 +276,16 @@ def _keep_uncalled_whole(uncalled: dict[str, int], others_found: bool, plan: dic
         log.info("expert parallel: '%s' looks like stacked experts but the probe step never ran it: kept whole", name)
 
 
+def routed_parameters(model: nn.Module) -> list[str]:
+    """Names of the experts' parameters (stacked candidates, ModuleList layers): a router picks the rows
+    each expert computes by value, so one rank's step may reach none of an expert's, or of a stacked
+    tensor's, when no token of its batch is routed there (a layer with identity "zero" experts)."""
+    candidates, lists = _candidates(model, {})
+    owners = {**{name: module for name, (module, _) in candidates.items()}}
+    owners.update({f"{s.name}.{s.experts_attr}".lstrip("."): getattr(s.module, s.experts_attr) for s in lists})
+    return [f"{owner}.{name}".lstrip(".") for owner, module in owners.items() for name, _ in module.named_parameters()]
+
+
 def _inside(inner: str, outer: str) -> bool:
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 

@@ -25,7 +25,7 @@ from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
-from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply_expert_parallel
+from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply_expert_parallel, routed_parameters
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
@@ -256,7 +256,7 @@ def take_census(
         experts = census.add(ExpertCalls(module, resolve_plan(module, ep_plan, "ep_plan") if ep_plan else None))
     reached = None
     if training and not config.fsdp and dims.pp == 1 and dims.replica_mesh(mesh).size() > 1:
-        reached = census.add(ParamsReached(module))
+        reached = census.add(ParamsReached(module, routed_parameters(module)))
     census.run()
     return census, inputs, experts, reached
 

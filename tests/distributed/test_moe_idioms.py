@@ -171,3 +171,64 @@ def test_grouped_experts_and_params_without_grad_train_as_one_process(dist_pool,
             assert ours == pytest.approx(reference, rel=TOL)
         bad = [(name, error) for name, error in result["grad_errors"] if error == "None" or error > TOL]
         assert not bad, bad
+
+
+class LoopedExperts(nn.Module):
+    """Stacked experts run in a loop over the experts the batch hit, each read by an int from ``.item()``
+    (LongCat-Flash's eager loop): a rank whose tokens miss an expert reads none of its weights that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, N_EXPERTS)
+        self.experts = nn.Parameter(torch.randn(N_EXPERTS, H, H) / H**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, H)
+        probs = self.router(flat).softmax(-1)
+        choice, out = probs.argmax(-1), torch.zeros_like(flat)
+        for expert in choice.unique():
+            rows = (choice == expert).nonzero().squeeze(1)
+            e = int(expert.item())
+            out = out.index_add(0, rows, (flat[rows] @ self.experts[e]) * probs[rows, e, None])
+        return (flat + out).square().mean()
+
+
+def looped_batches(rank: int) -> list[torch.Tensor]:
+    """Tokens routed by their marked feature: step 1 reaches every expert on both ranks; step 2 on rank 0
+    reaches expert 0 only."""
+    generator = torch.Generator().manual_seed(rank)
+    experts = [torch.arange(8) % N_EXPERTS, torch.zeros(8, dtype=torch.long) if rank == 0 else torch.arange(8) % 4]
+    return [torch.randn(8, H, generator=generator) * 0.1 + 5 * F.one_hot(e, H).float() for e in experts]
+
+
+def train_looped_experts() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ptdp.data_parallel.ddp import apply_data_parallel
+
+    torch.manual_seed(0)
+    net = LoopedExperts()
+    with torch.no_grad():  # the router reads the marked feature
+        net.router.weight.copy_(torch.eye(N_EXPERTS, H) * 10)
+    whole = copy.deepcopy(net)
+    rank = dist.get_rank()
+    mine, other = looped_batches(rank), looped_batches(1 - rank)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ddp = apply_data_parallel(net, mesh, probe=lambda: net(mine[0]))
+    errors = []
+    for step in range(2):
+        ddp(mine[step]).backward()
+        ((whole(mine[step]) + whole(other[step])) / 2).backward()
+        for (name, param), ref in zip(net.named_parameters(), whole.parameters()):
+            errors.append((name, ((param.grad - ref.grad).norm() / ref.grad.norm()).item()))
+        net.zero_grad(), whole.zero_grad()
+    return {"find_unused": ddp.find_unused_parameters, "errors": errors}
+
+
+def test_experts_a_later_step_may_not_reach_turn_on_ddps_search(dist_pool):
+    """Without the search, DDP waits for the experts' gradient on rank 0 in step 2 while rank 1 reduces it:
+    the collectives mismatch and gloo aborts the process."""
+    for result in dist_pool(2).run(train_looped_experts):
+        assert result["find_unused"]
+        assert all(error <= TOL for _, error in result["errors"]), result["errors"]
