@@ -72,6 +72,8 @@ class ContextAttention(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
             if self._is_key_mask(args[0]):
                 args = (args[0], self._whole_keys(args[1]))
+            elif (last := self._last_keys(*args)) is not None:
+                args = (args[0], last)
             elif self._is_position_table(*args):
                 return self._rows_of_table(args[0], args[1])
         out = func(*args, **kwargs)
@@ -127,6 +129,20 @@ class ContextAttention(TorchFunctionMode):
             and x.size(-2) in (1, self.local)
             and any(x is t for t in self.inputs)
         )
+
+    def _last_keys(self, table: torch.Tensor, index: Any) -> Any:
+        """A per-key table the block received, read for the last ``n_keys`` keys with the local count
+        (MPT's ALiBi bias ``bias[:, :, n - key_length:]``, KV-cache style): the index reading them all,
+        the scores holding every key. None for any other read."""
+        items = index if isinstance(index, tuple) else (index,)
+        last, size = items[-1] if items else None, table.size(-1) if table.dim() else 0
+        received = any(table is t for t in self.inputs)
+        if not received or not isinstance(last, slice) or last.step not in (None, 1) or size < self.length:
+            return None
+        start = last.start + size if isinstance(last.start, int) and last.start < 0 else last.start  # x[..., -n:]
+        if start != size - self.local or last.stop not in (None, size) or size == self.local:
+            return None
+        return (*items[:-1], slice(size - self.length, None))
 
     def _is_position_table(self, table: torch.Tensor, index: Any) -> bool:
         """A buffer of the block (a rotary cache, nanoGPT's causal ``bias``) read up to the local

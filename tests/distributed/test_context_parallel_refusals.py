@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SEQ, VOCAB, HIDDEN, HEADS = 30, 16, 16, 2
+ALIBI_KEYS = 48  # the table's length: more keys than the sequence has, as MPT's max_seq_len
 
 
 class Block(nn.Module):
@@ -25,7 +26,7 @@ class Block(nn.Module):
             angle = torch.arange(SEQ + 2)[:, None] * 0.1 ** torch.arange(HIDDEN)[None, :]
             self.register_buffer("rope", torch.cat([angle.cos(), angle.sin()], dim=-1), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         if self.kind == "mlp":  # no attention at all
             return x + self.proj(F.gelu(self.qkv(x)[..., :C]))
@@ -37,7 +38,9 @@ class Block(nn.Module):
             cos, sin = cache[..., :C], cache[..., C:]
             q, k = ((t.view(B, T, 1, C) * cos + t.view(B, T, 1, C) * sin).view(B, T, C) for t in (q, k))
         q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
-        if self.kind == "local_mask":  # a causal mask built inside the block from its own length
+        if self.kind == "alibi":  # MPT: a per-key bias table the model passes, read for the last n_keys keys
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=table[:, :, table.size(-1) - k.size(-2) :])
+        elif self.kind == "local_mask":  # a causal mask built inside the block from its own length
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif self.kind == "einsum":  # attention written with einsum
@@ -60,8 +63,12 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x = emb = self.emb(batch[0])
+        table = None
+        if self.kind == "alibi":  # [heads, 1, ALIBI_KEYS]: a slope per head times the key's distance from the end
+            slopes = 2.0 ** -torch.arange(1, HEADS + 1, dtype=x.dtype)
+            table = slopes[:, None, None] * torch.arange(1 - ALIBI_KEYS, 1, dtype=x.dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if table is None else block(x, table)
         if self.kind == "recurrent":  # the blocks again (recurrent depth), from their output plus the input
             x = x + emb
             for block in self.blocks:
@@ -116,6 +123,16 @@ def test_a_rotary_cache_read_by_positions_then_features_trains_as_one_process(di
     equals the 16 tokens a rank holds: one SGD step at c=2 moves the weights as one process does."""
     whole = fit("rope_cache", 1)
     for split in dist_pool(2).run(fit, "rope_cache", 2):
+        for name, value in whole.items():
+            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.world_size(2)
+def test_a_per_key_table_read_for_the_last_n_keys_reads_every_key(dist_pool):
+    """ALiBi as MPT passes it: a table over more keys than the sequence has, read for the last
+    ``k.size(-2)`` keys. A rank's local key count would read the last 16 of them for all 32 keys."""
+    whole = fit("alibi", 1)
+    for split in dist_pool(2).run(fit, "alibi", 2):
         for name, value in whole.items():
             torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -206,8 +206,9 @@ def run_moe_epochs(
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("fmt", ["sharded", "full"])
-@pytest.mark.parametrize("family", ["hf_mixtral", "moe_llama"])
+@pytest.mark.parametrize(  # sharded: each storage of experts (stacked rows, ModuleList modules); full: one
+    ("family", "fmt"), [("hf_mixtral", "sharded"), ("moe_llama", "sharded"), ("hf_mixtral", "full")]
+)
 def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
     """Saved at d2 e2 (each rank writing its experts: rows of stacked tensors, or its modules of a
     ModuleList), resumed at e2, at e1 (every rank holding all experts) and at d4 e4: the losses
