@@ -160,7 +160,7 @@ class _Counter(TorchFunctionMode):
 
 
 class AuxFreeBalancing(pl.Callback):
-    """Balance mixture-of-experts routing without an auxiliary loss (DeepSeek-V3, GLM-4.5, ERNIE-4.5):
+    """Balance mixture-of-experts routing without an auxiliary loss (routers choosing by topk(scores + bias)):
     after each optimizer step, each router's correction bias moves by ``rate`` toward balance:
     up for experts that got fewer tokens than the mean in the step, down for those that got more.
 

@@ -97,6 +97,14 @@ def fit(kind: str, c: int, seq: int = SEQ + 2) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_c2_equals_one_process(dist_pool, kind: str) -> None:
+    """One SGD step at c=2 moves every weight as one process does (fp32 round-off: 1e-5)."""
+    whole = fit(kind, 1)
+    for split in dist_pool(2).run(fit, kind, 2):
+        for name, value in whole.items():
+            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 REFUSALS = {
     "mlp": r"context parallelism found no attention in blocks\.0: no scaled_dot_product_attention call",
     "arange": r"blocks\.0 computes torch\.arange over the 16 tokens it holds at .*test_context_parallel_refusals\.py"
@@ -121,20 +129,14 @@ def test_an_attention_it_cannot_split_is_refused_with_its_source_line(dist_pool,
 def test_a_rotary_cache_read_by_positions_then_features_trains_as_one_process(dist_pool):
     """``rope[0:T]`` reads positions (all of them, then this rank's), ``[..., :C]`` features, even where C
     equals the 16 tokens a rank holds: one SGD step at c=2 moves the weights as one process does."""
-    whole = fit("rope_cache", 1)
-    for split in dist_pool(2).run(fit, "rope_cache", 2):
-        for name, value in whole.items():
-            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_c2_equals_one_process(dist_pool, "rope_cache")
 
 
 @pytest.mark.world_size(2)
 def test_a_per_key_table_read_for_the_last_n_keys_reads_every_key(dist_pool):
     """ALiBi as MPT passes it: a table over more keys than the sequence has, read for the last
     ``k.size(-2)`` keys. A rank's local key count would read the last 16 of them for all 32 keys."""
-    whole = fit("alibi", 1)
-    for split in dist_pool(2).run(fit, "alibi", 2):
-        for name, value in whole.items():
-            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_c2_equals_one_process(dist_pool, "alibi")
 
 
 @pytest.mark.world_size(2)
@@ -142,10 +144,7 @@ def test_blocks_run_again_on_their_gathered_output_train_as_one_process(dist_poo
     """A second pass over the blocks gathers their output (it meets the whole embedding) and cuts it anew:
     each rank's gradient reaches only its own chunks of the gathered sequence, so leaving the blocks sums
     the gradients over the ranks (one SGD step: a gradient twice too large moves every weight twice)."""
-    whole = fit("recurrent", 1)
-    for split in dist_pool(2).run(fit, "recurrent", 2):
-        for name, value in whole.items():
-            torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_c2_equals_one_process(dist_pool, "recurrent")
 
 
 @pytest.mark.world_size(2)
