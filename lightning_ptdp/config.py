@@ -139,8 +139,9 @@ class ParallelConfig:
     """Refuse at setup where tensor-parallel discovery cannot split a region, instead of running that
     region whole on every rank with a ``PartialSplitWarning`` and splitting the rest."""
     certify_plan: bool = True
-    """Before the first step, run the first block of each structure under the layout (t, c, e) and
-    whole on the probe's inputs, and refuse if outputs or input gradients differ (parallel/certificate.py)."""
+    """Before the first step, run the first block of each group (alike in structure and code) under
+    the layout (t, c, e) and whole on the probe's inputs, and refuse if outputs or input gradients
+    differ (parallel/certificate.py)."""
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over d (torch's ZeroRedundancyOptimizer, gradients
     all-reduced whole); 2: and gradients (FSDP2); 3: and parameters (FSDP2)."""

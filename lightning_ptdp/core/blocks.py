@@ -81,14 +81,20 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return found
 
 
+def structure_key(block: nn.Module) -> tuple:
+    """What makes two blocks alike in structure: module paths, types and parameter shapes."""
+    modules = tuple((n, type(m).__name__) for n, m in block.named_modules())
+    params = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+    return modules, params
+
+
 def structure_groups(blocks: list[nn.Module]) -> list[list[int]]:
     """Indices of the blocks that share one structure (module paths, types, parameter shapes), in
-    order of first appearance: a list of one class may hold dense blocks, then MoE ones."""
+    order of first appearance: a list of one class may hold dense blocks, then MoE ones. Blocks of
+    one structure may still run different code: ``census.BlockInputs.groups`` parts those too."""
     groups: dict[tuple, list[int]] = {}
     for i, block in enumerate(blocks):
-        modules = tuple((n, type(m).__name__) for n, m in block.named_modules())
-        params = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
-        groups.setdefault((modules, params), []).append(i)
+        groups.setdefault(structure_key(block), []).append(i)
     return list(groups.values())
 
 

@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from lightning_ptdp.core.blocks import find_block_lists, structure_groups
+from lightning_ptdp.core.blocks import find_block_lists, structure_key
+from lightning_ptdp.core.sites import caller_frame
 
 Armed = Union[RemovableHandle, ContextManager]
 
@@ -131,7 +132,13 @@ class BlockInputs:
     """The first call's (args, kwargs) of blocks, shared by every setup reader (the certificate,
     TP's recording); each reader gets its own copy of object inputs, so one reader's run cannot
     change another's. Armed in a census for the blocks named; a block asked for later is captured
-    by a census of its own."""
+    by a census of its own.
+
+    Armed for every block list (``of_block_lists``), it also records the code each block runs: the
+    call sites of its torch calls (core/sites.py). ``groups`` parts the blocks of a list by structure
+    and by that code, so blocks of one class whose forward takes another branch (a flag, a sliding
+    or a full attention by layer) are planned and certified apart; the inputs kept are those of
+    the first block of each group."""
 
     needs_grad = False
 
@@ -140,17 +147,24 @@ class BlockInputs:
         self.wanted: list[nn.Module] = list(blocks or [])
         self.captured: dict[int, tuple[tuple, dict]] = {}
         self.ran = False
+        self.structures: dict[int, tuple] = {}  # id(block) -> structure key, for every listed block
+        self.code: dict[int, frozenset] = {}  # id(block) -> call sites of its first call
+        self.firsts: dict[tuple, int] = {}  # (structure, code) -> id of the first block running it
+        self.listed: list[nn.Module] = []  # every block of every block list (of_block_lists)
 
     @classmethod
-    def of_structures(cls, model: nn.Module, probe: Callable[[], Any]) -> "BlockInputs":
-        """Recording the first block of each structure of every block list: what TP and the
-        certificate read."""
-        firsts = [blocks[g[0]] for _, blocks in find_block_lists(model) for g in structure_groups(blocks)]
-        return cls(probe, firsts)
+    def of_block_lists(cls, model: nn.Module, probe: Callable[[], Any]) -> "BlockInputs":
+        """Recording every block of every block list: its code, and the inputs of the first of each
+        group (what TP and the certificate read)."""
+        inputs = cls(probe)
+        inputs.structures = {id(b): structure_key(b) for _, blocks in find_block_lists(model) for b in blocks}
+        inputs.listed = [b for _, blocks in find_block_lists(model) for b in blocks]
+        return inputs
 
     @property
     def done(self) -> bool:
-        return all(id(b) in self.captured for b in self.wanted)
+        code = self.ran or all(id(b) in self.code for b in self.listed)  # code is read in the first run only
+        return code and all(id(b) in self.captured for b in self.wanted)
 
     def arm(self, census: ModelCensus) -> list[Armed]:
         wanted = {id(b) for b in self.wanted}
@@ -160,10 +174,29 @@ class BlockInputs:
                 self.captured[id(module)] = tree_map(_kept, (args, kwargs))
                 census.recorded()
 
-        return [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.wanted]
+        armed: list[Armed] = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.wanted]
+        if self.listed and not self.ran:
+            armed += _CodePaths(self, census).arm(self.listed)
+        return armed
 
     def finish(self, output: Any) -> None:
         self.ran = True
+
+    def groups(self, blocks: list[nn.Module]) -> list[list[int]]:
+        """Indices of ``blocks`` (one list) alike in structure and in the code they ran, in order of first
+        appearance; a block the step never called joins the first of its structure."""
+        if self.listed and not self.ran:
+            try:
+                record_alone(self.probe, self)
+            except Exception:  # noqa: BLE001 - the step fails alone: reading a block's inputs names which one
+                self.ran = True
+        first_code: dict[tuple, Optional[frozenset]] = {}
+        groups: dict[tuple, list[int]] = {}
+        for i, block in enumerate(blocks):
+            structure = self.structures.get(id(block)) or structure_key(block)
+            code = first_code.setdefault(structure, self.code.get(id(block)))
+            groups.setdefault((structure, self.code.get(id(block), code)), []).append(i)
+        return list(groups.values())
 
     def of(self, blocks: list[nn.Module]) -> dict[int, tuple[tuple, dict]]:
         """Each given block's inputs (a block the step never called is absent)."""
@@ -172,6 +205,50 @@ class BlockInputs:
             self.wanted += missing
             record_alone(self.probe, self)
         return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}
+
+
+class _CodePaths(TorchFunctionMode):
+    """While a listed block runs its first call: each torch call's site (outside torch and this
+    package) joins that block's code; the block's inputs are kept if its code is new for its
+    structure (the first block of a new group)."""
+
+    def __init__(self, inputs: BlockInputs, census: ModelCensus) -> None:
+        super().__init__()
+        self.inputs, self.census = inputs, census
+        self.running: list[tuple[int, set, tuple]] = []  # (id(block), its sites so far, its kept inputs)
+
+    def arm(self, blocks: list[nn.Module]) -> list[Armed]:
+        return [
+            self,
+            *(b.register_forward_pre_hook(self._enter, with_kwargs=True) for b in blocks),
+            *(b.register_forward_hook(self._leave) for b in blocks),
+        ]
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if id(module) not in self.inputs.code:
+            self.running.append((id(module), set(), tree_map(_kept, (args, kwargs))))
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self.running or self.running[-1][0] != id(module):
+            return
+        key, sites, kept = self.running.pop()
+        inputs = self.inputs
+        inputs.code[key] = code = frozenset(sites)
+        group = (inputs.structures[key], code)
+        if group not in inputs.firsts:
+            inputs.firsts[group] = key
+            inputs.captured.setdefault(key, kept)
+        if not self.running:
+            self.census.recorded()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if self.running:
+            frame = caller_frame()
+            if frame is not None:
+                site = (frame.f_code, frame.f_lasti, func)
+                for _, sites, _ in self.running:  # a block inside a block: both ran the call
+                    sites.add(site)
+        return func(*args, **(kwargs or {}))
 
 
 class ParamsReached:

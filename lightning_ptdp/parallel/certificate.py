@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from lightning_ptdp.context_parallel.tail import SequenceShard
-from lightning_ptdp.core.blocks import find_block_lists, residual_input, structure_groups, with_input
+from lightning_ptdp.core.blocks import find_block_lists, residual_input, with_input
 from lightning_ptdp.core.census import BlockInputs, copy_object
 from lightning_ptdp.parallel.certificate_diff import agreed_first, first_difference
 
@@ -103,14 +103,13 @@ def layout_axes(config: Any, dims: Any) -> str:
 
 
 def capture_whole_blocks(model: nn.Module, inputs: BlockInputs) -> list[WholeBlock]:
-    """A whole copy and the probe's inputs of the first block of each structure (core/blocks.py);
-    nothing for a model on the meta device (no values to compare)."""
+    """A whole copy and the probe's inputs of the first block of each group alike in structure and
+    code (core/census.py ``BlockInputs.groups``); nothing for a model on the meta device (no values
+    to compare)."""
     if any(p.is_meta for p in model.parameters()):
         log.info("plan certificate skipped: the model is on the meta device (no values to compare)")
         return []
-    firsts = [
-        (path, blocks, group[0]) for path, blocks in find_block_lists(model) for group in structure_groups(blocks)
-    ]
+    firsts = [(path, blocks, group[0]) for path, blocks in find_block_lists(model) for group in inputs.groups(blocks)]
     captured = inputs.of([blocks[i] for _, blocks, i in firsts])
     wholes = []
     for path, blocks, i in firsts:

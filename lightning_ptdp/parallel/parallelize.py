@@ -109,7 +109,7 @@ def parallelize(
                         census saw the step call them (every rank held them all).
     1c. context parallel cut each block's sequence for the cp ranks; attention gathers keys and
                         values (after TP: this rank's heads; before compile and recompute: they wrap it).
-    1d. certificate     the first block of each structure under 1-1c against a whole copy taken
+    1d. certificate     the first block of each group under 1-1c against a whole copy taken
                         before step 1, on the probe's inputs (certify_plan): before kernels, compile
                         and recompute wrap the blocks, so it checks the rewrites alone.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
@@ -249,7 +249,7 @@ def take_census(
     rewritten = any(key in module.__dict__ for key in ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp"))
     records_tp = dims.tp > 1 and "_ptdp_tp" not in module.__dict__
     certifies = config.certify_plan and max(dims.tp, dims.cp, dims.ep) > 1 and not rewritten
-    inputs = BlockInputs.of_structures(module, probe) if records_tp or certifies else BlockInputs(probe)
+    inputs = BlockInputs.of_block_lists(module, probe) if records_tp or certifies else BlockInputs(probe)
     census.add(inputs)
     experts = None
     if dims.ep > 1 and "_ptdp_ep" not in module.__dict__:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import acts_as, find_block_lists, is_conv1d, structure_groups
+from lightning_ptdp.core.blocks import acts_as, find_block_lists, is_conv1d
 from lightning_ptdp.core.census import BlockInputs
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
@@ -52,7 +52,7 @@ from lightning_ptdp.tensor_parallel.replay import (
     snapshot_args,
 )
 from lightning_ptdp.tensor_parallel.state_dict_hooks import take_state_dict_hooks
-from lightning_ptdp.tensor_parallel.whole_regions import refuse_whole_regions_under_sp, warn_whole_regions
+from lightning_ptdp.tensor_parallel.whole_regions import warn_whole_regions
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,21 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> No
 
 
 def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:
-    """Give the block's Linears their region entries and run its own forward under the replay."""
-    runtime = BlockRuntime(block, program, tp, sp)
+    """Give the block's Linears their region entries and run its own forward under the replay.
+    Under SP a block keeping a region whole runs on the whole sequence (``runs_whole_sequence``)."""
+    whole_sequence = sp and runs_whole_sequence(plan)
+    runtime = BlockRuntime(block, program, tp, sp and not whole_sequence)
     for region, entry in zip(plan.regions, runtime.entries):
         for name in (*region.columns, region.row):
             block.get_submodule(name).region = entry
     runtime.watch_leaves(block)
-    install_replay(block, runtime)
+    install_replay(block, runtime, tp if whole_sequence else None)
+
+
+def runs_whole_sequence(plan: BlockPlan) -> bool:
+    """A region kept whole must see every token (attention over 1/t of the sequence is another
+    function), so under SP its block gathers the sequence and runs as without SP."""
+    return bool(plan.kept_whole)
 
 
 def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
@@ -180,7 +188,8 @@ def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], re
 
 @dataclass
 class PlannedGroup:
-    """The blocks of one list that share a structure (block_lists.structure_groups), planned once."""
+    """The blocks of one list alike in structure and in the code they run (census ``BlockInputs.groups``),
+    planned once."""
 
     indices: list[int]
     plan: BlockPlan
@@ -192,7 +201,7 @@ def plan_block_lists(
     model: nn.Module, tp_size: int, probe: Callable[[], Any] | BlockInputs, *, strict: bool = False
 ) -> list[tuple[str, list[nn.Module], list[PlannedGroup]]]:
     """(path, blocks, planned groups) for every block list of ``model``: the plan of a group's first
-    block serves every block of that structure (same type, same code, same parameter shapes).
+    block serves every block alike in structure and in the code it ran (census ``BlockInputs.groups``).
     ``probe``: one ordinary forward, or the inputs parallelize already captured with it."""
     block_lists = find_block_lists(model)
     if not block_lists:
@@ -200,8 +209,8 @@ def plan_block_lists(
             "tensor parallelism found no transformer blocks (a ModuleList or Sequential of same-type modules "
             "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
         )
-    groups = {path: structure_groups(blocks) for path, blocks in block_lists}
-    inputs = probe if isinstance(probe, BlockInputs) else BlockInputs(probe)
+    inputs = probe if isinstance(probe, BlockInputs) else BlockInputs.of_block_lists(model, probe)
+    groups = {path: inputs.groups(blocks) for path, blocks in block_lists}
     captured = inputs.of([blocks[g[0]] for path, blocks in block_lists for g in groups[path]])
     planned = []
     for path, blocks in block_lists:
@@ -244,18 +253,16 @@ def apply_tensor_parallel(
                         "passed by keyword); call the blocks as block(hidden, ...), or use sequence_parallel=False"
                     )
                 C.check_sequence_divisible(group.args[0].shape[C.SEQ_DIM], tp)
-                refuse_whole_regions_under_sp(first, group.plan)
-            warn_whole_regions(first, blocks[group.indices[0]], group.plan, tp.size)
+            warn_whole_regions(first, blocks[group.indices[0]], group.plan, tp.size, sequence_parallel)
             for i in group.indices:
                 _shard_planned_block(blocks[i], _join(path, str(i)), group, tp, sequence_parallel, report)
                 inside.update(id(m) for m in blocks[i].modules())
-        if sequence_parallel:  # every replicated parameter in the blocks gets a partial gradient
-            _enter_sequence_parallel(blocks, tp, report)
-        else:  # only those applied to this rank's heads (per-head q/k norms)
-            for group in groups:
-                for block in (blocks[i] for i in group.indices):
-                    for target in (t for region in group.plan.regions for t in region.partial):
-                        report.partial_grad_params += _own_parameters(block.get_submodule(target))
+        if sequence_parallel:
+            _enter_sequence_parallel(blocks, tp)
+        for group in groups:
+            on_shards = sequence_parallel and not runs_whole_sequence(group.plan)
+            for block in (blocks[i] for i in group.indices):
+                report.partial_grad_params += _partial_gradients(block, group.plan, on_shards)
     _shard_vocabulary(model, tp, inside, report)
     report.entries = cross_check(model, report.entries)
     return report
@@ -306,7 +313,7 @@ def _layout_text(block: nn.Module, name: str) -> str:
     return f"{layout.local_units}/{layout.units} {what}{repl} per rank, {kind} weight {tuple(layer.weight.shape)}"
 
 
-def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPReport) -> None:
+def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup) -> None:
     def split_input(module: nn.Module, args: tuple, kwargs: dict):
         return (C.scatter_to_sp_region(args[0], tp), *args[1:]), kwargs
 
@@ -317,13 +324,21 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup, report: TPRep
 
     blocks[0].register_forward_pre_hook(split_input, with_kwargs=True)
     blocks[-1].register_forward_hook(gather_output)
-    for block in blocks:
-        for module in block.modules():
-            if isinstance(module, ColumnParallelLinear):
-                continue
-            for name, _ in module.named_parameters(recurse=False):
-                if not (isinstance(module, RowParallelLinear) and name == "weight"):
-                    report.partial_grad_params.append((module, name))
+
+
+def _partial_gradients(block: nn.Module, plan: BlockPlan, on_shards: bool) -> list[tuple[nn.Module, str]]:
+    """The parameters of ``block`` whose gradient each rank holds a part of: run on 1/t of the
+    sequence, every one but the shards'; on the whole sequence, those applied to this rank's heads
+    only (per-head q/k norms)."""
+    if not on_shards:
+        return [p for region in plan.regions for t in region.partial for p in _own_parameters(block.get_submodule(t))]
+    return [
+        (module, name)
+        for module in block.modules()
+        if not isinstance(module, ColumnParallelLinear)
+        for name, _ in module.named_parameters(recurse=False)
+        if not (isinstance(module, RowParallelLinear) and name == "weight")
+    ]
 
 
 def apply_explicit_plan(model: nn.Module, plan: dict[str, str], tp: TPGroup) -> TPReport:

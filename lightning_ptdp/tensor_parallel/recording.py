@@ -11,10 +11,7 @@ runs again (replay.py).
 from __future__ import annotations
 
 import operator
-import os
-import sys
-from dataclasses import dataclass
-from types import CodeType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -24,48 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ptdp.core.blocks import is_linear_like
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-@dataclass(frozen=True)
-class CallSite:
-    """A torch call in user code: the calling instruction, the function, and its occurrence count."""
-
-    code: CodeType
-    lasti: int
-    func: Any
-    occurrence: int
-
-    def where(self) -> str:
-        """The user's source line of the call."""
-        line = next((ln for start, end, ln in self.code.co_lines() if start <= self.lasti < end and ln), None)
-        return f"{self.code.co_filename}:{line or self.code.co_firstlineno} in {self.code.co_name}"
-
-
-def caller_frame() -> Any:
-    """The innermost frame outside torch and this package: the user's code making the call."""
-    frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))):
-        frame = frame.f_back
-    return frame
-
-
-class SiteCounter:
-    """Numbers repeated calls of one call site within one block forward (loops, helpers called twice)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple, int] = {}
-
-    def site(self, func: Any) -> CallSite | None:
-        frame = caller_frame()
-        if frame is None:
-            return None
-        key = (frame.f_code, frame.f_lasti, func)
-        count = self.seen.get(key, 0)
-        self.seen[key] = count + 1
-        return CallSite(frame.f_code, frame.f_lasti, func, count)
+from lightning_ptdp.core.sites import SiteCounter
 
 
 def is_leaf(module: nn.Module) -> bool:

@@ -20,10 +20,11 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_ptdp.core.sites import CallSite, SiteCounter
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
-from lightning_ptdp.tensor_parallel.recording import CallSite, SiteCounter, is_leaf
+from lightning_ptdp.tensor_parallel.recording import is_leaf
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
 
@@ -331,16 +332,26 @@ def _swap(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
     return value
 
 
-def install_replay(block: nn.Module, runtime: BlockRuntime) -> None:
+def install_replay(block: nn.Module, runtime: BlockRuntime, whole_sequence: TPGroup | None = None) -> None:
     """Run ``block``'s own forward under the replay from now on (an instance attribute: the
-    class, its hooks and wrappers such as transformers' GradientCheckpointingLayer stay)."""
+    class, its hooks and wrappers such as transformers' GradientCheckpointingLayer stay).
+    ``whole_sequence``: a block in a sequence-parallel list that keeps a region whole runs on the
+    whole sequence, without SP: its residual input gathered (gradient: this rank's chunk) and its
+    output cut back to this rank's chunk (gradient: gathered), so every rank sees the full gradient."""
     forward = block.forward
 
     @functools.wraps(forward)
     def replayed(*args: Any, **kwargs: Any) -> Any:
+        if whole_sequence is not None:
+            args = (C.gather_from_sp_region_split_grad(args[0], whole_sequence), *args[1:])
         args, kwargs = runtime.start(args, kwargs)
         with _ReplayMode(runtime):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        if whole_sequence is None:
+            return out
+        if isinstance(out, tuple):
+            return (C.scatter_to_sp_region(out[0], whole_sequence), *out[1:])
+        return C.scatter_to_sp_region(out, whole_sequence)
 
     block.__dict__["_ptdp_runtime"] = runtime
     block.forward = replayed

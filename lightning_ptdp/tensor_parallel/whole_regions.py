@@ -8,7 +8,7 @@ import warnings
 
 import torch.nn as nn
 
-from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
+from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan
 
 MOSTLY_WHOLE = 0.5
 """Warn when more than this share of a block's parameters stays whole on every rank."""
@@ -30,9 +30,11 @@ def whole_share(block: nn.Module, plan: BlockPlan) -> float:
     return 1.0 - split / total if total else 0.0
 
 
-def warn_whole_regions(name: str, block: nn.Module, plan: BlockPlan, tp_size: int) -> None:
+def warn_whole_regions(
+    name: str, block: nn.Module, plan: BlockPlan, tp_size: int, sequence_parallel: bool = False
+) -> None:
     """One warning for the blocks of ``name``'s structure, if any region stays whole or more than
-    half of the block's parameters are replicated."""
+    half of the block's parameters are replicated (under SP such blocks run on the whole sequence)."""
     share = whole_share(block, plan)
     if not plan.kept_whole and share <= MOSTLY_WHOLE:
         return
@@ -40,22 +42,15 @@ def warn_whole_regions(name: str, block: nn.Module, plan: BlockPlan, tp_size: in
     what = f"keeps {', '.join(kept)} whole on every rank" if kept else "splits little of it"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
     split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
+    sp = (
+        "; with sequence_parallel=True these blocks gather the sequence and run on all of it"
+        if sequence_parallel and plan.kept_whole
+        else ""
+    )
     warnings.warn(
         f"tensor parallelism (t={tp_size}) {what} in block '{name}' and its like ({share:.0%} of each block's "
-        f"parameters replicated){why}. Split over t: {split}. Training is exact; to refuse instead pass "
+        f"parameters replicated){why}. Split over t: {split}{sp}. Training is exact; to refuse instead pass "
         "strict_plan=True, or split it by hand with tp_plan",
         PartialSplitWarning,
         stacklevel=3,
     )
-
-
-def refuse_whole_regions_under_sp(name: str, plan: BlockPlan) -> None:
-    """Sequence parallelism runs the blocks on 1/t of the sequence: a region kept whole would see
-    only its rank's tokens, so every region must be split."""
-    if plan.kept_whole:
-        kept = plan.kept_whole[0]
-        raise TPDiscoveryError(
-            f"sequence_parallel=True needs every region of block '{name}' split over the tensor-parallel ranks, "
-            f"but {', '.join(kept.linears)} stay whole ({kept.reason}); use sequence_parallel=False, which runs that "
-            "region whole and splits the rest, or pass tp_plan"
-        )

@@ -57,7 +57,7 @@ def test_one_run_serves_the_block_inputs_the_experts_calls_and_the_graph():
         return model(torch.randn(5, 8))
 
     census = ModelCensus(probe)
-    inputs = census.add(BlockInputs.of_structures(model, probe))
+    inputs = census.add(BlockInputs.of_block_lists(model, probe))
     experts = census.add(ExpertCalls(model))
     reached = census.add(ParamsReached(model))
     census.run()
@@ -74,7 +74,7 @@ def test_block_inputs_alone_stop_the_run_after_the_last_structure_first_block():
     model, seen = _Model(), []
     model.router.register_forward_hook(lambda *a: seen.append("router"))
     census = ModelCensus(lambda: model(torch.randn(3, 8)))
-    inputs = census.add(BlockInputs.of_structures(model, census.probe))
+    inputs = census.add(BlockInputs.of_block_lists(model, census.probe))
     census.run()
     assert seen == [] and len(inputs.captured) == 1  # both blocks share one structure: one capture
     assert inputs.of([model.blocks[1]])  # a block asked for later gets a run of its own

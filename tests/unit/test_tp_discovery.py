@@ -278,22 +278,49 @@ def test_a_column_output_the_block_returns_keeps_its_region_whole():
     net = Net()
     with pytest.warns(PartialSplitWarning, match=r"column-parallel linear 'down' is returned by the block"):
         report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
-    styles = _styles(report)
-    assert styles["down"] == styles["out"] == "replicated"
-    assert (styles["up"], styles["proj"]) == ("colwise", "rowwise")
+    styles = {path: style for path, style, _ in report.entries}
+    for layer in ("layers.0", "layers.1"):  # two plans: the second block adds what the first handed on
+        assert styles[f"{layer}.down"] == styles[f"{layer}.out"] == "replicated"
+        assert (styles[f"{layer}.up"], styles[f"{layer}.proj"]) == ("colwise", "rowwise")
 
 
-def test_sequence_parallel_refuses_a_region_kept_whole_at_setup():
-    """Under SP the blocks see 1/t of the sequence: a whole region would attend to its rank's tokens only."""
+def test_sequence_parallel_runs_a_block_keeping_a_region_whole_on_the_whole_sequence():
+    """Under SP a whole region would see 1/t of the sequence: its block gathers the sequence and says so
+    (tests/distributed/test_sequence_parallel_whole_regions.py trains it against one process)."""
     from lightning_ptdp.tensor_parallel import apply_tensor_parallel
+    from lightning_ptdp.tensor_parallel.layers import ColumnParallelLinear
 
     net = HeadSumThenMLPNet()
-    with pytest.raises(
-        TPDiscoveryError,
-        match=r"sequence_parallel=True needs every region of block 'layers.0' split .* q, o stay whole",
-    ):
+    with pytest.warns(PartialSplitWarning, match=r"keeps q, o whole .* gather the sequence and run on all of it"):
         apply_tensor_parallel(net, TPGroup(None, 2, 0), sequence_parallel=True, probe=lambda: net(torch.ones(2, 4, 8)))
-    assert isinstance(net.layers[0].up, nn.Linear)  # refused before any module was swapped
+    assert isinstance(net.layers[0].up, ColumnParallelLinear) and isinstance(net.layers[0].q, nn.Linear)
+
+
+class RollOrNotBlock(nn.Module):
+    """One class, one structure, two code paths: ``roll`` moves each feature to the next one between
+    q and o (across any split of q's outputs), as a per-layer flag picks sliding or full attention."""
+
+    def __init__(self, roll: bool) -> None:
+        super().__init__()
+        self.roll = roll
+        self.q, self.o = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.q(x))
+        if self.roll:
+            h = h.roll(1, dims=-1)
+        return x + self.o(h)
+
+
+def test_blocks_of_one_structure_running_other_code_are_planned_apart():
+    """The plan of the first block served every block of its structure: the rolled blocks' q and o were
+    split like the first's and the roll ran on each rank's shard (a silent wrong result); the census
+    records each block's calls, and the blocks running other code get their own plan."""
+    net = nn.Sequential(RollOrNotBlock(False), RollOrNotBlock(True), RollOrNotBlock(False), RollOrNotBlock(True))
+    with pytest.warns(PartialSplitWarning, match=r"keeps q, o whole on every rank in block '1'"):
+        report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
+    styles = {path: style for path, style, _ in report.entries}
+    assert styles == {"{0,2}.q": "colwise", "{0,2}.o": "rowwise", "{1,3}.q": "replicated", "{1,3}.o": "replicated"}
 
 
 def test_shard_layouts():

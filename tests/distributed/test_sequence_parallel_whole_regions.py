@@ -1,0 +1,96 @@
+"""Sequence parallelism where a block keeps a region whole: that block gathers the sequence, runs as
+without SP and cuts its output back to the rank's chunk, between blocks that run on 1/t of it. Plain
+torch: attention whose keys are averaged over the heads (a head mix discovery cannot split), next to
+ordinary attention blocks, trained by the Trainer at t=2 with SP against one process."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEQ, VOCAB, HIDDEN, HEADS = 16, 16, 16, 4
+TOL = 1e-5  # fp32: the same arithmetic up to summation order (t=2 splits each row's sum in two)
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP; ``mixed_heads``: the attention output's features are rolled by one
+    across the heads before ``o``, which no split by heads can compute, so q, k, v and o stay whole."""
+
+    def __init__(self, mixed_heads: bool) -> None:
+        super().__init__()
+        self.mixed_heads = mixed_heads
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        B, T, C = h.shape  # read from the region's input: under SP the whole sequence
+        q, k, v = (p(h).view(B, T, HEADS, C // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # mixes the sequence
+        y = y.transpose(1, 2).reshape(B, T, C)
+        if self.mixed_heads:  # each head's last feature moves to the next head
+            y = y.roll(1, dims=-1)
+        x = x + self.o(y)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList([Block(False), Block(True), Block(True), Block(False)])
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch[0])
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def fit(t: int) -> dict:
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
+    from lightning_ptdp.testing import quiet_trainer
+
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    strategy = PTDPStrategy(tensor_parallel_size=t, sequence_parallel=True) if t > 1 else "auto"
+    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False)
+    torch.manual_seed(0)
+    model = TinyLM()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PartialSplitWarning)
+        trainer.fit(model, data)
+    from lightning_ptdp.tensor_parallel.consolidate import full_state_dict
+
+    state = full_state_dict(model) if t > 1 else model.state_dict()
+    return {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, PartialSplitWarning)],
+        "shapes": {k: tuple(v.shape) for k, v in model.named_parameters()},
+    }
+
+
+@pytest.mark.world_size(2)
+def test_a_block_keeping_a_region_whole_runs_on_the_whole_sequence_between_sp_blocks(dist_pool):
+    whole = fit(1)
+    for split in dist_pool(2).run(fit, 2):
+        (warning,) = split["warnings"]
+        assert "keeps q, k, v, o whole" in warning and "gather the sequence and run on all of it" in warning
+        assert split["shapes"]["blocks.0.q.weight"] == (HIDDEN // 2, HIDDEN)  # split blocks stay split
+        assert split["shapes"]["blocks.1.q.weight"] == (HIDDEN, HIDDEN)
+        assert split["shapes"]["blocks.1.up.weight"] == (HIDDEN, HIDDEN)  # its MLP is split all the same
+        for name, value in whole["state"].items():
+            torch.testing.assert_close(split["state"][name], value, rtol=TOL, atol=TOL * 1e-1, msg=name)
