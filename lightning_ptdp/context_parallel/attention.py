@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, own_chunks
 from lightning_ptdp.core.sdpa import sdpa_args
@@ -63,6 +64,12 @@ class ContextAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        leaves = tree_leaves((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if not tensors:  # a factory: a [T, T] made from the length the block sees is over the whole sequence
+            return self._check_positions(func, self._whole_square(func, args, kwargs))
+        if any(self._is_whole_square(t) for t in tensors) and any(self._is_query_rows(t) for t in tensors):
+            args, kwargs = tree_map(self._rows_if_whole_square, (args, kwargs))  # its rows meet local queries
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _PRODUCTS and len(args) >= 2:
@@ -77,13 +84,6 @@ class ContextAttention(TorchFunctionMode):
             elif self._is_position_table(*args):
                 return self._rows_of_table(args[0], args[1])
         out = func(*args, **kwargs)
-        if func is torch.arange and isinstance(out, torch.Tensor) and out.numel() == self.local and out.dim() == 1:
-            raise ValueError(
-                f"context parallelism: {self.block} computes torch.arange over the {self.local} tokens it holds at "
-                f"{_user_line()}; positions made inside a block from the length it sees would be this rank's local "
-                "ones, not the sequence's. Compute positions before the blocks and pass them in (as transformers, "
-                "litgpt and nanoGPT do), or use context_parallel_size=1"
-            )
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
             if out.shape[-2:] == (self.local, self.local) and not any(isinstance(a, torch.nn.Parameter) for a in args):
                 raise ValueError(
@@ -92,6 +92,39 @@ class ContextAttention(TorchFunctionMode):
                     f"it splits scaled_dot_product_attention calls and q @ k^T ... @ v written with matmul. {_FIX}"
                 )
         return out
+
+    def _check_positions(self, func: Any, out: Any) -> Any:
+        if func is torch.arange and isinstance(out, torch.Tensor) and out.numel() == self.local and out.dim() == 1:
+            raise ValueError(
+                f"context parallelism: {self.block} computes torch.arange over the {self.local} tokens it holds at "
+                f"{_user_line()}; positions made inside a block from the length it sees would be this rank's local "
+                "ones, not the sequence's. Compute positions before the blocks and pass them in (as transformers, "
+                "litgpt and nanoGPT do), or use context_parallel_size=1"
+            )
+        return out
+
+    def _whole_square(self, func, args, kwargs):
+        """A tensor made from sizes alone whose last two dims are the local length (a mask made inside
+        the block: ``torch.ones(T, T).triu(1)``): made over the whole sequence instead, so what the
+        block computes on it by position (triu, tril, a sliding window) holds for every position;
+        attention then reads this rank's rows (``_rows_if_whole_square``)."""
+        out = func(*args, **kwargs)
+        if not (isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[-2:] == (self.local, self.local)):
+            return out
+        whole = tree_map(lambda v: self.length if type(v) is int and v == self.local else v, (args, kwargs))
+        grown = func(*whole[0], **whole[1])
+        return grown if grown.shape[-2:] == (self.length, self.length) else out
+
+    def _is_whole_square(self, x: torch.Tensor) -> bool:
+        return x.dim() >= 2 and x.shape[-2:] == (self.length, self.length)
+
+    def _is_query_rows(self, x: torch.Tensor) -> bool:
+        return x.dim() >= 2 and x.size(-2) == self.local and x.size(-1) in (self.local, self.length)
+
+    def _rows_if_whole_square(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and self._is_whole_square(x):
+            return own_chunks(x, x.dim() - 2, self.cp)
+        return x
 
     def _product(self, func, args, kwargs):
         a, b = args[0], args[1]
@@ -185,6 +218,7 @@ class ContextAttention(TorchFunctionMode):
         k, v = gather_keys_values(k, k.dim() - 2, self.cp), gather_keys_values(v, v.dim() - 2, self.cp)
         common = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         if mask is not None:
+            mask = self._rows_if_whole_square(mask)  # made in the block over every position: this rank's rows
             if mask.size(-1) != length or mask.size(-2) not in (1, local):
                 raise ValueError(
                     f"context parallelism: the attention mask of {self.block} has shape {tuple(mask.shape)} at "

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 SEQ, VOCAB, HIDDEN, HEADS = 30, 16, 16, 2
 ALIBI_KEYS = 48  # the table's length: more keys than the sequence has, as MPT's max_seq_len
+WINDOW = 5  # the sliding window: shorter than a rank's chunk of 8, so it cuts inside chunks and across them
 
 
 class Block(nn.Module):
@@ -43,6 +44,12 @@ class Block(nn.Module):
         elif self.kind == "local_mask":  # a causal mask built inside the block from its own length
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.kind == "sliding_eager":  # litgpt's sliding window: an additive mask made in the block, eager
+            mask = torch.ones(T, T, dtype=q.dtype, device=x.device).triu(diagonal=1)
+            mask.masked_fill_(mask.bool(), float("-inf"))
+            window = torch.ones_like(mask).tril(diagonal=-WINDOW)
+            mask += window.masked_fill_(window.bool(), float("-inf"))
+            y = ((q @ k.transpose(-2, -1)) * (C // HEADS) ** -0.5 + mask).softmax(-1) @ v
         elif self.kind == "einsum":  # attention written with einsum
             weights = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
             y = torch.einsum("bhqk,bhkd->bhqd", weights, v)
@@ -109,8 +116,6 @@ REFUSALS = {
     "mlp": r"context parallelism found no attention in blocks\.0: no scaled_dot_product_attention call",
     "arange": r"blocks\.0 computes torch\.arange over the 16 tokens it holds at .*test_context_parallel_refusals\.py"
     r".*Compute positions before the blocks and pass them in",
-    "local_mask": r"the attention mask of blocks\.0 has shape \(16, 16\) at .*test_context_parallel_refusals\.py.*"
-    r"it must be \[\.\.\., 16 or 1, 32\]",
     "einsum": r"blocks\.0 multiplies two \[16, 16\] sequence-by-sequence operands at .*einsum.*"
     r"set attn_implementation='sdpa'",
 }
@@ -137,6 +142,15 @@ def test_a_per_key_table_read_for_the_last_n_keys_reads_every_key(dist_pool):
     """ALiBi as MPT passes it: a table over more keys than the sequence has, read for the last
     ``k.size(-2)`` keys. A rank's local key count would read the last 16 of them for all 32 keys."""
     assert_c2_equals_one_process(dist_pool, "alibi")
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["local_mask", "sliding_eager"])
+def test_a_mask_made_inside_the_block_from_its_length_covers_every_position(dist_pool, kind):
+    """``torch.ones(T, T).tril()`` (or litgpt's additive sliding window, read by eager attention) made
+    from the 16 tokens a rank holds: made over all 32 positions instead, each rank's rows read where it
+    meets the queries. Refused before: the mask was [16, 16], for the rank's positions as if 0..15."""
+    assert_c2_equals_one_process(dist_pool, kind)
 
 
 @pytest.mark.world_size(2)
