@@ -194,9 +194,10 @@ def classify(
         return "mismatch", differs
     try:
         if moe:
-            full = routed_only(ref["held"])
+            stacked = experts_by_shape(ref)
+            full = routed_only(ref["held"], stacked)
             for result in results:
-                held = routed_only(result["held"])
+                held = routed_only(result["held"], stacked)
                 own, kwargs, ranks = own_stage(full, held, strategy_kwargs, devices)
                 expected = expected_moe_shares(own, kwargs, ranks)
                 outside = expected_moe_shares(full, strategy_kwargs, devices)["others"]
@@ -227,10 +228,26 @@ def differences(results: list[dict], ref: dict, scale: float = 1.0) -> str:
     return ""
 
 
-def routed_only(held: dict) -> dict:
+def experts_by_shape(ref: dict) -> set[str]:
+    """Parameters stacked over the experts by shape, whatever their name: 3-D or more, leading dim the
+    tiny config's expert count (JetMoE's ``mlp.input_linear.weight`` [4, 2F, H])."""
+    from tests.tiny_configs import MOE_KEYS
+
+    n = MOE_KEYS["num_experts"]
+    return {name for name, (_, dim) in ref["held"].items() if dim >= 3 and ref["state"][name].shape[0] == n}
+
+
+def routed_only(held: dict, stacked: set[str] = frozenset()) -> dict:
     """Shared experts (DeepSeek's ``mlp.shared_experts``) named as the dense MLPs they are: every token
-    runs them and no layout splits them over e, but tests/shares.py's EXPERT substring matches them."""
-    return {name.replace("shared_experts.", "shared_mlp."): value for name, value in held.items()}
+    runs them and no layout splits them over e, but tests/shares.py's EXPERT substring matches them;
+    ``stacked`` experts named as experts (tests/shares.py reads names)."""
+    renamed = {}
+    for name, value in held.items():
+        if name in stacked and "experts." not in name:  # mlp.input_linear.weight -> mlp.input_linear.experts.weight
+            module, _, leaf = name.rpartition(".")
+            name = f"{module}.experts.{leaf}"
+        renamed[name.replace("shared_experts.", "shared_mlp.")] = value
+    return renamed
 
 
 _LAYER = re.compile(r"^(.*?(?:^|\.)\d+\.)")

@@ -256,10 +256,12 @@ class Llama(nn.Module):
 
 
 class TupleLlamaBlock(LlamaBlock):
-    """Returns (activation, None), as transformers' layers return an unrequested attention-weights slot."""
+    """Returns (activation, None, a tensor the model ignores), as transformers' layers return an
+    unrequested attention-weights slot, or eager attention's weights unasked."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return super().forward(x, cos, sin), None
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+        out = super().forward(x, cos, sin)
+        return out, None, out.detach().softmax(-1)
 
 
 class TupleLlama(Llama):

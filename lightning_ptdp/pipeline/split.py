@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.blocks import outer_modules
@@ -194,9 +194,9 @@ def record_forward(
         if args and isinstance(args[0], torch.Tensor):  # the activation handed on: this chunk's from here
             flow.tag(args[0], _Made(frozenset(), layout.chunk_of_block(index), True))
 
-    def after_block(module: nn.Module, args: tuple, output: Any) -> None:
+    def after_block(module: nn.Module, args: tuple, raw: Any) -> None:
         index = block_index[id(module)]
-        output, tail = _activation_and_tail(index, module, output)
+        output, tail = _activation_and_tail(index, module, raw)
         if output.dim() == 0 or output.shape[0] != rows:
             raise PipelineSplitError(
                 f"block {index} returned shape {tuple(output.shape)} for a microbatch of {rows} samples; "
@@ -204,6 +204,8 @@ def record_forward(
             )
         record.block_outputs.append(TensorMeta.of(output))
         record.block_tails.append(tail)
+        if isinstance(raw, (tuple, list)):  # what else it returned: read by a later chunk, it is refused
+            flow.tag(list(raw[1:]), _Made(frozenset(), layout.chunk_of_block(index), True))
         state.update(position=index + 1, inside=None, last=output)
         flow.inside_block = False
 
@@ -239,21 +241,26 @@ def record_forward(
 
 
 def _activation_and_tail(index: int, block: nn.Module, output: Any) -> tuple[torch.Tensor, Optional[tuple]]:
-    """A block's activation, and (its container, what else it holds) for a tuple or list: only a
-    tensor crosses a stage, so the rest must hold no tensor (an unrequested attention-weights slot,
-    a flag); an earlier stage's block gives it back beside the received activation."""
+    """A block's activation, and (its container, what else it holds) for a tuple or list: only the
+    activation crosses a stage, so a tensor in the rest (attention weights a block returns unasked)
+    is kept as its ``TensorMeta``. An earlier stage's block gives the rest back beside the received
+    activation, a tensor as zeros of its shape, which no later chunk may read (``_Flow`` refuses)."""
     if isinstance(output, torch.Tensor):
         return output, None
-    sequence = type(output) in (tuple, list)
-    if sequence and output and isinstance(output[0], torch.Tensor):
-        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(list(output[1:]))):
-            return output[0], (type(output), tuple(output[1:]))
-    what = type(output).__name__ + (" holding tensors after the activation" if sequence else "")
+    if type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor):
+        rest = tree_map(lambda v: TensorMeta.of(v) if isinstance(v, torch.Tensor) else v, list(output[1:]))
+        return output[0], (type(output), tuple(rest))
     raise PipelineSplitError(
-        f"block {index} ({type(block).__name__}) returned {what}; the pipeline split sends one activation tensor "
-        "between stages, so each block must return one tensor, or a tuple or list of it and values that are no "
-        "tensors"
+        f"block {index} ({type(block).__name__}) returned {type(output).__name__}; the pipeline split sends one "
+        "activation tensor between stages, so each block must return a tensor, or a tuple or list of it first"
     )
+
+
+def _stand_in(value: Any, rows: int, probe_rows: int, device: torch.device) -> Any:
+    """A skipped block's extra output: zeros of the recorded shape (expanded: no memory), else the value."""
+    if isinstance(value, TensorMeta):
+        return torch.zeros((), dtype=value.dtype, device=device).expand(value.with_rows(rows, probe_rows))
+    return value
 
 
 class _ChunkDone(BaseException):
@@ -359,7 +366,11 @@ def _gate_block(block: nn.Module, index: int, split: PipelineSplit) -> None:
         ctx.position = index + 1
         if index < own.start:
             tail = split.record.block_tails[index]
-            return ctx.received if tail is None else tail[0]((ctx.received, *tail[1]))
+            if tail is None:
+                return ctx.received
+            rows, device = ctx.received.shape[0], ctx.received.device
+            rest = tree_map(lambda v: _stand_in(v, rows, split.record.rows, device), list(tail[1]))
+            return tail[0]((ctx.received, *rest))
         return call(*args, **kwargs)
 
     _install_gate(block, gate)

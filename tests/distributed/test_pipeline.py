@@ -65,7 +65,7 @@ LAYOUTS = [
         },
     ),
     ("nanogpt", 4, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 1}),  # d=2
-    ("tuple_llama", 2, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 2}),  # blocks return (x, None)
+    ("tuple_llama", 2, 2, {"pipeline_parallel_size": 2, "micro_batch_size": 2}),  # blocks return (x, None, weights)
     (
         "llama",
         8,

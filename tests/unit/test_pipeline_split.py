@@ -89,20 +89,22 @@ class _Block(nn.Module):
 
     def forward(self, x):
         y = x + self.fc2(self.fc1(x))
-        return (y, y.sum()) if self.returns_tuple else y  # a second tensor: (y, None) is split (test_pipeline.py)
+        return (y, y.sum()) if self.returns_tuple else y  # a second tensor (tests/models.py TupleLlama)
 
 
 class _Net(nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.mode = mode
-        self.blocks = nn.ModuleList(_Block(returns_tuple=mode == "tuple") for _ in range(2))
+        self.blocks = nn.ModuleList(_Block(returns_tuple=mode == "summed") for _ in range(2))
 
     def forward(self, x):
-        if self.mode == "tuple":
+        if self.mode == "summed":  # what the blocks return beside the activation, summed after them
+            total = 0
             for block in self.blocks:
-                x, _ = block(x)
-            return x
+                x, extra = block(x)
+                total = total + extra
+            return x * total
         if self.mode == "between":
             x = self.blocks[0](x) * 2.0  # changes the activation between the blocks
             return self.blocks[1](x)
@@ -114,7 +116,7 @@ class _Net(nn.Module):
 @pytest.mark.parametrize(
     ("mode", "match"),
     [
-        ("tuple", r"block 0 \(_Block\) returned tuple holding tensors after the activation; the pipeline split"),
+        ("summed", r"add in chunk 1 reads a tensor the blocks of chunk 0 computed, besides the activation"),
         ("between", r"block 1 does not receive block 0's output as its first argument"),
         (
             "reuse",
