@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_keys_values, own_chunks
 from lightning_ptdp.core.sdpa import sdpa_args
@@ -61,6 +62,7 @@ class ContextAttention(TorchFunctionMode):
         self.cp, self.block, self.local, self.length = cp, block, local, length
         self.buffers, self.masks, self.inputs = buffers, masks, inputs
         self.calls = 0
+        self.squares = WeakIdKeyDictionary()  # the [T, T] tensors made here over the whole sequence
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,8 +70,16 @@ class ContextAttention(TorchFunctionMode):
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if not tensors:  # a factory: a [T, T] made from the length the block sees is over the whole sequence
             return self._check_positions(func, self._whole_square(func, args, kwargs))
-        if any(self._is_whole_square(t) for t in tensors) and any(self._is_query_rows(t) for t in tensors):
+        squares = [t for t in tensors if t in self.squares]
+        if squares and any(self._is_query_rows(t) for t in tensors if t not in self.squares):
             args, kwargs = tree_map(self._rows_if_whole_square, (args, kwargs))  # its rows meet local queries
+            squares = []
+        out = self._dispatch(func, args, kwargs)
+        if squares and isinstance(out, torch.Tensor) and out.shape[-2:] == (self.length, self.length):
+            self.squares[out] = True  # what the block computes from it by position stays whole
+        return out
+
+    def _dispatch(self, func, args, kwargs):
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _PRODUCTS and len(args) >= 2:
@@ -113,16 +123,18 @@ class ContextAttention(TorchFunctionMode):
             return out
         whole = tree_map(lambda v: self.length if type(v) is int and v == self.local else v, (args, kwargs))
         grown = func(*whole[0], **whole[1])
-        return grown if grown.shape[-2:] == (self.length, self.length) else out
-
-    def _is_whole_square(self, x: torch.Tensor) -> bool:
-        return x.dim() >= 2 and x.shape[-2:] == (self.length, self.length)
+        if grown.shape[-2:] != (self.length, self.length):
+            return out
+        self.squares[grown] = True
+        return grown
 
     def _is_query_rows(self, x: torch.Tensor) -> bool:
         return x.dim() >= 2 and x.size(-2) == self.local and x.size(-1) in (self.local, self.length)
 
     def _rows_if_whole_square(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and self._is_whole_square(x):
+        """A square made here over the whole sequence (``_whole_square``, or computed from one): this
+        rank's rows; anything else as it is."""
+        if isinstance(x, torch.Tensor) and x in self.squares:
             return own_chunks(x, x.dim() - 2, self.cp)
         return x
 
