@@ -34,6 +34,7 @@ class Block(nn.Module):
         self.head_scale = HeadScale()
         # rotary-like tables as a plain tensor attribute (not a buffer), sliced by the length the block sees
         self.angles = torch.outer(torch.arange(SEQ, dtype=torch.float32), torch.ones(HEAD_DIM)) / 3
+        self.causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -47,8 +48,8 @@ class Block(nn.Module):
             angle = self.angles[:T]  # positions 0..T-1 of what this rank holds, not of the sequence
             q, k = q * torch.cos(angle)[:, None], k * torch.cos(angle)[:, None]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.kind == "local_mask":  # a causal bias built from the length this block sees, scores written out
-            bias = torch.full((T, T), float("-inf"), device=x.device).triu(1)
+        if self.kind == "local_mask":  # a causal bias sliced by the length this block sees from a plain tensor
+            bias = self.causal[:T, :T]  # attribute (not a buffer): this rank's positions read as 0..T-1
             y = ((q @ k.transpose(-2, -1)) / HEAD_DIM**0.5 + bias).softmax(-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
