@@ -43,6 +43,8 @@ class Recorder(Protocol):
         """After the run, with what the step returned (None if the run stopped early)."""
         ...
 
+    # optional: ``on_call(func, args)``, each torch call of the step (one mode for the whole census)
+
 
 class _CensusDone(Exception):
     pass
@@ -78,6 +80,9 @@ class ModelCensus:
                         stack.callback(armed.remove)
                     else:
                         stack.enter_context(armed)
+            watchers = [r.on_call for r in pending if hasattr(r, "on_call")]
+            if watchers:
+                stack.enter_context(_EveryTorchCall(watchers))
             self.runs += 1
             try:
                 with torch.set_grad_enabled(any(r.needs_grad for r in pending)):
@@ -86,6 +91,20 @@ class ModelCensus:
                 pass
         for recorder in pending:
             recorder.finish(output)
+
+
+class _EveryTorchCall(TorchFunctionMode):
+    """The census's one mode: each torch call of the step handed to the recorders that read calls
+    (``on_call(func, args)``), which only look; the call then runs as it was."""
+
+    def __init__(self, watchers: list[Callable[[Any, tuple], None]]) -> None:
+        super().__init__()
+        self.watchers = watchers
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        for watch in self.watchers:
+            watch(func, args)
+        return func(*args, **(kwargs or {}))
 
 
 class EveryCall:
@@ -151,6 +170,7 @@ class BlockInputs:
         self.code: dict[int, frozenset] = {}  # id(block) -> call sites of its first call
         self.firsts: dict[tuple, int] = {}  # (structure, code) -> id of the first block running it
         self.listed: list[nn.Module] = []  # every block of every block list (of_block_lists)
+        self._paths: Optional[_CodePaths] = None  # while a census armed for the blocks' code runs
 
     @classmethod
     def of_block_lists(cls, model: nn.Module, probe: Callable[[], Any]) -> "BlockInputs":
@@ -175,12 +195,15 @@ class BlockInputs:
                 census.recorded()
 
         armed: list[Armed] = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.wanted]
-        if self.listed and not self.ran:
-            armed += _CodePaths(self, census).arm(self.listed)
-        return armed
+        self._paths = _CodePaths(self, census) if self.listed and not self.ran else None
+        return armed + (self._paths.arm(self.listed) if self._paths else [])
+
+    def on_call(self, func: Any, args: tuple) -> None:
+        if self._paths is not None:
+            self._paths.on_call(func)
 
     def finish(self, output: Any) -> None:
-        self.ran = True
+        self.ran, self._paths = True, None
 
     def groups(self, blocks: list[nn.Module]) -> list[list[int]]:
         """Indices of ``blocks`` (one list) alike in structure and in the code they ran, in order of first
@@ -207,19 +230,17 @@ class BlockInputs:
         return {id(b): tree_map(copy_object, self.captured[id(b)]) for b in blocks if id(b) in self.captured}
 
 
-class _CodePaths(TorchFunctionMode):
+class _CodePaths:
     """While a listed block runs its first call: each torch call's site (outside torch and this
     package) joins that block's code; the block's inputs are kept if its code is new for its
     structure (the first block of a new group)."""
 
     def __init__(self, inputs: BlockInputs, census: ModelCensus) -> None:
-        super().__init__()
         self.inputs, self.census = inputs, census
         self.running: list[tuple[int, set, tuple]] = []  # (id(block), its sites so far, its kept inputs)
 
     def arm(self, blocks: list[nn.Module]) -> list[Armed]:
         return [
-            self,
             *(b.register_forward_pre_hook(self._enter, with_kwargs=True) for b in blocks),
             *(b.register_forward_hook(self._leave) for b in blocks),
         ]
@@ -241,14 +262,13 @@ class _CodePaths(TorchFunctionMode):
         if not self.running:
             self.census.recorded()
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def on_call(self, func: Any) -> None:
         if self.running:
             frame = caller_frame()
             if frame is not None:
                 site = (frame.f_code, frame.f_lasti, func)
                 for _, sites, _ in self.running:  # a block inside a block: both ran the call
                     sites.add(site)
-        return func(*args, **(kwargs or {}))
 
 
 class ParamsReached:
@@ -267,8 +287,19 @@ class ParamsReached:
         self.routed: list[str] = list(experts)  # experts found by structure: routed whatever their call
         self._indexed: set[int] = set()
 
+    _PICKS = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select}
+
     def arm(self, census: ModelCensus) -> list[Armed]:
-        return [_IndexedParameters(self._indexed)]
+        return []
+
+    def on_call(self, func: Any, args: tuple) -> None:
+        """A parameter read one slice at a time, by an integer or tensor index: a loop over the experts a
+        step hit reads ``gate_up_proj[expert_idx]`` only for those (an index read with ``.item()`` is a
+        plain int here, so a constant index counts too: it costs DDP's search, never correctness)."""
+        if func in self._PICKS and args and isinstance(args[0], nn.Parameter):
+            index = args[1:] if func is torch.Tensor.__getitem__ else args[2:3]
+            if any(isinstance(i, (torch.Tensor, int)) and not isinstance(i, bool) for i in tree_flatten(index)[0]):
+                self._indexed.add(id(args[0]))
 
     def finish(self, output: Any) -> None:
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -279,25 +310,6 @@ class ParamsReached:
             return
         reached = graph_leaves(roots)
         self.unused = [n for n, p in params if id(p) not in reached]
-
-
-class _IndexedParameters(TorchFunctionMode):
-    """Ids of the parameters read one slice at a time, by an integer or tensor index: a loop over the
-    experts a step hit reads ``gate_up_proj[expert_idx]`` only for those (an index read with ``.item()``
-    is a plain int here, so a constant index counts too: it costs DDP's search, never correctness)."""
-
-    _PICKS = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select}
-
-    def __init__(self, indexed: set[int]) -> None:
-        super().__init__()
-        self.indexed = indexed
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._PICKS and args and isinstance(args[0], nn.Parameter):
-            index = args[1:] if func is torch.Tensor.__getitem__ else args[2:3]
-            if any(isinstance(i, (torch.Tensor, int)) and not isinstance(i, bool) for i in tree_flatten(index)[0]):
-                self.indexed.add(id(args[0]))
-        return func(*args, **(kwargs or {}))
 
 
 def graph_leaves(roots: list[torch.Tensor]) -> set[int]:
