@@ -65,15 +65,13 @@ class ContextAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = tree_leaves((args, kwargs))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if not tensors:  # a factory: a [T, T] made from the length the block sees is over the whole sequence
-            out = func(*args, **kwargs)
-            return self._check_positions(func, self._whole_square(func, args, kwargs, out))
-        squares = [t for t in tensors if self._is_square(t)]
-        if squares and any(self._is_query_rows(t) for t in tensors if not self._is_square(t)):
-            args, kwargs = tree_map(self._rows_if_whole_square, (args, kwargs))  # its rows meet local queries
-            squares = []
+        squares = []  # the inputs that are squares made here: only once this forward made one
+        if self.squares:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            squares = [t for t in tensors if self._is_square(t)]
+            if squares and any(self._is_query_rows(t) for t in tensors if not self._is_square(t)):
+                args, kwargs = tree_map(self._rows_if_whole_square, (args, kwargs))  # its rows meet local queries
+                squares = []
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _PRODUCTS and len(args) >= 2:
@@ -88,8 +86,12 @@ class ContextAttention(TorchFunctionMode):
             elif self._is_position_table(*args):
                 return self._rows_of_table(args[0], args[1])
         out = func(*args, **kwargs)  # here, not in a helper: the certificate's diff reads this frame as the user's call
-        if squares and isinstance(out, torch.Tensor) and out.shape[-2:] == (self.length, self.length):
-            self.squares.append(out)  # what the block computes from it by position stays whole
+        if isinstance(out, torch.Tensor) and out.dim() >= 2:
+            if squares and out.shape[-2:] == (self.length, self.length):
+                self.squares.append(out)  # what the block computes from it by position stays whole
+            elif out.shape[-2:] == (self.local, self.local) and not _any_tensor((args, kwargs)):
+                out = self._whole_square(func, args, kwargs, out)  # made from sizes alone
+        self._check_positions(func, out)
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
             if out.shape[-2:] == (self.local, self.local) and not any(isinstance(a, torch.nn.Parameter) for a in args):
                 raise ValueError(
@@ -99,7 +101,7 @@ class ContextAttention(TorchFunctionMode):
                 )
         return out
 
-    def _check_positions(self, func: Any, out: Any) -> Any:
+    def _check_positions(self, func: Any, out: Any) -> None:
         if func is torch.arange and isinstance(out, torch.Tensor) and out.numel() == self.local and out.dim() == 1:
             raise ValueError(
                 f"context parallelism: {self.block} computes torch.arange over the {self.local} tokens it holds at "
@@ -107,15 +109,12 @@ class ContextAttention(TorchFunctionMode):
                 "ones, not the sequence's. Compute positions before the blocks and pass them in (as transformers, "
                 "litgpt and nanoGPT do), or use context_parallel_size=1"
             )
-        return out
 
-    def _whole_square(self, func, args, kwargs, out: Any) -> Any:
+    def _whole_square(self, func, args, kwargs, out: torch.Tensor) -> torch.Tensor:
         """A tensor made from sizes alone whose last two dims are the local length (a mask made inside
         the block: ``torch.ones(T, T).triu(1)``): made over the whole sequence instead, so what the
         block computes on it by position (triu, tril, a sliding window) holds for every position;
         attention then reads this rank's rows (``_rows_if_whole_square``)."""
-        if not (isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[-2:] == (self.local, self.local)):
-            return out
         whole = tree_map(lambda v: self.length if type(v) is int and v == self.local else v, (args, kwargs))
         grown = func(*whole[0], **whole[1])
         if grown.shape[-2:] != (self.length, self.length):
@@ -259,6 +258,10 @@ class ContextAttention(TorchFunctionMode):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **{**common, "enable_gqa": False})
         mask = self.masks.get(q.size(-2), k.size(-2), q.dtype, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **common)
+
+
+def _any_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
 
 
 class ChunkMasks:
