@@ -177,8 +177,8 @@ class BlockInputs:
         """Recording every block of every block list: its code, and the inputs of the first of each
         group (what TP and the certificate read)."""
         inputs = cls(probe)
-        inputs.structures = {id(b): structure_key(b) for _, blocks in find_block_lists(model) for b in blocks}
         inputs.listed = [b for _, blocks in find_block_lists(model) for b in blocks]
+        inputs.structures = {id(b): structure_key(b) for b in inputs.listed}
         return inputs
 
     @property
