@@ -17,6 +17,7 @@ RecomputeMode = Literal["full", "selective"]
 NonfinitePolicy = Literal["raise", "skip", "ignore"]
 CheckpointFormat = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+Float8Recipe = Literal["tensorwise", "rowwise"]
 
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
@@ -24,6 +25,7 @@ RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonfinitePolicy)
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 START_METHODS: tuple[str, ...] = get_args(StartMethod)
+FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -52,6 +54,23 @@ def _check_choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         options = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name}={value!r} is not one of {options}; choose one of those")
+
+
+def _switch_of(cls: type, name: str, value: object, keys_hint: str) -> tuple[bool, object]:
+    """An option given as False/None (off), True (defaults), a dict of ``cls``'s fields or a ``cls``:
+    (True, the config or None), or (False, None) for any other value (the caller says what it takes)."""
+    if value is None or value is False:
+        return True, None
+    if value is True:
+        return True, cls()
+    if isinstance(value, cls):
+        return True, value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{name}={value!r}: unknown keys {unknown}; {keys_hint}")
+        return True, cls(**value)
+    return False, None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,24 +112,67 @@ class CompileConfig:
     @classmethod
     def of(cls, value: object) -> Optional["CompileConfig"]:
         """``compile=`` as the strategy takes it: False/None (off), True (defaults), a dict or a CompileConfig."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - {f.name for f in fields(cls)})
-            if unknown:
-                raise ValueError(
-                    f"compile={value!r}: unknown keys {unknown}; ptdp passes backend, mode, fullgraph and dynamic "
-                    "to torch.compile for each block"
-                )
-            return cls(**value)
-        raise ValueError(f"compile={value!r} must be True, False, a dict of torch.compile arguments or a CompileConfig")
+        hint = "ptdp passes backend, mode, fullgraph and dynamic to torch.compile for each block"
+        known, config = _switch_of(cls, "compile", value, hint)
+        if not known:
+            raise ValueError(
+                f"compile={value!r} must be True, False, a dict of torch.compile arguments or a CompileConfig"
+            )
+        return config
 
     def kwargs(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Config:
+    """float8 training of the transformer blocks' Linears through torchao (``torchao.float8``): each
+    such Linear, whole or a tensor-parallel shard, runs its three matmuls in float8 with dynamic scales.
+    The blocks' Linears only: the head, the embeddings, the routers and anything outside the blocks
+    stay in the model's precision, as torchtitan keeps its output layer."""
+
+    recipe: Float8Recipe = "tensorwise"
+    """torchao's recipe names: "tensorwise" (one scale per tensor, the fastest; under ZeRO-3 the
+    weights are all-gathered in float8) or "rowwise" (a scale per row, more accurate)."""
+    skip: tuple[str, ...] = ()
+    """fnmatch patterns of module names kept in high precision ("*.attn.*", "layers.0.*")."""
+    emulate: bool = False
+    """torchao's emulation: float8 rounding with high-precision matmuls, for CPUs and GPUs below sm89
+    (numerics tests; no speed-up)."""
+    power_of_2_scales: bool = False
+    """Round each scale down to a power of 2 (the rowwise recipe always does): a value then rounds the
+    same whatever scale its tensor, shard or microbatch got, except near the float8 range's ends."""
+
+    def __post_init__(self) -> None:
+        _check_choice("float8 recipe", self.recipe, FLOAT8_RECIPES)
+        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
+            raise ValueError(f"float8 skip={self.skip!r} must be a list of module-name patterns, e.g. ['*.mlp.*']")
+        object.__setattr__(self, "skip", tuple(self.skip))
+        for name in ("emulate", "power_of_2_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"float8 {name}={getattr(self, name)!r} must be True or False")
+        try:
+            import torchao.float8  # noqa: F401  (the extra: only when float8 is asked for)
+        except ImportError as err:
+            raise ValueError(
+                f"float8={self!r} needs torchao ({err}); install it with `pip install torchao` "
+                "(or `pip install lightning-ptdp[float8]`), or leave float8 off"
+            ) from None
+
+    @classmethod
+    def of(cls, value: object) -> Optional["Float8Config"]:
+        """``float8=`` as the strategy takes it: False/None (off), True (tensorwise), a recipe name,
+        a dict of these fields or a Float8Config."""
+        if isinstance(value, str):
+            _check_choice("float8", value, FLOAT8_RECIPES)
+            return cls(recipe=value)
+        known, config = _switch_of(cls, "float8", value, f"the keys are {[f.name for f in fields(cls)]}")
+        if known:
+            return config
+        raise ValueError(
+            f"float8={value!r} must be True, False, 'tensorwise', 'rowwise', a dict of Float8Config's fields "
+            "or a Float8Config"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +219,9 @@ class ParallelConfig:
     compile: Union[bool, dict, CompileConfig, None] = None
     """torch.compile each transformer block after the rewrites: True, a dict of torch.compile
     arguments or a ``CompileConfig``; stored as a ``CompileConfig`` or None."""
+    float8: Union[bool, str, dict, Float8Config, None] = None
+    """float8 matmuls in the blocks' Linears (torchao): True, "tensorwise", "rowwise", a dict or a
+    ``Float8Config``; stored as a ``Float8Config`` or None."""
 
     @property
     def fsdp(self) -> bool:
@@ -182,6 +247,7 @@ class ParallelConfig:
         _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         _check_choice("kernels", self.kernels, KERNEL_MODES)
         object.__setattr__(self, "compile", CompileConfig.of(self.compile))
+        object.__setattr__(self, "float8", Float8Config.of(self.float8))
         self._check_combinations()
 
     def _check_combinations(self) -> None:

@@ -263,6 +263,8 @@ def _linear_gelu_pairs(module: nn.Module, graph: fx.Graph) -> list[tuple[str, st
         linear = module.get_submodule(node.target)
         if not isinstance(linear, (nn.Linear, ColumnParallelLinear)) or linear.bias is None:
             continue
+        if getattr(linear, "_ptdp_float8", False):  # parallel/float8.py's mark: torchao runs its matmul
+            continue
         (user,) = node.users
         if not user.args or user.args[0] is not node or node in user.args[1:] or node in user.kwargs.values():
             continue

@@ -82,6 +82,7 @@ class PTDPStrategy(ParallelStrategy):
         kernels: cfg.KernelMode = "auto",
         overlap_grad_reduce: bool = True,
         compile: Union[bool, dict, cfg.CompileConfig] = False,
+        float8: Union[bool, str, dict, cfg.Float8Config, None] = None,
         tp_plan: Optional[dict[str, str]] = None,
         ep_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
@@ -142,9 +143,8 @@ class PTDPStrategy(ParallelStrategy):
     def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
         """Trainer.fit hands ``torch.compile(lightning_module)`` over here, before Lightning would refuse it."""
         if adopt_compiled_module(module):
-            self.parallel_config = dataclasses.replace(
-                self.parallel_config, compile=self.parallel_config.compile or True
-            )
+            compiled = self.parallel_config.compile or True
+            self.parallel_config = dataclasses.replace(self.parallel_config, compile=compiled)
         self.__dict__["_ptdp_lightning_module"] = module
 
     # ------------------------------------------------------------------ topology

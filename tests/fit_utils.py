@@ -7,7 +7,7 @@ process) and on every rank of a ``DistributedPool``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -92,6 +92,7 @@ def fit_and_record(
     compile_whole: bool = False,
     compile_inner: bool = False,
     lightning_strategy: str | None = None,
+    prepare: Callable[[L.LightningModule], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; return per-step losses, first-step gradients, initial and final
     state_dicts (CPU copies).
@@ -103,6 +104,7 @@ def fit_and_record(
     ``accumulate``: the same global batches in that many equal parts (``accumulate_grad_batches``),
     the same samples in the same order; losses are still one per optimizer step.
     ``lightning_strategy``: one of Lightning's own strategies by name ("ddp"), as a reference.
+    ``prepare``: called on the built model before fit (a reference's own conversion, e.g. torchao's float8).
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -117,6 +119,8 @@ def fit_and_record(
         name = "gpt" if family == "gpt" else "net"
         setattr(model, name, torch.compile(getattr(model, name), backend="inductor"))
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if prepare is not None:
+        prepare(model)
     if compile_blocks is not None:
         from lightning_ptdp.core.blocks import find_block_lists
 

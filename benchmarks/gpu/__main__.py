@@ -24,6 +24,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="correctness,attention,bias_gelu,tuning,training",
         help="comma-separated subset, run in this order",
     )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated training variants to run (default: all), e.g. ptdp+compile+float8,ptdp+compile",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_suite"), help="folder for the JSON and Markdown")
     parser.add_argument(
         "--results",
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         results_md=results,
         budget_scale=args.budget_scale,
         command=command.strip(),
+        variants=tuple(args.variants.split(",")) if args.variants else None,
     )
     print(
         json.dumps(

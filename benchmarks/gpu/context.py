@@ -20,6 +20,8 @@ class Context:
     hbm_bytes_per_s: float | None
     peak_flops: float | None
     """Dense bf16 FLOP/s of the device (flops.PEAK_TFLOPS), None where unknown (CPU)."""
+    variants: tuple[str, ...] | None = None
+    """The training part's variants to run (None: all of them)."""
     deadline: float = float("inf")
     """time.monotonic() at which the running part's budget ends (set by the suite)."""
 

@@ -134,7 +134,14 @@ def environment(device: torch.device) -> dict:
 
 
 def run_suite(
-    *, smoke: bool, parts: list[str], out_dir: Path, results_md: Path | None, budget_scale: float, command: str
+    *,
+    smoke: bool,
+    parts: list[str],
+    out_dir: Path,
+    results_md: Path | None,
+    budget_scale: float,
+    command: str,
+    variants: tuple[str, ...] | None = None,
 ) -> dict:
     from lightning_ptdp.core.flops import device_hbm_bandwidth, device_peak_flops
 
@@ -144,7 +151,13 @@ def run_suite(
         peak = device_peak_flops(env["device"], "bf16") if device.type == "cuda" else None
     except ValueError:
         peak = None
-    ctx = Context(device=device, smoke=smoke, hbm_bytes_per_s=device_hbm_bandwidth(env["device"]), peak_flops=peak)
+    ctx = Context(
+        device=device,
+        smoke=smoke,
+        hbm_bytes_per_s=device_hbm_bandwidth(env["device"]),
+        peak_flops=peak,
+        variants=variants,
+    )
     record = {
         "suite": "benchmarks.gpu",
         "date": today(),
@@ -156,8 +169,13 @@ def run_suite(
         "parts": {},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_suite-{'smoke-' if smoke else ''}{re.sub(r'[^A-Za-z0-9]+', '_', env['device']).strip('_')}"
+    # a run of some parts or variants gets its own section and files: it never replaces the whole suite's
+    partial = "" if parts == list(PARTS) and variants is None else "-".join(["", *parts, *(variants or ())])
+    partial = re.sub(r"[^A-Za-z0-9_.-]+", "_", partial)  # file names of letters, digits, '.', '_', '-' only
+    stem = f"gpu_suite{partial}-{'smoke-' if smoke else ''}{re.sub(r'[^A-Za-z0-9]+', '_', env['device']).strip('_')}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    if partial:
+        record["partial_title"] = f", {', '.join(parts)} part" + (f": {', '.join(variants)}" if variants else "")
     started = time.monotonic()
     for name in parts:
         print(f"[benchmarks.gpu] {name} ...", file=sys.stderr, flush=True)
@@ -174,7 +192,8 @@ def run_suite(
     text = markdown(record)
     md_path.write_text(text)
     if results_md is not None:
-        write_section("gpu-suite-smoke" if smoke else "gpu-suite", text, path=results_md)
+        section = "gpu-suite" + ("-partial" if partial else "")
+        write_section(section + ("-smoke" if smoke else ""), text, path=results_md)
     return record
 
 
@@ -185,7 +204,7 @@ def markdown(record: dict) -> str:
     )
     status = ", ".join(f"{name} {part['status']} ({part['seconds']:.0f} s)" for name, part in record["parts"].items())
     lines = [
-        f"## {record['date']} — GPU suite on {record['device']} (issue 17)",
+        f"## {record['date']} — GPU suite{record.get('partial_title', '')} on {record['device']} (issue 17)",
         "",
         f"Written by `{record['command']}` in {record.get('total_s', 0):.0f} s; JSON: `{record['files']['json']}`.",
         "",

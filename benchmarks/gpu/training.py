@@ -10,8 +10,10 @@ the same order (no sampler is injected; fingerprints checked, rounds.same_start)
   ptdp-triton     Trainer(strategy=PTDPStrategy(kernels="triton")): both kernels
   ptdp-auto       the default, kernels="auto": the run above that routes what it routes on this device
 then compiled, every transformer block on its own (regional compilation), while the budget lasts:
-  ptdp+compile       Trainer(strategy=PTDPStrategy(compile=...)): blocks compiled after ptdp's rewrites
-  lightning+compile  Trainer() with block.compile() on every block before fit
+  ptdp+compile+float8  and float8="tensorwise": the blocks' Linears in torchao's float8 (first losses
+                       compared with ptdp+compile's, not held to the same-start rule)
+  ptdp+compile         Trainer(strategy=PTDPStrategy(compile=...)): blocks compiled after ptdp's rewrites
+  lightning+compile    Trainer() with block.compile() on every block before fit
 Each group is timed in alternated rounds (rounds.py). TFLOP/s from flops.gpt_flops_per_iteration without
 recompute (model FLOPs: 72Bslh^2(1 + s/6h + V/12lh)); MFU against the dense bf16 peak.
 """
@@ -45,6 +47,8 @@ class Variant:
     compiled: bool = False
     routes: tuple[str, ...] = ()
     """The kernels the run routes ("auto" runs: as if the suite had measured exactly these faster here)."""
+    float8: bool = False
+    """float8="tensorwise" (torchao; emulated in --smoke)."""
 
 
 VARIANTS = (
@@ -53,9 +57,12 @@ VARIANTS = (
     Variant("ptdp-attention", "auto", routes=("attention",)),
     Variant("ptdp-bias-gelu", "auto", routes=("bias_gelu",)),
     Variant("ptdp-triton", "triton", routes=("attention", "bias_gelu")),
+    Variant("ptdp+compile+float8", "auto", True, float8=True),
     Variant("ptdp+compile", "auto", True),
     Variant("lightning+compile", None, True),
 )
+FLOAT8_BASE = "ptdp+compile"
+"""What the float8 row's speed and first loss are compared with."""
 SINGLE_KERNEL = {"attention": "ptdp-attention", "bias_gelu": "ptdp-bias-gelu"}
 """The variant that routes each kernel alone: its paired rounds against ptdp-torch decide "auto"."""
 
@@ -174,7 +181,9 @@ def fit(
             block.compile(backend=backend)
     strategy = "auto"
     if variant.kernels is not None:
-        strategy = PTDPStrategy(kernels=variant.kernels, compile={"backend": backend} if variant.compiled else False)
+        float8 = {"recipe": "tensorwise", "emulate": not ctx.cuda} if variant.float8 else None
+        compiled = {"backend": backend} if variant.compiled else False
+        strategy = PTDPStrategy(kernels=variant.kernels, compile=compiled, float8=float8)
     clock = _clock(warmup, ctx.cuda)
     trainer = quiet_trainer(
         accelerator="gpu" if ctx.cuda else "cpu",
@@ -308,14 +317,16 @@ def run(ctx: Context, rows: list[dict]) -> dict:
         "activation_recompute=False)",
         "peak_flops": ctx.peak_flops,
     }
-    by_name = {v.name: _row(v) for v in VARIANTS}
+    variants = [v for v in VARIANTS if ctx.variants is None or v.name in ctx.variants]
+    by_name = {v.name: _row(v) for v in variants}
     rows.extend(by_name.values())  # filled in place round by round: a part stopped at its budget keeps them
     plan = {"model": model, "steps": steps, "warmup": warmup, "batch": None, "batches": list(GPU_BATCHES)}
     if ctx.smoke:
         plan["batches"] = [2]
-    eager = [v for v in VARIANTS if not v.compiled]
-    info["eager_rounds"] = _run_rounds(ctx, by_name, eager, plan)
-    info["compiled_rounds"] = _run_rounds(ctx, by_name, [v for v in VARIANTS if v.compiled], plan)
+    eager = [v for v in variants if not v.compiled]
+    info["eager_rounds"] = _run_rounds(ctx, by_name, eager, plan) if eager else 0
+    compiled = [v for v in variants if v.compiled]
+    info["compiled_rounds"] = _run_rounds(ctx, by_name, compiled, plan) if compiled else 0
     for row in rows:
         if not row.get("runs") and "error" not in row:
             row.setdefault("skipped", f"under {COMPILE_MIN_S:.0f} s of the part's budget left")
@@ -336,11 +347,27 @@ def run(ctx: Context, rows: list[dict]) -> dict:
             rounds.add_ratio(row, base, "lightning")
         if row["variant"] in SINGLE_KERNEL.values() or row["variant"] == "ptdp-triton":
             rounds.add_ratio(row, timed.get(rounds.BASELINE, {"runs": []}), "ptdp_torch")
-    if rounds.BASELINE in timed and all(v.name in timed for v in eager):
+        if row["variant"].endswith("float8") and FLOAT8_BASE in timed:
+            rounds.add_ratio(row, timed[FLOAT8_BASE], "bf16")
+    if rounds.BASELINE in timed and eager and all(v.name in timed for v in eager):
         rows.insert(len(eager), _auto_row(ctx, by_name))
-    info.update(rounds.same_start([run for row in timed.values() for run in row["runs"]]))
+    # float8 rounds the first forward differently: held to the same batches and weights, its loss compared apart
+    same = [run for name, row in timed.items() if not name.endswith("float8") for run in row["runs"]]
+    info.update(rounds.same_start(same))
+    info["float8_first_loss"] = _float8_first_loss(timed)
     info["auto"] = _verdict(ctx, timed, info["eager_rounds"])
     return info
+
+
+def _float8_first_loss(timed: dict[str, dict]) -> dict | None:
+    """The float8 run's first loss against the bf16 run's (same weights and batch): how far float8 moved it."""
+    runs = {name: timed[name]["runs"] for name in (f"{FLOAT8_BASE}+float8", FLOAT8_BASE) if name in timed}
+    if len(runs) < 2:
+        return None
+    float8, bf16 = (runs[name][0]["first_loss"] for name in (f"{FLOAT8_BASE}+float8", FLOAT8_BASE))
+    fingerprints = {name: (tuple(r[0]["batches"]), r[0]["weights"]) for name, r in runs.items()}
+    same_input = len(set(fingerprints.values())) == 1
+    return {"float8": float8, "bf16": bf16, "relative_gap": abs(float8 - bf16) / abs(bf16), "same_input": same_input}
 
 
 def _range(row: dict, key: str, fmt: str) -> str:
@@ -400,4 +427,15 @@ def _notes(record: dict) -> list[str]:
         routes = "no entry (nothing)" if entry is None else ", ".join(entry) or "nothing"
         verdict = "agrees" if auto["table_agrees"] else "update it from this run" if faster is not None else "kept"
         table = f"lightning_ptdp.kernels.MEASURED_FASTER routes {routes} on {auto['device_class']} ({verdict})"
-    return [start, "", f"kernels='auto': measured faster end to end ({auto['rule']}): {measured}; {table}."]
+    lines = [start, "", f"kernels='auto': measured faster end to end ({auto['rule']}): {measured}; {table}."]
+    float8 = record.get("float8_first_loss")
+    if float8:
+        ratio = next((r for r in record.get("rows", []) if r["variant"].endswith("float8")), {})
+        speed = _range(ratio, "ratio_vs_bf16", ".3f") if "ratio_vs_bf16" in ratio else "-"
+        lines += [
+            "",
+            f"float8 (tensorwise) against {FLOAT8_BASE}: tokens/s ratio {speed} (paired by round); first loss "
+            f"{float8['float8']:.5f} against {float8['bf16']:.5f} (relative gap {float8['relative_gap']:.2g}; "
+            f"{'same' if float8['same_input'] else 'DIFFERENT'} weights and batch).",
+        ]
+    return lines

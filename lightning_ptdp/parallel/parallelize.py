@@ -1,10 +1,10 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
 ``parallelize`` applies, in a fixed order, each its own function: 0 census, 1 tensor parallel, 1b expert
-parallel, 2 kernels, 2b compile, 3 recompute, 4 pipeline split, 4b values (meta materialise or pretrained), 5 data parallel; why
-this order is in its docstring. It returns ``Parallelized``: the module to train, the TP report,
-the pipeline engine, the step's gradient owner ``StepGradients`` and the ``ShardingView``
-checkpoints need.
+parallel, 1c context parallel, 1d certificate, 2a float8, 2 kernels, 2b compile, 3 recompute, 4 pipeline
+split, 4b values (meta materialise or pretrained), 5 data parallel; why this order is in its docstring.
+It returns ``Parallelized``: the module to train, the TP report, the pipeline engine, the step's
+gradient owner ``StepGradients`` and the ``ShardingView`` checkpoints need.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
+from lightning_ptdp.parallel.float8 import Float8Report, apply_float8
 from lightning_ptdp.parallel.gradients import DENSE, EXPERTS, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.pretrained import Pretrained, load_pretrained
@@ -53,6 +54,7 @@ class Parallelized:
     tp_report: Optional[TPReport] = None
     ep_report: Optional[EPReport] = None
     certificate: Optional[CertificateReport] = None
+    float8_report: Optional[Float8Report] = None
     pipeline: Optional[PipelineEngine] = None
     fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
@@ -112,6 +114,8 @@ def parallelize(
     1d. certificate     the first block of each group under 1-1c against a whole copy taken
                         before step 1, on the probe's inputs (certify_plan): before kernels, compile
                         and recompute wrap the blocks, so it checks the rewrites alone.
+    2a. float8          (float8=...) the blocks' Linears, whole or TP shards, run torchao's float8
+                        matmuls (parallel/float8.py): after TP, which rebuilds Linears as shards.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
                         sees its own heads and bias shard.
     2b. compile         (compile=...) wrap each block's forward in torch.compile, over TP and kernels;
@@ -172,6 +176,12 @@ def parallelize(
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
             log.info("plan certificate: %s", result.certificate.summary())
         del wholes, inputs, census
+        if config.float8 is not None:  # step 2a; a second stage finds the layers converted
+            if "_ptdp_float8" not in module.__dict__:
+                module.__dict__["_ptdp_float8"] = apply_float8(
+                    module, config.float8, zero_stage=config.zero_stage, device=device
+                )
+            result.float8_report = module.__dict__["_ptdp_float8"]
         # compiled blocks get inductor's fused kernels: "auto" does not route to Triton under compile;
         # under context parallelism attention is the gathering one (context_parallel/attention.py)
         kernels = "torch" if config.compile is not None else config.kernels

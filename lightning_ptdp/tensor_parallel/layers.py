@@ -109,14 +109,18 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _param(linear.bias[self._rows], linear.bias)
         self.out_features = self.weight.shape[0]
         self.region = None  # RegionEntry of a discovered block
+        self.float8 = None  # parallel/float8.py's Float8Matmul when the shard trains in float8
 
     def forward(self, x: torch.Tensor, shard: SavedInputShard | None = None) -> torch.Tensor:
-        """``x`` whole; under sequence parallelism ``shard`` is this rank's 1/t of it (saved instead)."""
+        """``x`` whole; under sequence parallelism ``shard`` is this rank's 1/t of it (saved instead,
+        except in float8, where torchao's matmul saves the whole ``x``)."""
         if self.region is not None:
             x, shard = self.region.enter(x)
         elif self.comm:
             x = copy_to_tp_region(x, self.tp)
         weight = self.weight.t() if self.transposed else self.weight
+        if self.float8 is not None:
+            return self.float8(x, weight, self.bias)
         if shard is not None:
             return sequence_parallel_linear(x, weight, self.bias, shard=shard)
         return F.linear(x, weight, self.bias)
@@ -142,9 +146,12 @@ class RowParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _param(linear.bias, linear.bias)
         self.in_features = self.weight.shape[1]
         self.region = None  # RegionEntry of a discovered block
+        self.float8 = None  # parallel/float8.py's Float8Matmul when the shard trains in float8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        weight = self.weight.t() if self.transposed else self.weight
+        # torchao returns a view of its product, which the in-place all-reduce may not modify: a copy
+        y = F.linear(x, weight) if self.float8 is None else self.float8(x, weight).clone()
         if self.region is not None and self.region.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.tp)
         else:

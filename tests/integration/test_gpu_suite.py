@@ -30,7 +30,7 @@ def _suite(tmp_path: Path, *args: str) -> dict:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("gpu_suite-smoke-*.json")
+    (path,) = tmp_path.glob("gpu_suite*-smoke-*.json")
     return json.loads(path.read_text())
 
 
@@ -67,6 +67,10 @@ def _check_training(part: dict) -> None:
     # every run began from the same weights and read the same batches (a ptdp run once read shuffled rows)
     first_losses = [run["first_loss"] for row in trained.values() for run in row["runs"]]
     assert part["first_losses_agree"] and part["batches_agree"] and part["weights_agree"], first_losses
+    # the float8 row: held to the same weights and batches, its first loss reported against ptdp+compile's
+    float8 = part["float8_first_loss"]
+    assert float8["same_input"] and float8["relative_gap"] < 1e-2, float8
+    assert "ratio_vs_bf16" in trained["ptdp+compile+float8"]
     # alternated rounds: each variant ran ROUNDS times, the order rotated so that each led one round
     assert part["eager_rounds"] == part["compiled_rounds"] == rounds.ROUNDS
     for name, row in trained.items():

@@ -35,6 +35,7 @@ STRATEGY = [
     ({"certify_plan": None}, r"certify_plan=None must be True or False"),
     ({"overlap_grad_reduce": "yes"}, r"overlap_grad_reduce='yes' must be True or False"),
     ({"zero_stage": 4}, r"zero_stage=4 is not one of 0, 1, 2, 3"),
+    ({"float8": "fp8"}, r"float8='fp8' is not one of 'tensorwise', 'rowwise'; choose one of those"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
     (
         {"pipeline_schedule": "interleaved"},
