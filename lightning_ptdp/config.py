@@ -207,6 +207,10 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over d (torch's ZeroRedundancyOptimizer, gradients
     all-reduced whole); 2: and gradients (FSDP2); 3: and parameters (FSDP2)."""
+    data_parallel_shard_size: Optional[int] = None
+    """ZeRO 2-3 as HSDP: shard within groups of this many consecutive data-parallel ranks (typically a
+    node's), replicate across the groups (gradients reduce-scattered in the group, then all-reduced
+    across groups). None: shard over all of d (x c)."""
     activation_checkpointing: Union[RecomputeMode, None] = None
     """None, "full" (recompute each transformer block) or "selective" (only the attention core)."""
     pipeline_schedule: PipelineSchedule = "interleaved_1f1b"
@@ -238,6 +242,8 @@ class ParallelConfig:
         check_positive_int("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.micro_batch_size is not None:
             check_positive_int("micro_batch_size", self.micro_batch_size)
+        if self.data_parallel_shard_size is not None:
+            check_positive_int("data_parallel_shard_size", self.data_parallel_shard_size)
         for name in ("sequence_parallel", "strict_plan", "certify_plan", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -256,6 +262,18 @@ class ParallelConfig:
                 "kernels='triton' with compile: ptdp's Triton kernels are routed by a runtime hook that inductor "
                 "cannot compile yet, and inductor writes its own fused attention and GeLU kernels; use "
                 "kernels='auto' (compiled blocks then use inductor's kernels) or compile=False"
+            )
+        if self.data_parallel_shard_size is not None and not self.fsdp:
+            raise ValueError(
+                f"data_parallel_shard_size={self.data_parallel_shard_size} shards parameters, gradients and optimizer "
+                f"state within groups of data-parallel ranks (HSDP), which is FSDP2's: it needs zero_stage 2 or 3, "
+                f"not {self.zero_stage}; set zero_stage=3 (or 2), or leave data_parallel_shard_size unset"
+            )
+        if self.data_parallel_shard_size is not None and self.expert_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_shard_size={self.data_parallel_shard_size} with expert_parallel_size="
+                f"{self.expert_parallel_size} is not supported yet (split experts shard over their own d / e ranks); "
+                "leave data_parallel_shard_size unset or use expert_parallel_size=1"
             )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError(

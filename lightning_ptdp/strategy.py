@@ -77,6 +77,7 @@ class PTDPStrategy(ParallelStrategy):
         strict_plan: bool = False,
         certify_plan: bool = True,
         zero_stage: int = 0,
+        data_parallel_shard_size: Optional[int] = None,
         activation_checkpointing: Optional[cfg.RecomputeMode] = None,
         pipeline_schedule: cfg.PipelineSchedule = "interleaved_1f1b",
         kernels: cfg.KernelMode = "auto",
@@ -205,9 +206,8 @@ class PTDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        default_backend = _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = self._process_group_backend or default_backend
         init_process_group(
             self.cluster_environment, self._process_group_backend, self.options.timeout, self.root_device
         )

@@ -8,7 +8,7 @@ The mesh is returned to the caller and never stored in a module global.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -49,6 +49,9 @@ class ParallelDims:
     """Expert-parallel degree e: consecutive dp ranks that split the experts (e divides d)."""
     cp: int = 1
     """Context-parallel degree c: ranks that split each sequence (between tp and dp in rank order)."""
+    shard: Optional[int] = None
+    """HSDP: ZeRO 2-3 shards within groups of this many consecutive replicas (d x c), replicating
+    across groups; None: over all of them."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "world_size", "ep", "cp"):
@@ -60,6 +63,13 @@ class ParallelDims:
             raise ValueError(
                 f"expert_parallel_size={self.ep} does not divide {what}: the expert-parallel ranks are carved out "
                 f"of the ranks holding the same parameters. Choose expert_parallel_size in {fits}"
+            )
+        if self.shard is not None and replicas % self.shard:
+            fits = ", ".join(str(s) for s in range(1, replicas + 1) if replicas % s == 0)
+            what = f"data_parallel_size={self.dp}" if self.cp == 1 else f"data x context parallel size {replicas}"
+            raise ValueError(
+                f"data_parallel_shard_size={self.shard} does not divide {what}: HSDP shards within equal groups of "
+                f"the ranks holding the same parameters. Choose data_parallel_shard_size in {fits}"
             )
         if self.pp * self.dp * self.tp * self.cp != self.world_size:
             cp, rest = (f" * context_parallel_size({self.cp})", "*c") if self.cp > 1 else ("", "")
@@ -87,7 +97,8 @@ class ParallelDims:
                     f"{_factor_suggestions(world_size)}"
                 )
             dp = world_size // (tp * pp * cp)
-        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, ep=config.expert_parallel_size, cp=cp)
+        ep, shard = config.expert_parallel_size, config.data_parallel_shard_size
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, ep=ep, cp=cp, shard=shard)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -127,6 +138,15 @@ class ParallelDims:
         if self.cp == 1:
             return mesh["dp"]
         return mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan flattens its dp x cp mesh the same way
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """What ZeRO 2-3 shard over: the replicas, or as HSDP their (dp_replicate, dp_shard) 2-D view,
+        groups of ``shard`` consecutive replicas (FSDP2 replicates over dim 0, shards over dim 1)."""
+        replicas = self.replica_mesh(mesh)
+        if self.shard is None or self.shard == replicas.size():
+            return replicas
+        groups = (replicas.size() // self.shard, self.shard)
+        return replicas._unflatten(0, groups, ("dp_replicate", "dp_shard"))  # as torchtitan splits its dp
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The same ranks as (pp, edp, ep, tp), dp = edp x ep with ep the faster: an expert group is e

@@ -251,6 +251,8 @@ def gather_experts(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
 
 def gather_expert_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state keyed by parameter name with the split experts' state tensors whole."""
+    if "state" not in state:  # a rank torch's rank-0-only gather left empty (HSDP's other ranks)
+        return state
     per_param = dict(state["state"])
     for name, shard in sorted(_split_names(model, per_param).items()):
         per_param[name] = {

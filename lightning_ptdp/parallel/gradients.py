@@ -39,6 +39,13 @@ class ReduceGroup:
     since each expert's gradient already sums the losses of its e expert-parallel ranks' tokens."""
     wrapped: bool = False
     """DDP or FSDP averages them already (the dense parameters without a pipeline, and under ZeRO 2/3)."""
+    shard: Optional[tuple[Any, int, int]] = None
+    """Under HSDP the (group, rank, size) FSDP shards over, a part of ``group``; None: all of ``group``."""
+
+    @property
+    def shards(self) -> tuple[Any, int, int]:
+        """(group, rank, size) of the ranks whose FSDP shards together make one whole parameter."""
+        return self.shard if self.shard is not None else (self.group, self.rank, self.size)
 
     @property
     def scale(self) -> float:
@@ -186,8 +193,7 @@ class StepGradients:
     def finish(self, params: list[nn.Parameter], loss: Any, step: int) -> None:
         """Once per optimizer step on every rank, with the optimizer's parameters and the closure's loss."""
         if self.split is not None:
-            dense = self.groups[DENSE]
-            shard = (dense.rank, dense.size) if self.fsdp else None  # the tied copies' FSDP shards
+            shard = self.groups[DENSE].shards[1:] if self.fsdp else None  # the tied copies' FSDP shards
             sum_tied_over_pp(self.split, self.pp_group, self.device, shard)
         if self.tp is not None:
             sum_partial_over_tp(self.model, self.partial, self.tp)
@@ -219,7 +225,7 @@ class StepGradients:
     def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients so the whole model's norm is at most ``max_norm``; returns that norm."""
         exclude = self.split.norm_exclude() if self.split is not None else frozenset()
-        dp_group = self.groups[DENSE].group if self.fsdp else None
+        dp_group = self.groups[DENSE].shards[0] if self.fsdp else None  # HSDP: the replicas hold the same shard
         experts = frozenset(id(p) for p in params if self.placement_of(p) == EXPERTS)
         # split experts' squares sum over the ep group; under FSDP every square already sums over dp
         split = (self.expert_group, experts) if self.expert_group is not None and not self.fsdp else None

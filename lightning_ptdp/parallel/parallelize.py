@@ -58,6 +58,8 @@ class Parallelized:
     pipeline: Optional[PipelineEngine] = None
     fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
+    fsdp_mesh: Optional[DeviceMesh] = None
+    """What FSDP2 shards over: the replicas (1-D) or, under HSDP, (dp_replicate, dp_shard)."""
     optimizer_state_group: Any = None
     """ZeRO-1 with d > 1: the dp group each optimizer's state is sharded over."""
     optimizer_experts: Optional[ExpertGroups] = None
@@ -228,7 +230,8 @@ def parallelize(
         check_zero_supported(module, config, dims)
         experts = result.ep_report.expert_modules if result.ep_report else []
         edp = expert_mesh["edp"] if experts else None
-        result.module = apply_fsdp(module, replicas, config.zero_stage, dims.pp > 1, experts, edp)
+        result.fsdp_mesh = dims.fsdp_mesh(mesh)  # the replicas, or HSDP's (dp_replicate, dp_shard) view of them
+        result.module = apply_fsdp(module, result.fsdp_mesh, config.zero_stage, dims.pp > 1, experts, edp)
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
         result.module = apply_data_parallel(module, replicas, ignore=experts, probe=reached or probe)
@@ -287,8 +290,14 @@ def step_gradients(
     Split experts average over the d / e ranks holding the same experts, always through the owner.
     Under context parallelism the dense parameters average over dp x cp."""
     dp = dims.replica_mesh(mesh)
+    fsdp = result.fsdp_mesh
+    shard = fsdp["dp_shard"] if fsdp is not None and fsdp.ndim == 2 else None  # HSDP: FSDP shards over part of dp
     dense = ReduceGroup(
-        group=dp.get_group(), size=dp.size(), rank=dp.get_local_rank(), wrapped=config.fsdp or dims.pp == 1
+        group=dp.get_group(),
+        size=dp.size(),
+        rank=dp.get_local_rank(),
+        wrapped=config.fsdp or dims.pp == 1,
+        shard=None if shard is None else (shard.get_group(), shard.get_local_rank(), shard.size()),
     )
     groups, placements = {DENSE: dense}, {}
     if result.ep_report is not None:

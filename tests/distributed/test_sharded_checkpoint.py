@@ -101,6 +101,8 @@ LAYOUTS = {  # chosen so every kind of piece appears
     # ZeRO-1: each dp rank writes the Adam state of the parameters it owns, the full file gathers them
     "nanogpt-t2d2-zero1": ("nanogpt", {"tensor_parallel_size": 2, "zero_stage": 1}, {}),
     "nanogpt-p2d2-zero1": ("nanogpt", {"pipeline_parallel_size": 2, "micro_batch_size": 2, "zero_stage": 1}, {}),
+    # HSDP, 2 groups of 2: each half of every tensor is held by two ranks (written once)
+    "nanogpt-d4-hsdp-2x2": ("nanogpt", {"zero_stage": 3, "data_parallel_shard_size": 2}, {}),
     # 2 KV heads over t=4: each KV head replicated on two ranks (written once)
     "llama-t4-gqa": ("llama", {"tensor_parallel_size": 4}, {"num_kv_heads": 2}),
 }

@@ -35,6 +35,12 @@ STRATEGY = [
     ({"certify_plan": None}, r"certify_plan=None must be True or False"),
     ({"overlap_grad_reduce": "yes"}, r"overlap_grad_reduce='yes' must be True or False"),
     ({"zero_stage": 4}, r"zero_stage=4 is not one of 0, 1, 2, 3"),
+    ({"data_parallel_shard_size": 0}, r"data_parallel_shard_size=0 must be >= 1"),
+    ({"data_parallel_shard_size": 2}, r"data_parallel_shard_size=2 .*needs zero_stage 2 or 3, not 0; set zero_stage=3"),
+    (
+        {"data_parallel_shard_size": 2, "zero_stage": 3, "expert_parallel_size": 2},
+        r"data_parallel_shard_size=2 with expert_parallel_size=2 is not supported yet",
+    ),
     ({"float8": "fp8"}, r"float8='fp8' is not one of 'tensorwise', 'rowwise'; choose one of those"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
     (

@@ -84,3 +84,12 @@ def test_registered_by_name():
     trainer = L.Trainer(strategy="ptdp", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, PTDPStrategy)
     assert trainer.strategy.parallel_dims == ParallelDims(pp=1, dp=1, tp=1, world_size=1)
+
+
+def test_a_shard_size_that_does_not_divide_the_replicas_is_refused_with_the_sizes_that_do():
+    config = ParallelConfig(zero_stage=3, data_parallel_shard_size=3, tensor_parallel_size=2)
+    with pytest.raises(
+        ValueError, match=r"data_parallel_shard_size=3 does not divide data_parallel_size=4: .*in 1, 2, 4$"
+    ):
+        ParallelDims.from_config(config, world_size=8)
+    assert ParallelDims.from_config(config.__class__(zero_stage=3, data_parallel_shard_size=2), world_size=8).shard == 2
