@@ -11,7 +11,7 @@ the same order (no sampler is injected; fingerprints checked, rounds.same_start)
   ptdp-auto       the default, kernels="auto": the run above that routes what it routes on this device
 then compiled, every transformer block on its own (regional compilation), while the budget lasts:
   ptdp+compile+float8  and float8="tensorwise": the blocks' Linears in torchao's float8 (first losses
-                       compared with ptdp+compile's, not held to the same-start rule)
+                       compared with ptdp+compile's, not held to the same-start rule); -rowwise: "rowwise"
   ptdp+compile         Trainer(strategy=PTDPStrategy(compile=...)): blocks compiled after ptdp's rewrites
   lightning+compile    Trainer() with block.compile() on every block before fit
 Each group is timed in alternated rounds (rounds.py). TFLOP/s from flops.gpt_flops_per_iteration without
@@ -47,8 +47,8 @@ class Variant:
     compiled: bool = False
     routes: tuple[str, ...] = ()
     """The kernels the run routes ("auto" runs: as if the suite had measured exactly these faster here)."""
-    float8: bool = False
-    """float8="tensorwise" (torchao; emulated in --smoke)."""
+    float8: str | None = None
+    """float8= recipe (torchao; emulated in --smoke)."""
 
 
 VARIANTS = (
@@ -57,7 +57,8 @@ VARIANTS = (
     Variant("ptdp-attention", "auto", routes=("attention",)),
     Variant("ptdp-bias-gelu", "auto", routes=("bias_gelu",)),
     Variant("ptdp-triton", "triton", routes=("attention", "bias_gelu")),
-    Variant("ptdp+compile+float8", "auto", True, float8=True),
+    Variant("ptdp+compile+float8", "auto", True, float8="tensorwise"),
+    Variant("ptdp+compile+float8-rowwise", "auto", True, float8="rowwise"),
     Variant("ptdp+compile", "auto", True),
     Variant("lightning+compile", None, True),
 )
@@ -181,7 +182,7 @@ def fit(
             block.compile(backend=backend)
     strategy = "auto"
     if variant.kernels is not None:
-        float8 = {"recipe": "tensorwise", "emulate": not ctx.cuda} if variant.float8 else None
+        float8 = {"recipe": variant.float8, "emulate": not ctx.cuda} if variant.float8 else None
         compiled = {"backend": backend} if variant.compiled else False
         strategy = PTDPStrategy(kernels=variant.kernels, compile=compiled, float8=float8)
     clock = _clock(warmup, ctx.cuda)
@@ -347,27 +348,39 @@ def run(ctx: Context, rows: list[dict]) -> dict:
             rounds.add_ratio(row, base, "lightning")
         if row["variant"] in SINGLE_KERNEL.values() or row["variant"] == "ptdp-triton":
             rounds.add_ratio(row, timed.get(rounds.BASELINE, {"runs": []}), "ptdp_torch")
-        if row["variant"].endswith("float8") and FLOAT8_BASE in timed:
+        if _is_float8(row["variant"]) and FLOAT8_BASE in timed:
             rounds.add_ratio(row, timed[FLOAT8_BASE], "bf16")
     if rounds.BASELINE in timed and eager and all(v.name in timed for v in eager):
         rows.insert(len(eager), _auto_row(ctx, by_name))
     # float8 rounds the first forward differently: held to the same batches and weights, its loss compared apart
-    same = [run for name, row in timed.items() if not name.endswith("float8") for run in row["runs"]]
+    same = [run for name, row in timed.items() if not _is_float8(name) for run in row["runs"]]
     info.update(rounds.same_start(same))
     info["float8_first_loss"] = _float8_first_loss(timed)
     info["auto"] = _verdict(ctx, timed, info["eager_rounds"])
     return info
 
 
-def _float8_first_loss(timed: dict[str, dict]) -> dict | None:
-    """The float8 run's first loss against the bf16 run's (same weights and batch): how far float8 moved it."""
-    runs = {name: timed[name]["runs"] for name in (f"{FLOAT8_BASE}+float8", FLOAT8_BASE) if name in timed}
-    if len(runs) < 2:
-        return None
-    float8, bf16 = (runs[name][0]["first_loss"] for name in (f"{FLOAT8_BASE}+float8", FLOAT8_BASE))
-    fingerprints = {name: (tuple(r[0]["batches"]), r[0]["weights"]) for name, r in runs.items()}
-    same_input = len(set(fingerprints.values())) == 1
-    return {"float8": float8, "bf16": bf16, "relative_gap": abs(float8 - bf16) / abs(bf16), "same_input": same_input}
+def _is_float8(name: str) -> bool:
+    return "+float8" in name
+
+
+def _float8_first_loss(timed: dict[str, dict]) -> dict[str, dict]:
+    """Each float8 run's first loss against the bf16 run's (same weights and batch): how far float8 moved it."""
+    if FLOAT8_BASE not in timed:
+        return {}
+    base = timed[FLOAT8_BASE]["runs"][0]
+    found = {}
+    for name in (n for n in timed if _is_float8(n)):
+        run = timed[name]["runs"][0]
+        same_input = (tuple(run["batches"]), run["weights"]) == (tuple(base["batches"]), base["weights"])
+        gap = abs(run["first_loss"] - base["first_loss"]) / abs(base["first_loss"])
+        found[name] = {
+            "float8": run["first_loss"],
+            "bf16": base["first_loss"],
+            "relative_gap": gap,
+            "same_input": same_input,
+        }
+    return found
 
 
 def _range(row: dict, key: str, fmt: str) -> str:
@@ -428,13 +441,12 @@ def _notes(record: dict) -> list[str]:
         verdict = "agrees" if auto["table_agrees"] else "update it from this run" if faster is not None else "kept"
         table = f"lightning_ptdp.kernels.MEASURED_FASTER routes {routes} on {auto['device_class']} ({verdict})"
     lines = [start, "", f"kernels='auto': measured faster end to end ({auto['rule']}): {measured}; {table}."]
-    float8 = record.get("float8_first_loss")
-    if float8:
-        ratio = next((r for r in record.get("rows", []) if r["variant"].endswith("float8")), {})
-        speed = _range(ratio, "ratio_vs_bf16", ".3f") if "ratio_vs_bf16" in ratio else "-"
+    rows = {r["variant"]: r for r in record.get("rows", [])}
+    for name, float8 in (record.get("float8_first_loss") or {}).items():
+        speed = _range(rows[name], "ratio_vs_bf16", ".3f") if "ratio_vs_bf16" in rows.get(name, {}) else "-"
         lines += [
             "",
-            f"float8 (tensorwise) against {FLOAT8_BASE}: tokens/s ratio {speed} (paired by round); first loss "
+            f"{name} against {FLOAT8_BASE}: tokens/s ratio {speed} (paired by round); first loss "
             f"{float8['float8']:.5f} against {float8['bf16']:.5f} (relative gap {float8['relative_gap']:.2g}; "
             f"{'same' if float8['same_input'] else 'DIFFERENT'} weights and batch).",
         ]
