@@ -5,7 +5,13 @@ over all of d in another order, so ZeRO's fp32 tolerances hold (test_zero.py).""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import lightning as L
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.distributed.test_zero import GLOBAL_BATCH, GRAD_REL, LOSS_RTOL, NOISE_DRIVEN, STEPS, UPDATE_REL
 from tests.fit_utils import assert_ranks_match_reference, fit_and_record
@@ -40,3 +46,89 @@ def test_hsdp_matches_single_process(dist_pool, case):
         for result in results:
             whole = ref["optimizer_numel"] / tp
             assert whole / shard <= result["optimizer_numel"] * 1.001 <= whole / shard * 1.1
+
+
+class CollectiveBytes(L.Callback):
+    """Bytes this rank hands to FSDP2's collectives in the second step, by the ranks of each group:
+    all-gather outputs, reduce-scatter inputs and (HSDP) the all-reduce across groups. Written to
+    ``folder``/rank.json at the end (a pool worker returns only fit_and_record's record)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.counts, self._saved = folder, {}, {}
+
+    def _count(self, name: str, buffer: torch.Tensor, group) -> None:
+        ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+        key = f"{name}@{ranks}"
+        self.counts[key] = self.counts.get(key, 0) + buffer.numel() * buffer.element_size()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx != 1:
+            return
+        originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+        self._saved = originals
+
+        def gather(output, input, group=None, async_op=False):
+            self._count("all_gather", output, group)
+            return originals["all_gather_single"](output, input, group=group, async_op=async_op)
+
+        def scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self._count("reduce_scatter", input, group)
+            return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
+
+        def reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if group is not None and dist.get_world_size(group) < dist.get_world_size():  # FSDP's, not ptdp's checks
+                self._count("all_reduce", tensor, group)
+            return originals["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = gather, scatter, reduce
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            for name, original in self._saved.items():
+                setattr(dist, name, original)
+            Path(self.folder, f"{dist.get_rank()}.json").write_text(json.dumps(self.counts))
+
+
+def _padded_bytes(model: torch.nn.Module, shard: int, names: set[str] | None = None) -> int:
+    """fp32 bytes of the parameters (``names`` only), each padded to ``shard`` rows as FSDP2 pads its shards."""
+    total = 0
+    for name, param in model.named_parameters():
+        if names is None or name in names:
+            rows = -(-param.shape[0] // shard) * shard
+            total += rows * (param.numel() // param.shape[0]) * 4
+    return total
+
+
+@pytest.mark.world_size(4)
+def test_hsdp_sends_only_the_gradient_shards_across_groups(dist_pool, tmp_path):
+    """Four ranks as two "nodes" of two. ZeRO-3 over all four: every collective spans both nodes. HSDP
+    2 x 2: the all-gathers and reduce-scatters stay in a node; across nodes goes one all-reduce of each
+    rank's gradient shard, 1/2 of the padded parameters, exactly (the formula, from the shapes)."""
+    from tests.models import build_model
+
+    model = build_model("gpt")
+    blocks = {n for n, _ in model.named_parameters() if ".blocks." in n}
+    counted = {}
+    for name, shard in (("fsdp", None), ("hsdp", 2)):
+        folder = tmp_path / name
+        folder.mkdir()
+        kwargs = {"zero_stage": 3, **({"data_parallel_shard_size": shard} if shard else {})}
+        dist_pool(4).run(
+            fit_and_record, "gpt", strategy_kwargs=kwargs, devices=4, steps=2, callbacks=[CollectiveBytes(str(folder))]
+        )
+        counted[name] = [json.loads((folder / f"{rank}.json").read_text()) for rank in range(4)]
+    node = {0: 0, 1: 0, 2: 1, 3: 1}
+
+    def across(counts: dict[str, int]) -> int:
+        return sum(v for k, v in counts.items() if len({node[int(r)] for r in k.split("@")[1].split(",")}) > 1)
+
+    # ZeRO-3 over 4: blocks gathered in forward and again in backward, the rest once; gradients scattered once
+    fsdp = 2 * _padded_bytes(model, 4, blocks) + _padded_bytes(model, 4) * 2 - _padded_bytes(model, 4, blocks)
+    hsdp = _padded_bytes(model, 2) // 2
+    for rank in range(4):
+        assert across(counted["fsdp"][rank]) == sum(counted["fsdp"][rank].values()) == fsdp, counted["fsdp"][rank]
+        assert across(counted["hsdp"][rank]) == hsdp, counted["hsdp"][rank]
+        within = sum(counted["hsdp"][rank].values()) - hsdp
+        assert within == 2 * _padded_bytes(model, 2, blocks) + _padded_bytes(model, 2) * 2 - _padded_bytes(
+            model, 2, blocks
+        )
