@@ -26,12 +26,17 @@ from lightning_ptdp.planner.cost import (
     send_seconds,
 )
 from lightning_ptdp.planner.models import ModelSize, check_positive, model_size
+from lightning_ptdp.planner.rules import (
+    check_options,
+    context_parallel_reason,
+    expert_parallel_reason,
+    hsdp_reason,
+)
 
 BF16 = 2  # bytes per activation, gradient and communicated element
 OPTIMIZER_BYTES_PER_PARAMETER = 32
 """Adam step: read the 16-bit gradient (2), read and write the fp32 master weight, m and v (24),
 write the 16-bit weight (2); the gradient norm reads the gradients (2), zeroing writes them (2)."""
-RECOMPUTE_CHOICES = (None, "selective", "full")
 SCHEDULES = ("interleaved_1f1b", "1f1b", "gpipe")
 
 
@@ -71,6 +76,8 @@ class Layout:
     """c: ranks splitting each sequence (d = GPUs / (t*p*c))."""
     context_parallel_comm_s: float = 0.0
     """The key/value all-gathers (forward) and reduce-scatters (backward) of context parallelism."""
+    data_parallel_shard_size: int | None = None
+    """HSDP under ZeRO 2-3: the dense state is sharded within groups of this many replicas (None: all)."""
 
 
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
@@ -196,6 +203,7 @@ def memory_bytes(
     c: int = 1,
     *,
     flash: bool = True,
+    shard: int | None = None,
 ) -> float:
     """Model state + the first stage's activations in flight + one layer recomputing + fp32 logits.
     ``flash``: attention keeps no s x s scores, only its fp32 log-sum-exp per head and query row
@@ -208,7 +216,7 @@ def memory_bytes(
     shape_args = (s // c, b, model.hidden_size, a, t, sp and t > 1)
     split = {"split_sbh": model.split_activation_sbh}
     dense, experts = model.parameters - model.expert_parameters, model.expert_parameters
-    state = model_state_bytes_per_rank(dense, t, p, d * c, zero_stage)
+    state = model_state_bytes_per_rank(dense, t, p, shard or d * c, zero_stage)  # HSDP: sharded over its group
     state += model_state_bytes_per_rank(experts, e, p, d // e, zero_stage) if experts else 0.0
     if schedule == "gpipe":
         in_flight = m  # every microbatch's forward before any backward
@@ -231,6 +239,13 @@ def memory_bytes(
     return state + activations + logits
 
 
+def _group_all_reduce(nbytes: float, ranks: int, stride: int, cluster: Cluster) -> float:
+    """An all-reduce over ``ranks`` members ``stride`` global ranks apart (a node holds the consecutive ones)."""
+    spans = stride * ranks > cluster.gpus_per_node
+    per_node = min(ranks, max(1, cluster.gpus_per_node // stride)) if spans else ranks
+    return all_reduce_seconds(nbytes, ranks, per_node, cluster)
+
+
 def cost(
     model: ModelSize,
     cluster: Cluster,
@@ -247,8 +262,10 @@ def cost(
     scatter_gather: bool = True,
     e: int = 1,
     c: int = 1,
+    shard: int | None = None,
 ) -> Layout:
-    """The estimate of an already-validated layout (``estimate`` checks the arguments first)."""
+    """The estimate of an already-validated layout (``estimate`` checks the arguments first). ``shard``:
+    HSDP's group of replicas under ZeRO 2-3 (None: all d * c)."""
     d = cluster.num_gpus // (t * p * c)
     m = batch // (b * d)
     layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
@@ -278,12 +295,13 @@ def cost(
     groups = [((model.parameters - model.expert_parameters) / (t * p), d * c, t)]  # cp folded into dp
     groups += [(model.expert_parameters / (e * p), d // e, t * e)] if model.expert_parameters else []
     dp = optimizer = 0.0
-    for params, ranks, stride in groups:
-        if ranks > 1:
-            spans = stride * ranks > cluster.gpus_per_node
-            per_node = min(ranks, max(1, cluster.gpus_per_node // stride)) if spans else ranks
-            dp += (1.5 if zero_stage == 3 else 1.0) * all_reduce_seconds(BF16 * params, ranks, per_node, cluster)
-        optimizer += memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (ranks if zero_stage else 1), cluster)
+    for index, (params, ranks, stride) in enumerate(groups):
+        sharded = shard if index == 0 and shard and shard < ranks else ranks  # HSDP: the dense state's group
+        if sharded > 1:  # ZeRO's reduce-scatter and all-gather (an all-reduce's traffic) within the group
+            dp += (1.5 if zero_stage == 3 else 1.0) * _group_all_reduce(BF16 * params, sharded, stride, cluster)
+        if sharded < ranks:  # HSDP: each rank's gradient shard all-reduced across the groups
+            dp += _group_all_reduce(BF16 * params / sharded, ranks // sharded, stride * sharded, cluster)
+        optimizer += memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * params / (sharded if zero_stage else 1), cluster)
     step = m * (compute_mb + tp_mb + ep_mb + cp_mb + pp_mb) + embedding + bubble + dp + optimizer
     layer_flops, logit_flops = executed_flops(model, batch, recompute)
     return Layout(
@@ -310,11 +328,26 @@ def cost(
         optimizer_s=optimizer,
         bubble_fraction=bubble_fraction,
         memory_bytes_per_gpu=memory_bytes(
-            model, t, p, d, v, b, m, recompute, sp and t > 1, zero_stage, schedule, e, c, flash=cluster.flash_attention
+            model,
+            t,
+            p,
+            d,
+            v,
+            b,
+            m,
+            recompute,
+            sp and t > 1,
+            zero_stage,
+            schedule,
+            e,
+            c,
+            flash=cluster.flash_attention,
+            shard=shard if shard and shard < d * c else None,
         ),
         tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
         context_parallel_size=c,
         context_parallel_comm_s=m * cp_mb,
+        data_parallel_shard_size=shard if shard and shard < d * c else None,
     )
 
 
@@ -335,6 +368,7 @@ def estimate(
     pipeline_schedule: str = "interleaved_1f1b",
     scatter_gather: bool = True,
     memory_fraction: float = 0.9,
+    data_parallel_shard_size: int | None = None,
 ) -> Layout:
     """The estimated ``Layout`` (``tflops_per_gpu``, ``step_time_s`` and its parts) of one layout;
     d is ``cluster.num_gpus / (t * p * c)``. A ValueError names the value, the rule it breaks and a fix."""
@@ -392,6 +426,9 @@ def estimate(
             f"global_batch_size={global_batch_size} (every replica runs whole microbatches); change b, "
             f"the batch or the GPU count"
         )
+    reason = hsdp_reason(data_parallel_shard_size, zero_stage, d * c, e)
+    if reason:
+        raise ValueError(reason)
     m = global_batch_size // (b * d)
     if v > 1 and m % p:
         raise ValueError(
@@ -414,6 +451,7 @@ def estimate(
         scatter_gather=scatter_gather,
         e=e,
         c=c,
+        shard=data_parallel_shard_size,
     )
     limit = cluster.gpu_memory_bytes * memory_fraction
     if layout.memory_bytes_per_gpu > limit:
@@ -424,54 +462,3 @@ def estimate(
             f"or use zero_stage=1..3"
         )
     return layout
-
-
-def expert_parallel_reason(model: ModelSize, d: int, e: int) -> str | None:
-    """Why e-way expert parallelism cannot split this model at d data-parallel ranks (None when it can)."""
-    if e == 1:
-        return None
-    if not model.num_experts:
-        return (
-            f"expert_parallel_size={e} needs a mixture of experts, but the model is dense (num_experts=None); "
-            "use expert_parallel_size=1"
-        )
-    if model.num_experts % e or d % e:
-        fits = [k for k in range(1, d + 1) if d % k == 0 and model.num_experts % k == 0]
-        return (
-            f"expert_parallel_size={e} must divide num_experts={model.num_experts} and the data-parallel size "
-            f"d={d} (each rank holds whole experts; expert ranks are carved out of the dp ones); choose one of "
-            f"{', '.join(map(str, fits))}"
-        )
-    return None
-
-
-def context_parallel_reason(model: ModelSize, c: int, e: int = 1) -> str | None:
-    """Why c-way context parallelism cannot split this model's sequences (None when it can)."""
-    if c > 1 and e > 1:
-        return (
-            f"context_parallel_size={c} with expert_parallel_size={e}: the planner does not model the two together "
-            "yet (ptdp runs them: the experts are carved out of the d x c ranks); estimate one of the two"
-        )
-    if model.seq_length % (2 * c):
-        fits = [k for k in range(1, 65) if model.seq_length % (2 * k) == 0]
-        return (
-            f"context_parallel_size={c}: seq_length={model.seq_length} is not divisible by 2c = {2 * c} (each rank "
-            f"holds two of 2c equal chunks); choose c in {fits[:8]}"
-        )
-    return None
-
-
-def check_options(recompute: object, sequence_parallel: object, zero_stage: object, memory_fraction: object) -> None:
-    if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(f"activation_checkpointing={recompute!r} is not one of {RECOMPUTE_CHOICES}; choose one")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3) or not isinstance(sequence_parallel, bool):
-        raise ValueError(
-            f"zero_stage must be 0, 1, 2 or 3 and sequence_parallel True or False, "
-            f"got zero_stage={zero_stage!r}, sequence_parallel={sequence_parallel!r}"
-        )
-    if (
-        isinstance(memory_fraction, bool)
-        or not isinstance(memory_fraction, (int, float))
-        or not 0 < memory_fraction <= 1
-    ):
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")

@@ -59,6 +59,7 @@ def layout_arguments(layout: Layout, cluster: Cluster) -> LayoutArguments:
         "micro_batch_size": pipelined,
         "sequence_parallel": layout.sequence_parallel,
         "zero_stage": layout.zero_stage > 0,
+        "data_parallel_shard_size": layout.data_parallel_shard_size is not None,
         "activation_checkpointing": layout.activation_checkpointing is not None,
         "pipeline_schedule": pipelined and layout.pipeline_schedule != "interleaved_1f1b",
     }

@@ -7,15 +7,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from lightning_ptdp.planner.cost import GB, Cluster
-from lightning_ptdp.planner.estimate import (
+from lightning_ptdp.planner.estimate import Layout, cost
+from lightning_ptdp.planner.models import TABLE_1, ModelSize, check_positive, model_size
+from lightning_ptdp.planner.rules import (
     RECOMPUTE_CHOICES,
-    Layout,
     check_options,
     context_parallel_reason,
-    cost,
     expert_parallel_reason,
 )
-from lightning_ptdp.planner.models import TABLE_1, ModelSize, check_positive, model_size
 
 FIT_ROWS = ("gpt_1.7b", "gpt_1t")
 """The Table 1 rows ``cost.GEMM_EFFICIENCY`` is fitted on (the smallest and the largest model)."""
@@ -62,6 +61,15 @@ def reason(x: Layout, cluster: Cluster, limit: float) -> str:
         f"DP {x.data_parallel_comm_s:.2f}s; recompute={x.activation_checkpointing}, zero_stage={x.zero_stage}; "
         f"{x.memory_bytes_per_gpu / GB:.1f} of {limit / GB:.1f} GB usable"
     )
+
+
+def _shard_sizes(cluster: Cluster, zero_stage: int, t: int, replicas: int, e: int) -> tuple[int | None, ...]:
+    """FSDP over all replicas, and under ZeRO 2-3 on several nodes HSDP with the largest group of replicas
+    that fits one node (torchtitan's and Megatron's usual choice: all-gathers over the node's links only)."""
+    if zero_stage < 2 or e > 1 or t * replicas <= cluster.gpus_per_node:
+        return (None,)
+    fits = [s for s in range(1, replicas) if replicas % s == 0 and t * s <= cluster.gpus_per_node]
+    return (None, max(fits)) if fits else (None,)
 
 
 def plan(
@@ -117,10 +125,12 @@ def plan(
             scatter_gather=scatter_gather,
             e=e,
             c=c,
+            shard=shard,
         )
         for t, p, v, b, e, c in shapes
         for recompute in recompute_modes
         for stage in stages
+        for shard in _shard_sizes(cluster, stage, t, cluster.num_gpus // (t * p), e)
     ]
     fitting = [c for c in candidates if c.memory_bytes_per_gpu <= limit]
     if not fitting:

@@ -922,3 +922,43 @@ def test_ptdp_plan_layout_takes_e(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("t=1 p=4 d=16 e=8 v=4") and "EP all-to-alls" in out and "expert_parallel_size=8" in out
+
+
+def test_hsdp_trades_cross_node_traffic_for_memory_and_the_planner_picks_it_where_the_network_is_slow():
+    """HSDP in groups of a node's 8: the state is 1/8 instead of 1/64 (more memory), the all-gathers stay
+    on NVLink and only 1/8 of the gradients cross nodes. On a DGX H100's eight 400 Gb/s HCAs per node a
+    ring over all 64 is about as fast as NVLink, so FSDP over all is cheaper; at 25 Gb/s per GPU HSDP
+    wins, and the planner, searching the shard size, picks it and writes its argument."""
+    from lightning_ptdp.planner.cost import GB, Cluster
+    from lightning_ptdp.planner.estimate import estimate
+    from lightning_ptdp.planner.render import layout_arguments
+    from lightning_ptdp.planner.search import plan
+
+    layout = dict(tensor_parallel_size=1, pipeline_parallel_size=1, zero_stage=3, micro_batch_size=1)
+    for cluster, hsdp_faster in ((Cluster.h100(64), False), (Cluster.h100(64, inter_node_bandwidth=3.125 * GB), True)):
+        fsdp = estimate("gpt_7.5b", cluster, 512, **layout)
+        hsdp = estimate("gpt_7.5b", cluster, 512, **layout, data_parallel_shard_size=8)
+        assert (fsdp.data_parallel_shard_size, hsdp.data_parallel_shard_size) == (None, 8)
+        assert hsdp.memory_bytes_per_gpu > fsdp.memory_bytes_per_gpu
+        assert (hsdp.data_parallel_comm_s < fsdp.data_parallel_comm_s) == hsdp_faster
+    best = plan("gpt_7.5b", cluster, 512, zero_stage=3)[0]
+    assert best.data_parallel_shard_size == 8
+    assert layout_arguments(best, cluster).strategy["data_parallel_shard_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"zero_stage": 3, "data_parallel_shard_size": 3},
+            r"data_parallel_shard_size=3 must divide the 64 .*1, 2, 4, 8",
+        ),
+        ({"zero_stage": 1, "data_parallel_shard_size": 8}, r"data_parallel_shard_size=8 is HSDP.*zero_stage 2 or 3"),
+    ],
+)
+def test_bad_hsdp_estimates_are_refused(kwargs, match):
+    from lightning_ptdp.planner.cost import Cluster
+    from lightning_ptdp.planner.estimate import estimate
+
+    with pytest.raises(ValueError, match=match):
+        estimate("gpt_7.5b", Cluster.h100(64), 512, tensor_parallel_size=1, pipeline_parallel_size=1, **kwargs)
