@@ -5,7 +5,7 @@ shards are not nn.Linear, so each gets a ``Float8Matmul`` calling the autograd F
 Float8Linear calls: every rank scales its own shard (a finer scale than one process's whole tensor).
 Under ZeRO-3 with the tensorwise recipe the whole Linears' weights are all-gathered in float8 (torchao's
 FSDP2 extension, its scale all-reduced over the shard group). Kept in high precision: the head, the
-embeddings, routers, layers outside the blocks, the user's ``skip`` and dimensions not multiples of 16.
+embeddings, routers, experts, layers outside the blocks, ``skip`` and dimensions not multiples of 16.
 """
 
 from __future__ import annotations
@@ -97,13 +97,17 @@ def torchao_config(config: Float8Config, *, zero_stage: int):
     )
 
 
-def _routers(model: nn.Module) -> set[int]:
-    """Linears choosing among a sibling set of experts (one output per expert): routing stays precise."""
+def _moe_layers(model: nn.Module) -> tuple[set[int], set[int]]:
+    """(routers, experts): Linears choosing among a sibling set of experts (one output per expert), and
+    the Linears of a ModuleList's experts. Routing stays precise; an expert's few rows make small
+    GEMMs, which float8 speeds up only grouped (a grouped float8 GEMM ptdp does not route to yet)."""
     from lightning_ptdp.expert_parallel.discovery import expert_list_candidates, stacked_experts
 
     counts: dict[int, set[int]] = {}
+    experts: set[int] = set()
     for site in expert_list_candidates(model):
         counts.setdefault(id(site.module), set()).add(site.num_experts)
+        experts |= {id(m) for m in getattr(site.module, site.experts_attr).modules()}
     for module in model.modules():
         for child in module.children():
             n = stacked_experts(child)
@@ -111,18 +115,20 @@ def _routers(model: nn.Module) -> set[int]:
                 counts.setdefault(id(module), set()).add(n)
     routers = set()
     for module in model.modules():
-        experts = counts.get(id(module))
-        for child in module.children() if experts else ():
-            if isinstance(child, nn.Linear) and child.out_features in experts:
+        sizes = counts.get(id(module))
+        for child in module.children() if sizes else ():
+            if isinstance(child, nn.Linear) and child.out_features in sizes:
                 routers.add(id(child))
-    return routers
+    return routers, experts
 
 
-def _reason_kept(name: str, layer: nn.Module, config: Float8Config, routers: set[int]) -> Optional[str]:
+def _reason_kept(name: str, layer: nn.Module, config: Float8Config, moe: tuple[set[int], set[int]]) -> Optional[str]:
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.skip):
         return "float8 skip"
-    if id(layer) in routers:
+    if id(layer) in moe[0]:
         return "router"
+    if id(layer) in moe[1]:
+        return "expert (no grouped float8 GEMM)"
     shape = tuple(layer.weight.shape)
     if any(size % FLOAT8_MULTIPLE for size in shape):
         return f"weight {list(shape)} not in multiples of {FLOAT8_MULTIPLE}"
@@ -137,7 +143,7 @@ def apply_float8(model: nn.Module, config: Float8Config, *, zero_stage: int, dev
     check_float8_device(config, device)
     ao_config = torchao_config(config, zero_stage=zero_stage)
     report = Float8Report(config.recipe, float8_all_gather=ao_config.enable_fsdp_float8_all_gather)
-    routers = _routers(model)
+    moe = _moe_layers(model)
     whole: set[int] = set()
     for prefix, blocks in find_block_lists(model):
         for index, block in enumerate(blocks):
@@ -146,7 +152,7 @@ def apply_float8(model: nn.Module, config: Float8Config, *, zero_stage: int, dev
                 sharded = isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
                 if not (sharded or type(layer) is nn.Linear or isinstance(layer, Float8Linear)):
                     continue
-                why = _reason_kept(name, layer, config, routers)
+                why = _reason_kept(name, layer, config, moe)
                 if why is not None:
                     report.kept[name] = why
                     continue
