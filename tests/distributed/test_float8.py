@@ -33,7 +33,11 @@ LAYOUTS = {
     "d2-zero1": {"zero_stage": 1},
     "t2-recompute": {"tensor_parallel_size": 2, "activation_checkpointing": "full"},
     "t2-sp-compiled": {"tensor_parallel_size": 2, "sequence_parallel": True, "compile": {"backend": "aot_eager"}},
+    "d2-e2": {"expert_parallel_size": 2},
 }
+
+
+FAMILY = {"d2-e2": "hf_mixtral"}  # transformers Mixtral: attention in float8, router and stacked experts precise
 
 
 def convert_blocks(model: torch.nn.Module) -> None:
@@ -44,27 +48,41 @@ def convert_blocks(model: torch.nn.Module) -> None:
     convert_to_float8_training(model.gpt.blocks, config=config)
 
 
-def _fit(**kwargs) -> dict:
-    return fit_and_record("gpt", steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=MODEL, **kwargs)
+def convert_attention(model: torch.nn.Module) -> None:
+    """The MoE reference's float8: torchao's conversion of the attention Linears (Mixtral's router is a
+    Linear of one output per expert, its experts stacked weights: both stay precise in ptdp)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=True, round_scales_to_power_of_2=True)
+    convert_to_float8_training(model.net, module_filter_fn=lambda _, name: ".self_attn." in f".{name}", config=config)
+
+
+PREPARE = {"gpt": convert_blocks, "hf_mixtral": convert_attention}
+
+
+def _fit(family: str = "gpt", **kwargs) -> dict:
+    overrides = MODEL if family == "gpt" else None
+    return fit_and_record(family, steps=STEPS, global_batch=GLOBAL_BATCH, model_overrides=overrides, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def reference() -> tuple[dict, dict]:
-    ref = _fit(prepare=convert_blocks)
-    partitioned = [_fit(prepare=convert_blocks, accumulate=parts) for parts in FLOOR_PARTS]
+def reference(family: str = "gpt") -> tuple[dict, dict]:
+    ref = _fit(family, prepare=PREPARE[family])
+    partitioned = [_fit(family, prepare=PREPARE[family], accumulate=parts) for parts in FLOOR_PARTS]
     return ref, noise_floor(ref, partitioned)
 
 
 def _run(pool, layout: str, float8: bool) -> list[dict]:
     kwargs = {**LAYOUTS[layout], **({"float8": FLOAT8} if float8 else {})}
+    family = FAMILY.get(layout, "gpt")
     return pool(2).run(
         fit_and_record,
-        "gpt",
+        family,
         strategy_kwargs=kwargs,
         devices=2,
         steps=STEPS,
         global_batch=GLOBAL_BATCH,
-        model_overrides=MODEL,
+        model_overrides=MODEL if family == "gpt" else None,
     )
 
 
@@ -80,7 +98,7 @@ def _mismatches(results: list[dict], ref: dict, floor: dict) -> list[str]:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float8_matches_single_process_float8_within_noise_floor(dist_pool, layout):
-    ref, floor = reference()
+    ref, floor = reference(FAMILY.get(layout, "gpt"))
     results = _run(dist_pool, layout, float8=True)
     if "compile" in LAYOUTS[layout]:
         assert results[0]["compiled_graphs"] > 0
