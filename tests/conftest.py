@@ -35,13 +35,25 @@ class _PoolCache:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+            self.pool = None
+
+
+_POOLS = _PoolCache()
 
 
 @pytest.fixture(scope="session")
 def dist_pool():
-    cache = _PoolCache()
-    yield cache
-    cache.close()
+    yield _POOLS
+    _POOLS.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_pool(request):
+    """A test without ``dist_pool`` closes the pool first: the distributed tests run together (see
+    below), and an idle pool's gloo threads would take CPU from every test after them."""
+    if "dist_pool" not in request.fixturenames:
+        _POOLS.close()
+    yield
 
 
 def _world_size(item: pytest.Item) -> int:
