@@ -49,9 +49,9 @@ def dist_pool():
 
 @pytest.fixture(autouse=True)
 def _no_idle_pool(request):
-    """A test without ``dist_pool`` closes the pool first: the distributed tests run together (see
+    """A test outside tests/distributed closes the pool first: the distributed tests run together (see
     below), and an idle pool's gloo threads would take CPU from every test after them."""
-    if "dist_pool" not in request.fixturenames:
+    if "distributed" not in request.node.nodeid.split("/"):
         _POOLS.close()
     yield
 
