@@ -63,13 +63,28 @@ def _topk_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int]:
     return x, dim
 
 
-class _Finder(TorchFunctionMode):
+class _Watch(TorchFunctionMode):
+    """The callback's one mode: each torch call runs, then ``watcher.seen(func, args, kwargs, out)`` looks
+    at it (the first step's ``_Finder``, later a router site's ``_Counter``)."""
+
+    def __init__(self, watcher: Any) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.watcher.seen(func, args, kwargs, out)
+        return out
+
+
+class _Finder:
     """Over the first step: a bias's value is followed from an add of it (or a pure cast/view of it)
     to another tensor; a topk over as many entries as the bias has, whose input the bias reached
     (the nearest such bias, within _REACH ops), marks a router. Also counts each such topk's choices."""
 
     def __init__(self, candidates: list[_Bias], model: nn.Module) -> None:
-        super().__init__()
+        self.mode = _Watch(self)
         self.candidates = candidates
         self.index = {id(c.tensor): i for i, c in enumerate(candidates)}
         self.stack: list[list] = []  # [module, topk calls in its forward so far], innermost last
@@ -97,11 +112,9 @@ class _Finder(TorchFunctionMode):
     def _source(self, t: torch.Tensor) -> Optional[int]:
         return self.index.get(id(t), getattr(t, _PURE, None))
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if _in_backward():
-            return out
+            return
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func in _TOPK:
             self._topk(args, kwargs, out)
@@ -122,7 +135,6 @@ class _Finder(TorchFunctionMode):
                 if isinstance(t, torch.Tensor) and id(t) not in self.index:
                     setattr(t, _PURE, pure)
                     setattr(t, _TAINT, taint)
-        return out
 
     def _topk(self, args: tuple, kwargs: dict, out: Any) -> None:
         for frame in self.stack:
@@ -142,21 +154,18 @@ class _Finder(TorchFunctionMode):
         self.counts[key] = self.counts.get(key, 0) + counts
 
 
-class _Counter(TorchFunctionMode):
+class _Counter:
     """During one forward of a router's site: add the chosen experts of its router topks to their counts."""
 
     def __init__(self, routers: dict[int, _Router]) -> None:
-        super().__init__()
         self.routers, self.calls = routers, 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if func in _TOPK:
             router = self.routers.get(self.calls)
             if router is not None:
                 router.counts += local_tensor(out[1]).flatten().bincount(minlength=router.counts.numel())
             self.calls += 1
-        return out
 
 
 class AuxFreeBalancing(pl.Callback):
@@ -199,7 +208,7 @@ class AuxFreeBalancing(pl.Callback):
             if t is not None and t.dim() == 1 and t.is_floating_point()
         ]
         self._finder = _Finder(candidates, pl_module)
-        self._finder.__enter__()
+        self._finder.mode.__enter__()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._stop_finder()  # the optimizer's own ops are no routing
@@ -228,8 +237,8 @@ class AuxFreeBalancing(pl.Callback):
         finder = self._finder
         if finder is None or self._found:
             return
-        if finder in _active_modes():
-            finder.__exit__(None, None, None)
+        if finder.mode in _active_modes():
+            finder.mode.__exit__(None, None, None)
         finder.close()
 
     def _take_routers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -289,11 +298,11 @@ def _active_modes() -> list:
 
 
 def _count_during_forward(site: nn.Module, routers: dict[int, _Router]) -> list[Any]:
-    """Hooks that run a _Counter over each training forward of ``site`` (not a checkpoint's recomputation)."""
-    running: list[Optional[_Counter]] = []
+    """Hooks that watch each training forward of ``site`` with a _Counter (not a checkpoint's recomputation)."""
+    running: list[Optional[_Watch]] = []
 
     def before(module: nn.Module, args: Any) -> None:
-        counter = _Counter(routers) if module.training and not _in_backward() else None
+        counter = _Watch(_Counter(routers)) if module.training and not _in_backward() else None
         if counter is not None:
             counter.__enter__()
         running.append(counter)
