@@ -191,10 +191,13 @@ class CollectiveCounter:
     """
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    NAMES += ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.by_group: dict[tuple[str, tuple[int, ...]], int] = {}
+        """Bytes by (name, the group's global ranks)."""
         self._saved: dict[str, Any] = {}
 
     def start(self) -> "CollectiveCounter":
@@ -207,8 +210,12 @@ class CollectiveCounter:
 
             def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
                 self.counts[_name] = self.counts.get(_name, 0) + 1
-                largest = max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]  # FSDP2 passes keywords
+                largest = max((a.numel() * a.element_size() for a in tensors), default=0)
                 self.bytes[_name] = self.bytes.get(_name, 0) + largest
+                group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+                key = (_name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
+                self.by_group[key] = self.by_group.get(key, 0) + largest
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_ptdp.testing import CollectiveCounter
 from tests.distributed.test_zero import GLOBAL_BATCH, GRAD_REL, LOSS_RTOL, NOISE_DRIVEN, STEPS, UPDATE_REL
 from tests.fit_utils import assert_ranks_match_reference, fit_and_record
 
@@ -49,44 +50,30 @@ def test_hsdp_matches_single_process(dist_pool, case):
 
 
 class CollectiveBytes(L.Callback):
-    """Bytes this rank hands to FSDP2's collectives in the second step, by the ranks of each group:
-    all-gather outputs, reduce-scatter inputs and (HSDP) the all-reduce across groups. Written to
-    ``folder``/rank.json at the end (a pool worker returns only fit_and_record's record)."""
+    """Bytes this rank hands to FSDP2's collectives in the second step, by the ranks of each group
+    (``CollectiveCounter``): all-gather outputs, reduce-scatter inputs and, under HSDP, the all-reduce
+    across groups (not ptdp's own over the world). Written to ``folder``/rank.json at the end (a pool
+    worker returns only fit_and_record's record)."""
+
+    FSDP = ("all_gather_single", "reduce_scatter_single")
 
     def __init__(self, folder: str) -> None:
-        self.folder, self.counts, self._saved = folder, {}, {}
-
-    def _count(self, name: str, buffer: torch.Tensor, group) -> None:
-        ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
-        key = f"{name}@{ranks}"
-        self.counts[key] = self.counts.get(key, 0) + buffer.numel() * buffer.element_size()
+        self.folder, self.counter = folder, CollectiveCounter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx != 1:
-            return
-        originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
-        self._saved = originals
-
-        def gather(output, input, group=None, async_op=False):
-            self._count("all_gather", output, group)
-            return originals["all_gather_single"](output, input, group=group, async_op=async_op)
-
-        def scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            self._count("reduce_scatter", input, group)
-            return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
-
-        def reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if group is not None and dist.get_world_size(group) < dist.get_world_size():  # FSDP's, not ptdp's checks
-                self._count("all_reduce", tensor, group)
-            return originals["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-
-        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = gather, scatter, reduce
+        if batch_idx == 1:
+            self.counter.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == 1:
-            for name, original in self._saved.items():
-                setattr(dist, name, original)
-            Path(self.folder, f"{dist.get_rank()}.json").write_text(json.dumps(self.counts))
+            self.counter.stop()
+            world = dist.get_world_size()
+            counts = {
+                f"{name}@{','.join(map(str, ranks))}": n
+                for (name, ranks), n in self.counter.by_group.items()
+                if name in self.FSDP or (name == "all_reduce" and len(ranks) < world)
+            }
+            Path(self.folder, f"{dist.get_rank()}.json").write_text(json.dumps(counts))
 
 
 def _padded_bytes(model: torch.nn.Module, shard: int, names: set[str] | None = None) -> int:
