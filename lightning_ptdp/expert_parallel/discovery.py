@@ -142,6 +142,11 @@ class ExpertListSite:
     num_experts: int
 
 
+def router_linears(layer: nn.Module, num_experts: int) -> list[nn.Linear]:
+    """A mixture-of-experts layer's routers: its Linear children with one output per expert."""
+    return [c for c in layer.children() if isinstance(c, nn.Linear) and c.out_features == num_experts]
+
+
 def expert_list_candidates(model: nn.Module) -> list[ExpertListSite]:
     """Modules holding a ModuleList of >= 2 experts of one class, each with parameters, and a
     router: a Linear child with one output per expert."""
@@ -153,8 +158,7 @@ def expert_list_candidates(model: nn.Module) -> list[ExpertListSite]:
             kinds = {type(expert) for expert in child}
             if len(kinds) != 1 or not all(any(True for _ in expert.parameters()) for expert in child):
                 continue
-            routers = [c for c in module.children() if isinstance(c, nn.Linear) and c.out_features == len(child)]
-            if routers:
+            if router_linears(module, len(child)):
                 found.append(ExpertListSite(name, module, attr, len(child)))
     return found
 

@@ -101,24 +101,18 @@ def _moe_layers(model: nn.Module) -> tuple[set[int], set[int]]:
     """(routers, experts): Linears choosing among a sibling set of experts (one output per expert), and
     the Linears of a ModuleList's experts. Routing stays precise; an expert's few rows make small
     GEMMs, which float8 speeds up only grouped (a grouped float8 GEMM ptdp does not route to yet)."""
-    from lightning_ptdp.expert_parallel.discovery import expert_list_candidates, stacked_experts
+    from lightning_ptdp.expert_parallel.discovery import expert_list_candidates, router_linears, stacked_experts
 
-    counts: dict[int, set[int]] = {}
+    routers: set[int] = set()
     experts: set[int] = set()
     for site in expert_list_candidates(model):
-        counts.setdefault(id(site.module), set()).add(site.num_experts)
+        routers |= {id(r) for r in router_linears(site.module, site.num_experts)}
         experts |= {id(m) for m in getattr(site.module, site.experts_attr).modules()}
-    for module in model.modules():
-        for child in module.children():
+    for layer in model.modules():
+        for child in layer.children():
             n = stacked_experts(child)
             if n:
-                counts.setdefault(id(module), set()).add(n)
-    routers = set()
-    for module in model.modules():
-        sizes = counts.get(id(module))
-        for child in module.children() if sizes else ():
-            if isinstance(child, nn.Linear) and child.out_features in sizes:
-                routers.add(id(child))
+                routers |= {id(r) for r in router_linears(layer, n)}
     return routers, experts
 
 
