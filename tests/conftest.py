@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,31 @@ def _test_process_left_clean(request):
             f"{request.node.nodeid} left {', '.join(leaked)} in the pytest process: run the strategy in a "
             "dist_pool rank, or Lightning's default strategy for a one-process reference"
         )
+
+
+_STATUS = pytest.StashKey[object]()
+
+
+def _checkout_status() -> str | None:
+    """``git status --porcelain`` of the checkout, None outside one (an installed copy, a tarball)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=False
+    )
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STATUS] = _checkout_status()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test run never writes into the source tree: the run fails if the checkout's status changed."""
+    before, after = session.config.stash.get(_STATUS, None), _checkout_status()
+    if before is None or after is None or after == before:
+        return
+    changed = sorted(set(after.splitlines()) ^ set(before.splitlines()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"the test run changed the checkout (git status): {changed}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

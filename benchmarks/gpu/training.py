@@ -270,6 +270,7 @@ def _row(variant: Variant) -> dict:
         "kernels": kernels,
         "routes": list(variant.routes),
         "compiled": variant.compiled,
+        "float8": variant.float8,
         "runs": [],
     }
 
@@ -348,20 +349,16 @@ def run(ctx: Context, rows: list[dict]) -> dict:
             rounds.add_ratio(row, base, "lightning")
         if row["variant"] in SINGLE_KERNEL.values() or row["variant"] == "ptdp-triton":
             rounds.add_ratio(row, timed.get(rounds.BASELINE, {"runs": []}), "ptdp_torch")
-        if _is_float8(row["variant"]) and FLOAT8_BASE in timed:
+        if row["float8"] and FLOAT8_BASE in timed:
             rounds.add_ratio(row, timed[FLOAT8_BASE], "bf16")
     if rounds.BASELINE in timed and eager and all(v.name in timed for v in eager):
         rows.insert(len(eager), _auto_row(ctx, by_name))
     # float8 rounds the first forward differently: held to the same batches and weights, its loss compared apart
-    same = [run for name, row in timed.items() if not _is_float8(name) for run in row["runs"]]
+    same = [run for row in timed.values() if not row["float8"] for run in row["runs"]]
     info.update(rounds.same_start(same))
     info["float8_first_loss"] = _float8_first_loss(timed)
     info["auto"] = _verdict(ctx, timed, info["eager_rounds"])
     return info
-
-
-def _is_float8(name: str) -> bool:
-    return "+float8" in name
 
 
 def _float8_first_loss(timed: dict[str, dict]) -> dict[str, dict]:
@@ -370,7 +367,7 @@ def _float8_first_loss(timed: dict[str, dict]) -> dict[str, dict]:
         return {}
     base = timed[FLOAT8_BASE]["runs"][0]
     found = {}
-    for name in (n for n in timed if _is_float8(n)):
+    for name in (n for n, row in timed.items() if row["float8"]):
         run = timed[name]["runs"][0]
         same_input = (tuple(run["batches"]), run["weights"]) == (tuple(base["batches"]), base["weights"])
         gap = abs(run["first_loss"] - base["first_loss"]) / abs(base["first_loss"])

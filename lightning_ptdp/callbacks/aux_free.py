@@ -17,9 +17,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_ptdp.core.census import EveryTorchCall
 from lightning_ptdp.core.comm import local_tensor
 
 _TOPK = (torch.topk, torch.Tensor.topk)
@@ -63,28 +63,13 @@ def _topk_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int]:
     return x, dim
 
 
-class _Watch(TorchFunctionMode):
-    """The callback's one mode: each torch call runs, then ``watcher.seen(func, args, kwargs, out)`` looks
-    at it (the first step's ``_Finder``, later a router site's ``_Counter``)."""
-
-    def __init__(self, watcher: Any) -> None:
-        super().__init__()
-        self.watcher = watcher
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.watcher.seen(func, args, kwargs, out)
-        return out
-
-
 class _Finder:
-    """Over the first step: a bias's value is followed from an add of it (or a pure cast/view of it)
+    """The census's kind of watcher (``EveryTorchCall``). Over the first step: a bias's value is followed from an add of it (or a pure cast/view of it)
     to another tensor; a topk over as many entries as the bias has, whose input the bias reached
     (the nearest such bias, within _REACH ops), marks a router. Also counts each such topk's choices."""
 
     def __init__(self, candidates: list[_Bias], model: nn.Module) -> None:
-        self.mode = _Watch(self)
+        self.mode = EveryTorchCall([self.seen])
         self.candidates = candidates
         self.index = {id(c.tensor): i for i, c in enumerate(candidates)}
         self.stack: list[list] = []  # [module, topk calls in its forward so far], innermost last
@@ -299,10 +284,10 @@ def _active_modes() -> list:
 
 def _count_during_forward(site: nn.Module, routers: dict[int, _Router]) -> list[Any]:
     """Hooks that watch each training forward of ``site`` with a _Counter (not a checkpoint's recomputation)."""
-    running: list[Optional[_Watch]] = []
+    running: list[Optional[EveryTorchCall]] = []
 
     def before(module: nn.Module, args: Any) -> None:
-        counter = _Watch(_Counter(routers)) if module.training and not _in_backward() else None
+        counter = EveryTorchCall([_Counter(routers).seen]) if module.training and not _in_backward() else None
         if counter is not None:
             counter.__enter__()
         running.append(counter)

@@ -43,7 +43,7 @@ class Recorder(Protocol):
         """After the run, with what the step returned (None if the run stopped early)."""
         ...
 
-    # optional: ``on_call(func, args)``, each torch call of the step (one mode for the whole census)
+    # optional: ``on_call(func, args, kwargs, out)``, each torch call of the step (EveryTorchCall, one mode)
 
 
 class _CensusDone(Exception):
@@ -82,7 +82,7 @@ class ModelCensus:
                         stack.enter_context(armed)
             watchers = [r.on_call for r in pending if hasattr(r, "on_call")]
             if watchers:
-                stack.enter_context(_EveryTorchCall(watchers))
+                stack.enter_context(EveryTorchCall(watchers))
             self.runs += 1
             try:
                 with torch.set_grad_enabled(any(r.needs_grad for r in pending)):
@@ -93,18 +93,20 @@ class ModelCensus:
             recorder.finish(output)
 
 
-class _EveryTorchCall(TorchFunctionMode):
-    """The census's one mode: each torch call of the step handed to the recorders that read calls
-    (``on_call(func, args)``), which only look; the call then runs as it was."""
+class EveryTorchCall(TorchFunctionMode):
+    """One mode for whatever reads a step's torch calls without changing them (the census's recorders,
+    AuxFreeBalancing): each call runs as it was, then each watcher sees ``(func, args, kwargs, out)``."""
 
-    def __init__(self, watchers: list[Callable[[Any, tuple], None]]) -> None:
+    def __init__(self, watchers: list[Callable[[Any, tuple, dict, Any], None]]) -> None:
         super().__init__()
         self.watchers = watchers
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for watch in self.watchers:
-            watch(func, args)
-        return func(*args, **(kwargs or {}))
+            watch(func, args, kwargs, out)
+        return out
 
 
 class EveryCall:
@@ -198,7 +200,7 @@ class BlockInputs:
         self._paths = _CodePaths(self, census) if self.listed and not self.ran else None
         return armed + (self._paths.arm(self.listed) if self._paths else [])
 
-    def on_call(self, func: Any, args: tuple) -> None:
+    def on_call(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self._paths is not None:
             self._paths.on_call(func)
 
@@ -292,7 +294,7 @@ class ParamsReached:
     def arm(self, census: ModelCensus) -> list[Armed]:
         return []
 
-    def on_call(self, func: Any, args: tuple) -> None:
+    def on_call(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """A parameter read one slice at a time, by an integer or tensor index: a loop over the experts a
         step hit reads ``gate_up_proj[expert_idx]`` only for those (an index read with ``.item()`` is a
         plain int here, so a constant index counts too: it costs DDP's search, never correctness)."""

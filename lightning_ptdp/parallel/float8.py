@@ -138,6 +138,7 @@ def apply_float8(model: nn.Module, config: Float8Config, *, zero_stage: int, dev
     ao_config = torchao_config(config, zero_stage=zero_stage)
     report = Float8Report(config.recipe, float8_all_gather=ao_config.enable_fsdp_float8_all_gather)
     moe = _moe_layers(model)
+    matmul = Float8Matmul(ao_config)  # no state of its own: one for every shard layer
     whole: set[int] = set()
     for prefix, blocks in find_block_lists(model):
         for index, block in enumerate(blocks):
@@ -152,7 +153,7 @@ def apply_float8(model: nn.Module, config: Float8Config, *, zero_stage: int, dev
                     continue
                 report.converted.append(name)
                 if sharded:
-                    layer.float8 = Float8Matmul(ao_config)
+                    layer.float8 = matmul
                 elif type(layer) is nn.Linear:
                     whole.add(id(layer))
     # torchao's entry point also installs its inductor fix for float8 kernels: called even with no whole Linear

@@ -15,12 +15,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.blocks import outer_modules
-from lightning_ptdp.core.census import Armed, EveryCall, record_alone
+from lightning_ptdp.core.census import Armed, EveryCall, EveryTorchCall, record_alone
 from lightning_ptdp.core.comm import divisors
 
 
@@ -113,23 +112,22 @@ class _Made:
     from_blocks: bool  # computed from a block's output
 
 
-class _Flow(TorchFunctionMode):
-    """Follows values through the recording forward: which chunk's code uses each watched parameter,
+class _Flow:
+    """A watcher of the census's ``EveryTorchCall``. Follows values through the recording forward: which chunk's code uses each watched parameter,
     and which chunk reads what each outer module made. A later stage re-runs an outer module whose
     result its blocks read (per-layer inputs made once before the first block); a block's
     result read by another chunk's code, other than the activation handed on, cannot cross a stage."""
 
     def __init__(self, watched: set[int], where: Callable[[], int], record: ProbeRecord) -> None:
-        super().__init__()
         self.watched, self.where, self.record = watched, where, record
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.inside_block = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def seen(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         chunk, record = self.where(), self.record
         modules: set[int] = set()
         from_blocks = self.inside_block
-        for leaf in tree_leaves((args, kwargs or {})):
+        for leaf in tree_leaves((args, kwargs)):
             if not isinstance(leaf, torch.Tensor):
                 continue
             if id(leaf) in self.watched:
@@ -148,10 +146,8 @@ class _Flow(TorchFunctionMode):
                 record.module_reads.setdefault(module, set()).add(chunk)
             modules |= made.modules
             from_blocks = from_blocks or made.from_blocks
-        result = func(*args, **(kwargs or {}))
         if modules or from_blocks:
             self.tag(result, _Made(frozenset(modules), chunk, from_blocks))
-        return result
 
     def tag(self, value: Any, made: _Made) -> None:
         for leaf in tree_leaves(value):
@@ -223,7 +219,7 @@ def record_forward(
         hooks = [b.register_forward_pre_hook(before_block, with_kwargs=True) for b in blocks]
         hooks += [b.register_forward_hook(after_block) for b in blocks]
         hooks += [m.register_forward_hook(after_outer) for m in outer.values()]
-        return [*hooks, flow]
+        return [*hooks, EveryTorchCall([flow.seen])]
 
     watched = {id(p) for m in outer.values() for p in m.parameters(recurse=False)}
     flow = _Flow(watched, where, record)

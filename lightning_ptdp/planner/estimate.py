@@ -267,6 +267,7 @@ def cost(
     """The estimate of an already-validated layout (``estimate`` checks the arguments first). ``shard``:
     HSDP's group of replicas under ZeRO 2-3 (None: all d * c)."""
     d = cluster.num_gpus // (t * p * c)
+    shard = shard if shard and shard < d * c else None  # HSDP's group; a group of all d * c is plain FSDP
     m = batch // (b * d)
     layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
     if model.dense_layers:  # the mean layer: a stage's share of dense and MoE layers taken as the model's
@@ -296,7 +297,7 @@ def cost(
     groups += [(model.expert_parameters / (e * p), d // e, t * e)] if model.expert_parameters else []
     dp = optimizer = 0.0
     for index, (params, ranks, stride) in enumerate(groups):
-        sharded = shard if index == 0 and shard and shard < ranks else ranks  # HSDP: the dense state's group
+        sharded = shard if index == 0 and shard else ranks  # HSDP: the dense state's group
         if sharded > 1:  # ZeRO's reduce-scatter and all-gather (an all-reduce's traffic) within the group
             dp += (1.5 if zero_stage == 3 else 1.0) * _group_all_reduce(BF16 * params, sharded, stride, cluster)
         if sharded < ranks:  # HSDP: each rank's gradient shard all-reduced across the groups
@@ -342,12 +343,12 @@ def cost(
             e,
             c,
             flash=cluster.flash_attention,
-            shard=shard if shard and shard < d * c else None,
+            shard=shard,
         ),
         tflops_per_gpu=(layer_flops + logit_flops) / step / cluster.num_gpus / 1e12,
         context_parallel_size=c,
         context_parallel_comm_s=m * cp_mb,
-        data_parallel_shard_size=shard if shard and shard < d * c else None,
+        data_parallel_shard_size=shard,
     )
 
 
