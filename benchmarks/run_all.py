@@ -123,6 +123,12 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
         },
         4,
     ),
+    "fused_loss": (
+        "benchmarks.bench_fused_loss",
+        {"rounds": 3},
+        {"rounds": 1, "vocab": 4096, "hidden": 64, "tokens": 256},
+        1,
+    ),
 }
 
 

@@ -226,6 +226,10 @@ class ParallelConfig:
     float8: Union[bool, str, dict, Float8Config, None] = None
     """float8 matmuls in the blocks' Linears (torchao): True, "tensorwise", "rowwise", a dict or a
     ``Float8Config``; stored as a ``Float8Config`` or None."""
+    fused_loss: Optional[bool] = None
+    """The LM head and F.cross_entropy computed together in chunks of tokens, never the whole logits
+    (parallel/fused_loss.py): None where the step uses the logits only for that loss (the same
+    result), True to require it (refused at setup otherwise), False never."""
 
     @property
     def fsdp(self) -> bool:
@@ -247,6 +251,8 @@ class ParallelConfig:
         for name in ("sequence_parallel", "strict_plan", "certify_plan", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.fused_loss is not None and not isinstance(self.fused_loss, bool):
+            raise ValueError(f"fused_loss={self.fused_loss!r} must be None (where it applies), True or False")
         _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         if self.activation_checkpointing is not None:
             _check_choice("activation_checkpointing", self.activation_checkpointing, (None, *RECOMPUTE_MODES))

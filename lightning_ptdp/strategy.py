@@ -37,13 +37,13 @@ from lightning_ptdp import probe
 from lightning_ptdp.checkpoint import Checkpointer
 from lightning_ptdp.checkpoint.io import CheckedCheckpointIO
 from lightning_ptdp.checkpoint.resume import resume_dataloader
-from lightning_ptdp.context_parallel import whole_outputs
 from lightning_ptdp.core.dims import ParallelDims, init_process_group
 from lightning_ptdp.core.shutdown import process_group_failed
 from lightning_ptdp.expert_parallel import check_ep_plan
 from lightning_ptdp.faults.nonfinite import check_grad_scaler
 from lightning_ptdp.faults.records import FailureRecords
 from lightning_ptdp.parallel.compile import adopt_compiled_module
+from lightning_ptdp.parallel.head_logits import step_outputs
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.parallel.parallelize import Parallelized, parallelize
 from lightning_ptdp.parallel.pretrained import Pretrained, parameters_on_meta
@@ -84,6 +84,7 @@ class PTDPStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = True,
         compile: Union[bool, dict, cfg.CompileConfig] = False,
         float8: Union[bool, str, dict, cfg.Float8Config, None] = None,
+        fused_loss: Optional[bool] = None,
         tp_plan: Optional[dict[str, str]] = None,
         ep_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
@@ -148,8 +149,7 @@ class PTDPStrategy(ParallelStrategy):
             self.parallel_config = dataclasses.replace(self.parallel_config, compile=compiled)
         self.__dict__["_ptdp_lightning_module"] = module
 
-    # ------------------------------------------------------------------ topology
-    @property
+    @property  # ------------------------------------------------------------------ topology
     def parallel_dims(self) -> ParallelDims:
         """The resolved degrees; known once the world size is (Trainer construction)."""
         if self._dims is None:
@@ -282,9 +282,9 @@ class PTDPStrategy(ParallelStrategy):
             self.expert_report.stats.reset()
         engine = self.pipeline
         if engine is None:
-            return whole_outputs(super().training_step)(*args, **kwargs)
+            return step_outputs(super().training_step)(*args, **kwargs)
         module = self.lightning_module
-        step = whole_outputs(functools.partial(module.training_step, **kwargs))
+        step = step_outputs(functools.partial(module.training_step, **kwargs))
         scale = 1.0 / module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
             return engine.train_step(
@@ -320,8 +320,8 @@ class PTDPStrategy(ParallelStrategy):
     def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
         engine = self.pipeline
         if engine is None:
-            return whole_outputs(getattr(super(), name))(*args, **kwargs)
-        step = whole_outputs(functools.partial(getattr(self.lightning_module, name), **kwargs))
+            return step_outputs(getattr(super(), name))(*args, **kwargs)
+        step = step_outputs(functools.partial(getattr(self.lightning_module, name), **kwargs))
         with context():
             return engine.eval_step(step, args[0], args[1:], collect=collect, failures=self._failures)
 

@@ -160,6 +160,8 @@ def fit_and_record(
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum(_local(p).numel() for p in model.parameters())
     held = {name: (_local(p).numel(), p.dim()) for name, p in model.named_parameters()}
+    parallelized = getattr(trainer.strategy, "_parallelized", None)
+    fused = parallelized.fused_loss if parallelized is not None else None
     # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss
     losses = [sum(recorder.losses[i : i + accumulate]) for i in range(0, len(recorder.losses), accumulate)]
     return {
@@ -172,6 +174,7 @@ def fit_and_record(
         "optimizer_numel": optimizer_numel(trainer),
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": dict(counters["graph_break"]),
+        "fused_loss": None if fused is None else list(fused.uses),
     }
 
 

@@ -343,6 +343,48 @@ class ShiftedCausalLM(CausalLM):
         return loss
 
 
+class SmoothedCausalLM(CausalLM):
+    """Label smoothing and ignored targets in the user's own loss: every target on a token divisible
+    by 5 is -100, the rest smoothed by 0.1."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        targets = targets.masked_fill(inputs % 5 == 0, -100)
+        loss = F.cross_entropy(self.logits(inputs).flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class AccuracyCausalLM(CausalLM):
+    """A step that logs its accuracy besides the loss: the logits are read by argmax too."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.logits(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_accuracy", (logits.argmax(-1) == targets).float().mean(), sync_dist=True)
+        return loss
+
+
+class Wrapper(nn.Module):
+    """A network held inside another module with a forward of its own (transformers' CausalLM around
+    its base model, a user's wrapper adding options)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids)
+
+
+class BypassingCausalLM(CausalLM):
+    """A step that calls the wrapped network directly, going around the wrapper's forward."""
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net.inner(inputs)
+
+
 class FlatLlama(CausalLM):
     """The most common Lightning layout: the LightningModule holds its blocks itself
     (``self.layers = nn.ModuleList(...)``), with no network module around them."""
@@ -423,6 +465,10 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return ShiftedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
     if family == "hf_llama_padded":
         return PaddedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
+    if family == "hf_llama_smoothed":
+        return SmoothedCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
+    if family == "hf_llama_accuracy":
+        return AccuracyCausalLM(REAL_FAMILIES["hf_llama"](**overrides))
     if family == "hf_mixtral_balanced":
         return MoEWithBalancingLoss(REAL_FAMILIES["hf_mixtral"](**overrides))
     if family in REAL_FAMILIES:
@@ -454,6 +500,8 @@ def build_model(family: str, **overrides) -> L.LightningModule:
         return CausalLM(TupleLlama(cfg))
     if family == "flat_llama":
         return FlatLlama(cfg)
+    if family == "nanogpt_bypassed":
+        return BypassingCausalLM(Wrapper(NanoGPT(cfg)))
     if family in ("nanogpt_dict", "nanogpt_dict_tied"):
         return NanoGPTDict(cfg, tied=family.endswith("tied"))
     raise ValueError(

@@ -1,11 +1,11 @@
-"""PipelineTimeline: the measured schedule of one training step, as a picture and a trace.
+"""PipelineTimeline: the measured schedule of one training step, as a picture and a trace; under e > 1
+also the step's all-to-all traffic between ep ranks as a heatmap, ``<name>_traffic.png``.
 
 Every rank's pipeline engine records when each microbatch's forward (F), backward (B), or under
 zero-bubble input-backward (I) and weight-backward (W) ran. For the chosen step rank 0 gathers the
-spans and writes ``<name>.png`` (one row per pipeline rank of dp replica 0, tp rank 0, like the
-paper's schedule figures but measured; the title, also the PNG's tEXt "Title", gives the measured
-bubble: idle / busy time, mean over pipeline ranks, what the paper's (p-1)/m estimates) and
-``<name>.json`` (a Chrome trace of every rank, for chrome://tracing or Perfetto).
+spans and writes ``<name>.png`` (one row per pipeline rank of dp replica 0, tp rank 0; the title, also
+the PNG's tEXt "Title", gives the measured bubble: idle / busy, mean over pipeline ranks, what the
+paper's (p-1)/m estimates) and ``<name>.json`` (a Chrome trace of every rank).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ptdp.callbacks.experts import traffic_matrices
 from lightning_ptdp.callbacks.png import Canvas
 
 _COMM = (150, 80, 190)  # data-parallel gradient buckets, a strip under the compute
@@ -52,11 +53,22 @@ class PipelineTimeline(pl.Callback):
         index, self._seen = self._seen, self._seen + 1
         if index != self.step:
             return
-        engine = getattr(trainer.strategy, "pipeline", None)
-        if engine is None or engine.timeline is None:
-            rank_zero_warn("PipelineTimeline records pipeline schedules: use PTDPStrategy(pipeline_parallel_size > 1)")
-            return
         strategy = trainer.strategy
+        experts = getattr(strategy, "expert_report", None)
+        traffic = traffic_matrices(trainer, experts.stats, pl_module.device) if experts is not None else {}
+        if trainer.is_global_zero and traffic:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            path = self.dirpath / f"{self.name or f'pipeline_step{self.step}'}_traffic.png"
+            path.write_bytes(draw_traffic(sum(traffic.values()), f"step {self.step}: all-to-all bytes, sender row"))
+            self.paths.append(path)
+        engine = getattr(strategy, "pipeline", None)
+        if engine is None or engine.timeline is None:
+            if not traffic:
+                rank_zero_warn(
+                    "PipelineTimeline records pipeline schedules (pipeline_parallel_size > 1) and expert traffic "
+                    "(expert_parallel_size > 1): this run has neither"
+                )
+            return
         coords = strategy.parallel_dims.coordinates(trainer.global_rank)
         timeline = engine.timeline
         experts = getattr(strategy, "expert_report", None)
@@ -97,7 +109,7 @@ class PipelineTimeline(pl.Callback):
             png, trace = self.dirpath / f"{stem}.png", self.dirpath / f"{stem}.json"
             png.write_bytes(draw(rows, title))
             trace.write_text(json.dumps(chrome_trace(everyone, title)))
-            self.paths = [png, trace]
+            self.paths += [png, trace]
 
 
 # Not matplotlib: the built-in writer (png.py) draws exact span colours that tests read back pixel by pixel,
@@ -145,6 +157,29 @@ def draw(rows: list[dict], title: str) -> bytes:
         "  teal strip: expert all-to-all",
         scale=1,
     )
+    return canvas.png(title)
+
+
+_CELL = 56
+
+
+def draw_traffic(matrix, title: str) -> bytes:
+    """PNG bytes: one cell per (sender row, receiver column) of ep ranks, white (none) to dark red
+    (the busiest link), each cell's MiB written in it."""
+    size = matrix.shape[0]
+    top = max(float(matrix.max()), 1.0)
+    heading = f"{title}, busiest link {top / 2**20:.2f} MiB"
+    canvas = Canvas(max(_LEFT + _CELL * size + 10, 12 * len(heading) + 16), _TOP + _CELL * size + 24)
+    canvas.text(8, 10, heading, scale=2)
+    for i in range(size):
+        canvas.text(8, _TOP + i * _CELL + _CELL // 2 - 4, f"ep {i}", scale=2)
+        canvas.text(_LEFT + i * _CELL + 8, _TOP + _CELL * size + 6, f"ep {i}", scale=2)
+        for j in range(size):
+            share = float(matrix[i, j]) / top
+            color = (255 - int(95 * share), 255 - int(225 * share), 255 - int(225 * share))
+            x, y = _LEFT + j * _CELL, _TOP + i * _CELL
+            canvas.rect(x + 1, y + 1, x + _CELL - 1, y + _CELL - 1, color)
+            canvas.text(x + 4, y + _CELL // 2 - 3, f"{float(matrix[i, j]) / 2**20:.2f}", scale=1)
     return canvas.png(title)
 
 

@@ -2,6 +2,6 @@
 
 from lightning_ptdp.context_parallel.apply import apply_context_parallel
 from lightning_ptdp.context_parallel.layout import CPGroup, check_sequence_length
-from lightning_ptdp.context_parallel.tail import SequenceShard, whole_outputs
+from lightning_ptdp.context_parallel.tail import SequenceShard
 
-__all__ = ["CPGroup", "SequenceShard", "apply_context_parallel", "check_sequence_length", "whole_outputs"]
+__all__ = ["CPGroup", "SequenceShard", "apply_context_parallel", "check_sequence_length"]

@@ -8,9 +8,9 @@ argmax, returning the logits) gathers the whole sequence first, always correct, 
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any
+import math
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from lightning_ptdp.context_parallel.layout import CPGroup, gather_sequence, own_chunks
-from lightning_ptdp.core.subclasses import convert, run_converted
+from lightning_ptdp.core.subclasses import CrossEntropyCall, run_converted
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +109,6 @@ class SequenceShard(torch.Tensor):
         return _run_whole(func, args, kwargs)
 
 
-def whole_outputs(step: Any) -> Any:
-    """``step`` returning every ``SequenceShard`` in its output whole, gathered on every rank together
-    (a step's returned logits reach callbacks and ``trainer.predict``, which may use them on one rank)."""
-
-    @functools.wraps(step)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return convert(step(*args, **kwargs), SequenceShard, SequenceShard.whole)
-
-    return run
-
-
 def _in_place(name: str) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or name.startswith("__i")
 
@@ -146,8 +135,10 @@ def _local_shape(cut: SequenceShard, shape: tuple) -> tuple:
     fixed = list(items)
     if fixed and fixed[0] == cut._batch * tokens * c:
         fixed[0] = cut._batch * tokens
+    # dim 1 is the sequence only if what follows it is the tokens' own sizes: view(-1, h) with h == S is rows
+    trailing, rest = math.prod(local[1:] if cut._rows else local[2:]), fixed[2:]
     if len(fixed) > 1 and fixed[1] == tokens * c and fixed[0] in (cut._batch, -1):
-        fixed[1] = tokens
+        fixed[1] = tokens if -1 in rest or math.prod(rest) == trailing else fixed[1]
     return (type(items)(fixed),) if items is not shape else tuple(fixed)
 
 
@@ -201,27 +192,38 @@ def _run_whole(func: Any, args: tuple, kwargs: dict) -> Any:
     return run_converted(func, args, kwargs, SequenceShard, SequenceShard.whole)
 
 
-def _cross_entropy(
-    input,
-    target,
-    weight=None,
-    size_average=None,
-    ignore_index=-100,
-    reduce=None,
-    reduction="mean",
-    label_smoothing=0.0,
-    **_,  # noqa: A002 - F.cross_entropy's own parameter names
-):
-    given = dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
-    logits = input if isinstance(input, SequenceShard) else None
-    plain = weight is None and size_average is None and reduce is None and reduction in ("mean", "sum")
-    if logits is None or not logits._rows or logits.dim() != 2 or not plain or isinstance(target, SequenceShard):
-        return _run_whole(F.cross_entropy, (input, target), given)
-    cp, local = logits._cp, logits.local()
-    if target.dim() != 1 or target.numel() != local.shape[0] * cp.size:
-        return _run_whole(F.cross_entropy, (input, target), given)
-    mine = own_chunks(target.reshape(logits._batch, -1), 1, cp).reshape(-1)  # the targets of this rank's rows
-    total = F.cross_entropy(local, mine, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing)
+def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
+    call = CrossEntropyCall(*args, **kwargs)
+    out = None
+    if isinstance(call.input, SequenceShard) and call.plain and not isinstance(call.target, SequenceShard):
+
+        def summed(local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(
+                local, mine, ignore_index=call.ignore_index, reduction="sum", label_smoothing=call.label_smoothing
+            )
+
+        if call.reduction in ("mean", "sum"):
+            out = context_cross_entropy(call.input, call.target, call.reduction, call.ignore_index, summed)
+    return _run_whole(F.cross_entropy, (call.input, call.target), call.options()) if out is None else out
+
+
+def context_cross_entropy(
+    rows: SequenceShard,
+    target: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """The mean (or sum) over every rank's tokens of ``summed(this rank's rows, their targets)``, the
+    loss summed over rows (the logits, or the head's input for the fused loss); None unless ``rows``
+    are (tokens, ...) rows and ``target`` the whole sequence's (N,) targets."""
+    if not rows._rows or rows.dim() != 2 or target.dim() != 1:
+        return None
+    cp, local = rows._cp, rows.local()
+    if target.numel() != local.shape[0] * cp.size:
+        return None
+    mine = own_chunks(target.reshape(rows._batch, -1), 1, cp).reshape(-1)  # the targets of this rank's rows
+    total = summed(local, mine)
     if reduction == "mean":  # over every rank's counted tokens: each rank's count differs with its padding
         counted = (mine != ignore_index).sum().to(total.dtype)
         dist.all_reduce(counted, group=cp.group)

@@ -81,6 +81,20 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return found
 
 
+def token_embedding_and_head(
+    model: nn.Module, inside_blocks: set[int]
+) -> tuple[Optional[tuple[str, nn.Embedding]], Optional[tuple[str, nn.Linear]]]:
+    """The token embedding (the largest nn.Embedding outside the blocks) and the LM head (the last
+    nn.Linear outside them with one output per embedding row, computing a Linear's own forward)."""
+    outside = [(p, m) for p, m in model.named_modules() if id(m) not in inside_blocks]
+    embeddings = [(p, m) for p, m in outside if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return None, None
+    embedding = max(embeddings, key=lambda pm: pm[1].num_embeddings)
+    heads = [(p, m) for p, m in outside if isinstance(m, nn.Linear) and m.out_features == embedding[1].num_embeddings]
+    return embedding, next(((p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)), None)
+
+
 def structure_key(block: nn.Module) -> tuple:
     """What makes two blocks alike in structure: module paths, types and parameter shapes."""
     modules = tuple((n, type(m).__name__) for n, m in block.named_modules())

@@ -273,6 +273,26 @@ class _CodePaths:
                     sites.add(site)
 
 
+class ModulesCalled:
+    """The modules whose ``__call__`` the step runs (ZeRO 2-3: FSDP gathers a unit's parameters in the
+    unit's forward hooks, so a module the step goes around, calling its children itself, cannot be one)."""
+
+    needs_grad = False
+    done = False  # the whole step: the loss may call modules after the blocks
+
+    def __init__(self) -> None:
+        self.called: set[int] = set()
+
+    def arm(self, census: ModelCensus) -> list[Armed]:
+        return [nn.modules.module.register_module_forward_pre_hook(self._seen)]
+
+    def _seen(self, module: nn.Module, args: Any) -> None:
+        self.called.add(id(module))
+
+    def finish(self, output: Any) -> None:
+        pass
+
+
 class ParamsReached:
     """Names of ``module``'s trainable parameters the autograd graph of the step's output tensors
     does not reach: the search DDP's ``find_unused_parameters`` makes each step, made once. Empty

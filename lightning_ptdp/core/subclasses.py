@@ -1,9 +1,11 @@
 """Running a torch function on the plain tensors behind a tensor subclass: what TP's
-``VocabParallelLogits`` and CP's ``SequenceShard`` do for every operation they do not keep."""
+``VocabParallelLogits``, CP's ``SequenceShard`` and the fused loss's ``HeadLogits`` do for every
+operation they do not keep; and ``F.cross_entropy``'s arguments by name, which each of them takes."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,3 +25,27 @@ def run_converted(func: Any, args: tuple, kwargs: dict, kind: type, how: Callabl
     """``func`` on the arguments with every ``kind`` instance converted, subclass dispatch off."""
     with torch._C.DisableTorchFunctionSubclass():
         return func(*(convert(a, kind, how) for a in args), **{k: convert(v, kind, how) for k, v in kwargs.items()})
+
+
+@dataclass(frozen=True)
+class CrossEntropyCall:
+    """``F.cross_entropy``'s arguments by name. ``plain``: no class weights and no legacy
+    ``size_average``/``reduce``, the cases a subclass computes its own way."""
+
+    input: Any
+    target: Any
+    weight: Optional[torch.Tensor] = None
+    size_average: Optional[bool] = None
+    ignore_index: int = -100
+    reduce: Optional[bool] = None
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.weight is None and self.size_average is None and self.reduce is None
+
+    def options(self) -> dict:
+        """The keyword arguments besides input and target, to call ``F.cross_entropy`` again."""
+        names = ("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        return {name: getattr(self, name) for name in names}

@@ -22,6 +22,7 @@ def apply_fsdp(
     pipeline: bool = False,
     experts: Sequence[nn.Module] = (),
     expert_mesh: Optional[DeviceMesh] = None,
+    called: Optional[set[int]] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``dp_mesh`` in place.
 
@@ -30,7 +31,8 @@ def apply_fsdp(
     final norm, head) become FSDP units of their own instead of one root around them. ``experts``
     (split by expert parallelism, different on each ep rank) are units of their own first, over
     ``expert_mesh``, the ranks holding the same experts (FSDP averages their gradients there; the
-    step's gradient owner rescales that mean to the whole dp size's)."""
+    step's gradient owner rescales that mean to the whole dp size's). ``called``: the ids of the modules
+    the census saw the step call (core/census.py ``ModulesCalled``); a module it goes around is no unit."""
     from torch.distributed.fsdp import fully_shard
 
     # Lightning calls training_step, not the LightningModule's __call__, so the FSDP roots must be
@@ -48,7 +50,7 @@ def apply_fsdp(
     units: dict[str, nn.Module] = {}
     tied: list[list[nn.Module]] = []
     if not pipeline:
-        units = _units_outside_blocks(module, blocks, zero_stage)
+        units = _units_outside_blocks(module, blocks, zero_stage, called)
         tied = _tie_groups(module, [*blocks, *units.values()])
     grouped = {id(unit) for group in tied for unit in group}
     for block in blocks:
@@ -107,25 +109,34 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _units_outside_blocks(module: nn.Module, blocks: list[nn.Module], zero_stage: int) -> dict[str, nn.Module]:
+def _units_outside_blocks(
+    module: nn.Module, blocks: list[nn.Module], zero_stage: int, called: Optional[set[int]] = None
+) -> dict[str, nn.Module]:
     """Each child of ``module`` holding parameters, except the blocks (units already). FSDP hooks
     a module's forward, so a container without one (a ModuleList of blocks held by the
-    LightningModule, nanoGPT's ``transformer`` ModuleDict) is never a unit: its children are."""
+    LightningModule, nanoGPT's ``transformer`` ModuleDict) is never a unit, nor a module whose forward
+    the step goes around (``called``: a step calling ``self.net.model(...)`` bypasses ``net``): their
+    children are. A module the step never reaches at all stays a unit (its parameters unused)."""
     skip = {id(b) for b in blocks}
     units: dict[str, nn.Module] = {}
+
+    def bypassed(child: nn.Module) -> bool:
+        return called is not None and id(child) not in called and any(id(m) in called for m in child.modules())
 
     def visit(prefix: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
             path = f"{prefix}{name}"
             if id(child) in skip or not any(True for _ in child.parameters()):
                 continue
-            if _has_forward(child):
+            if _has_forward(child) and not bypassed(child):
                 units[path] = child
                 continue
             if any(True for _ in child.parameters(recurse=False)):
+                why = "the step calls modules inside it, never it" if _has_forward(child) else "it has no forward"
                 raise ValueError(
-                    f"zero_stage={zero_stage}: '{path}' ({type(child).__name__}) holds parameters but has no forward, "
-                    "so FSDP cannot gather them when they are used; hold them in a module whose forward uses them"
+                    f"zero_stage={zero_stage}: '{path}' ({type(child).__name__}) holds parameters of its own but "
+                    f"{why}, so FSDP cannot gather them when they are used; hold them in a module whose forward "
+                    "the step calls, or use zero_stage 0 or 1"
                 )
             visit(f"{path}.", child)
 

@@ -58,11 +58,28 @@ class ExchangeStats:
 
     tokens_per_expert: dict[str, torch.Tensor] = field(default_factory=dict)
     bytes_sent: int = 0
+    bytes_to: dict[str, torch.Tensor] = field(default_factory=dict)
+    """By layer: the bytes this rank sent each ep rank in the forward (int64 [e]; its own entry 0)."""
+    ep_rank: int = 0
+    ep_size: int = 1
     spans: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) of each forward exchange (dispatch, combine), ``time.perf_counter`` seconds."""
 
     def reset(self) -> None:
-        self.tokens_per_expert, self.bytes_sent, self.spans = {}, 0, []
+        self.tokens_per_expert, self.bytes_sent, self.bytes_to, self.spans = {}, 0, {}, []
+
+    def record(
+        self, name: str, per_expert: torch.Tensor, send: list[int], receive: list[int], widths: tuple, size: int, ep
+    ) -> None:
+        """One exchange of layer ``name``: the rows routed to each expert, and the bytes sent to each ep
+        rank: the rows routed to its experts (``widths[0]`` wide), then the rows its tokens sent here,
+        computed (``widths[1]``), ``size`` bytes an element; rows staying on this rank cross no link."""
+        self.tokens_per_expert[name] = self.tokens_per_expert.get(name, 0) + per_expert.detach().cpu()
+        sent = (torch.tensor(send) * widths[0] + torch.tensor(receive) * widths[1]) * size
+        sent[ep.rank] = 0
+        self.bytes_to[name] = self.bytes_to.get(name, 0) + sent
+        self.bytes_sent += int(sent.sum())
+        self.ep_rank, self.ep_size = ep.rank, ep.size
 
     def timed_all_to_all(
         self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
@@ -106,9 +123,7 @@ def exchange(
     computed = compute(rows, local_ids.unsqueeze(1), ones)  # [R, H]
     back = all_to_all(computed, send, receive, ep.group)  # [N * k, H], in ``order``
     if stats is not None:
-        stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert.detach().cpu()
-        dispatched, combined = sum(send) - send[ep.rank], sum(receive) - receive[ep.rank]  # rows off this rank
-        stats.bytes_sent += (dispatched * hidden.shape[1] + combined * back.shape[1]) * hidden.element_size()
+        stats.record(name, per_expert, send, receive, (hidden.shape[1], back.shape[1]), hidden.element_size(), ep)
     weighted = back * weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     out = hidden.new_zeros((hidden.shape[0], back.shape[1]))  # the experts' width (rows grouped by expert: any)
     return out.index_add_(0, token, weighted.to(hidden.dtype))

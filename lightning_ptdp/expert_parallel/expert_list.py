@@ -138,9 +138,7 @@ def _exchange(
     back_rows = torch.cat([computed[j][s] for s in range(ep.size) for j in range(local)])
     back = all_to_all(back_rows, send, receive, ep.group)  # by expert, in ``order``
     if stats is not None:
-        stats.tokens_per_expert[name] = stats.tokens_per_expert.get(name, 0) + per_expert
-        off_rank = sum(send) - send[ep.rank] + sum(receive) - receive[ep.rank]
-        stats.bytes_sent += off_rank * rows.shape[1] * rows.element_size()
+        stats.record(name, per_expert, send, receive, (rows.shape[1], back.shape[1]), rows.element_size(), ep)
     answers: list[Optional[torch.Tensor]] = [None] * len(calls)
     for c, part in zip(order, back.split([calls[c][1].shape[0] for c in order])):
         answers[c] = part

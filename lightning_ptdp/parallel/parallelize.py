@@ -1,7 +1,7 @@
 """The ordered entry point that turns an ordinary model into its PTD-P shard on this rank.
 
 ``parallelize`` applies, in a fixed order, each its own function: 0 census, 1 tensor parallel, 1b expert
-parallel, 1c context parallel, 1d certificate, 2a float8, 2 kernels, 2b compile, 3 recompute, 4 pipeline
+parallel, 1c context parallel, 1d certificate, 1e fused loss, 2a float8, 2 kernels, 2b compile, 3 recompute, 4 pipeline
 split, 4b values (meta materialise or pretrained), 5 data parallel; why this order is in its docstring.
 It returns ``Parallelized``: the module to train, the TP report, the pipeline engine, the step's
 gradient owner ``StepGradients`` and the ``ShardingView`` checkpoints need.
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ptdp.checkpoint import ShardingView
 from lightning_ptdp.config import ParallelConfig
 from lightning_ptdp.context_parallel import CPGroup, apply_context_parallel
-from lightning_ptdp.core.census import BlockInputs, ModelCensus, ParamsReached
+from lightning_ptdp.core.census import BlockInputs, ModelCensus, ModulesCalled, ParamsReached
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
@@ -30,6 +30,7 @@ from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.float8 import Float8Report, apply_float8
+from lightning_ptdp.parallel.fused_loss import FusedLossReport, HeadUses, apply_fused_loss, lm_head_path
 from lightning_ptdp.parallel.gradients import DENSE, EXPERTS, ReduceGroup, StepGradients
 from lightning_ptdp.parallel.init import is_on_meta, materialize
 from lightning_ptdp.parallel.pretrained import Pretrained, load_pretrained
@@ -55,6 +56,7 @@ class Parallelized:
     ep_report: Optional[EPReport] = None
     certificate: Optional[CertificateReport] = None
     float8_report: Optional[Float8Report] = None
+    fused_loss: Optional[FusedLossReport] = None
     pipeline: Optional[PipelineEngine] = None
     fsdp: bool = False
     """ZeRO 2/3: FSDP2 shards the gradients (and parameters)."""
@@ -116,6 +118,9 @@ def parallelize(
     1d. certificate     the first block of each group under 1-1c against a whole copy taken
                         before step 1, on the probe's inputs (certify_plan): before kernels, compile
                         and recompute wrap the blocks, so it checks the rewrites alone.
+    1e. fused loss      the LM head (whole, or TP's vocabulary split) returns its logits uncomputed,
+                        for F.cross_entropy to take in chunks (parallel/fused_loss.py): after TP and
+                        CP, whose head and tail it computes with; before the split keeps the head.
     2a. float8          (float8=...) the blocks' Linears, whole or TP shards, run torchao's float8
                         matmuls (parallel/float8.py): after TP, which rebuilds Linears as shards.
     2. kernels          route attention and Linear->GeLU to Triton after TP, so each rank's kernel
@@ -152,7 +157,11 @@ def parallelize(
     with torch.compiler.set_stance(
         "force_eager"
     ):  # steps 1-4b record real calls: a block the user compiled runs eagerly
-        census, inputs, experts, reached = take_census(module, config, dims, mesh, probe, ep_plan, training)
+        fuses = config.fused_loss is not False and "_ptdp_fused_loss" not in module.__dict__
+        head = lm_head_path(module) if fuses else None
+        census, inputs, experts, reached, called = take_census(
+            module, config, dims, mesh, probe, ep_plan, training, head
+        )
         wholes = whole_blocks_to_certify(module, config, dims, inputs)
         if dims.tp > 1:
             # a second stage (fit, then validate) finds the model already rewritten: reuse that
@@ -178,6 +187,9 @@ def parallelize(
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
             log.info("plan certificate: %s", result.certificate.summary())
         del wholes, inputs, census
+        if fuses:  # step 1e
+            module.__dict__["_ptdp_fused_loss"] = apply_fused_loss(module, head)
+        result.fused_loss = module.__dict__.get("_ptdp_fused_loss")
         if config.float8 is not None:  # step 2a; a second stage finds the layers converted
             if "_ptdp_float8" not in module.__dict__:
                 module.__dict__["_ptdp_float8"] = apply_float8(
@@ -231,7 +243,9 @@ def parallelize(
         experts = result.ep_report.expert_modules if result.ep_report else []
         edp = expert_mesh["edp"] if experts else None
         result.fsdp_mesh = dims.fsdp_mesh(mesh)  # the replicas, or HSDP's (dp_replicate, dp_shard) view of them
-        result.module = apply_fsdp(module, result.fsdp_mesh, config.zero_stage, dims.pp > 1, experts, edp)
+        result.module = apply_fsdp(
+            module, result.fsdp_mesh, config.zero_stage, dims.pp > 1, experts, edp, called and called.called
+        )
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
         result.module = apply_data_parallel(module, replicas, ignore=experts, probe=reached or probe)
@@ -253,11 +267,14 @@ def take_census(
     probe: Callable[[], Any],
     ep_plan: Optional[dict[str, str]],
     training: bool,
-) -> tuple[ModelCensus, BlockInputs, Optional[ExpertCalls], Optional[ParamsReached]]:
+    head: Optional[str] = None,
+) -> tuple[ModelCensus, BlockInputs, Optional[ExpertCalls], Optional[ParamsReached], Optional[ModulesCalled]]:
     """Step 0: one run of the user's step on the whole model with every reader's recorder armed
-    (core/census.py): the blocks' inputs (TP's recording, the certificate), the experts' calls (EP)
-    and the parameters the step's graph reaches (DDP). A reader left out is one this layout skips
-    or an earlier stage already served; the blocks' inputs are then captured only if asked for."""
+    (core/census.py): the blocks' inputs (TP's recording, the certificate), the experts' calls (EP),
+    the parameters the step's graph reaches (DDP) and the modules it calls (ZeRO 2-3's units). A
+    reader left out is one this layout skips or an earlier stage already served; the blocks' inputs
+    are then captured only if asked for.
+    ``fused_loss=True`` adds what the step did with the LM head's logits (``head``), refused if not a loss."""
     census = ModelCensus(probe)
     rewritten = any(key in module.__dict__ for key in ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp"))
     records_tp = dims.tp > 1 and "_ptdp_tp" not in module.__dict__
@@ -270,8 +287,13 @@ def take_census(
     reached = None
     if training and not config.fsdp and dims.pp == 1 and dims.replica_mesh(mesh).size() > 1:
         reached = census.add(ParamsReached(module, routed_parameters(module)))
+    called = census.add(ModulesCalled()) if training and config.fsdp and dims.pp == 1 else None
+    checks_head = config.fused_loss is True and "_ptdp_fused_loss" not in module.__dict__
+    uses = census.add(HeadUses(module, head)) if checks_head else None
     census.run()
-    return census, inputs, experts, reached
+    if uses is not None:
+        uses.check()
+    return census, inputs, experts, reached, called
 
 
 def step_gradients(

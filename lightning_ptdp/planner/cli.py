@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lightning_ptdp.planner.cost import GB, Cluster
-from lightning_ptdp.planner.estimate import estimate
+from lightning_ptdp.planner.estimate import Layout, estimate
 from lightning_ptdp.planner.models import MODELS, ModelSize, model_size
 from lightning_ptdp.planner.render import format_layout, format_plan
 from lightning_ptdp.planner.search import plan
@@ -107,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--context-parallel", default="1", help="context-parallel sizes c to search, e.g. 1,2,4,8 (long sequences)"
     )
+    parser.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        help="the busiest expert-parallel rank's routed rows over the mean (ExpertLoad's moe/rank_imbalance); "
+        "default 1.0, balanced",
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to list")
     args = parser.parse_args(argv)
     if args.model is None or args.gpus is None or args.global_batch_size is None:
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.global_batch_size,
                 zero_stage=args.zero_stage or 0,
                 sequence_parallel=args.sequence_parallel,
+                expert_imbalance=args.expert_imbalance,
                 **parse_layout(args.layout),
             )
             sys.stdout.write(format_layout(layout, cluster) + "\n")
@@ -140,9 +148,35 @@ def main(argv: list[str] | None = None) -> int:
             zero_stage=args.zero_stage,
             sequence_parallel=args.sequence_parallel,
             context_parallel_sizes=_sizes("--context-parallel", args.context_parallel),
+            expert_imbalance=args.expert_imbalance,
         )
+        balanced = None
+        if args.expert_imbalance > 1.0 and model_size(model).num_experts:
+            balanced = plan(
+                model,
+                cluster,
+                args.global_batch_size,
+                zero_stage=args.zero_stage,
+                sequence_parallel=args.sequence_parallel,
+                context_parallel_sizes=_sizes("--context-parallel", args.context_parallel),
+            )[0]
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")
     sys.stdout.write(f"model: {model_size(model).describe()}\n")
     sys.stdout.write(format_plan(layouts, cluster, limit=args.top) + "\n")
+    if balanced is not None:
+        sys.stdout.write(balancing_line(layouts[0], balanced, args.expert_imbalance) + "\n")
     return 0
+
+
+def balancing_line(imbalanced: Layout, balanced: Layout, imbalance: float) -> str:
+    """What balanced routing would buy: the best step at ``imbalance`` against the best at 1.0."""
+
+    def shape(x: Layout) -> str:
+        return f"t={x.tensor_parallel_size} p={x.pipeline_parallel_size} e={x.expert_parallel_size}"
+
+    saved = 1 - balanced.step_time_s / imbalanced.step_time_s
+    return (
+        f"routing imbalance {imbalance:g}: best step {imbalanced.step_time_s:.3f} s ({shape(imbalanced)}); "
+        f"balanced: {balanced.step_time_s:.3f} s ({shape(balanced)}), {saved:.1%} less"
+    )

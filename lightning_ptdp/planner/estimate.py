@@ -27,6 +27,7 @@ from lightning_ptdp.planner.cost import (
 )
 from lightning_ptdp.planner.models import ModelSize, check_positive, model_size
 from lightning_ptdp.planner.rules import (
+    check_imbalance,
     check_options,
     context_parallel_reason,
     expert_parallel_reason,
@@ -78,6 +79,8 @@ class Layout:
     """The key/value all-gathers (forward) and reduce-scatters (backward) of context parallelism."""
     data_parallel_shard_size: int | None = None
     """HSDP under ZeRO 2-3: the dense state is sharded within groups of this many replicas (None: all)."""
+    expert_imbalance: float = 1.0
+    """The busiest ep rank's routed rows over the mean, as charged (1.0: balanced routing, or e = 1)."""
 
 
 def executed_flops(model: ModelSize, batch: int, recompute: str | None) -> tuple[float, float]:
@@ -117,13 +120,16 @@ def layer_memory_bytes(model: ModelSize, t: int, b: int, sp: bool, scores: bool 
     return norms_residual + activation + experts + softmax
 
 
-def _expert_gemms(model: ModelSize, t: int, b: int, sp: bool, e: int, cluster: Cluster) -> tuple[float, float]:
-    """(forward, backward) of the routed experts and the router: routing balanced, each of a rank's
-    n/e experts runs e/n of the rows (a grouped GEMM of n/e; larger e, fuller GEMMs)."""
+def _expert_gemms(
+    model: ModelSize, t: int, b: int, sp: bool, e: int, cluster: Cluster, imbalance: float = 1.0
+) -> tuple[float, float]:
+    """(forward, backward) of the routed experts and the router on the busiest ep rank, whose n/e experts
+    run ``imbalance`` times the mean e/n of the rows each (a grouped GEMM of n/e; larger e, fuller GEMMs):
+    the exchange waits for it."""
     if not model.num_experts:
         return 0.0, 0.0
     h, f, n = model.hidden_size, model.ffn_size, model.num_experts
-    rows = expert_rows(model, t, b, sp) * e / n
+    rows = expert_rows(model, t, b, sp) * e / n * imbalance
     up = f * (2 if model.gated_mlp else 1)
     shapes = [(rows, up, h), (rows, h, f)]
     passes = [gemm_pass_seconds(*shape, cluster, batch=n // e) for shape in shapes]
@@ -134,11 +140,21 @@ def _expert_gemms(model: ModelSize, t: int, b: int, sp: bool, e: int, cluster: C
 
 @lru_cache(maxsize=4096)
 def _layer_seconds(
-    model: ModelSize, t: int, b: int, recompute: str | None, sp: bool, cluster: Cluster, e: int = 1, c: int = 1
+    model: ModelSize,
+    t: int,
+    b: int,
+    recompute: str | None,
+    sp: bool,
+    cluster: Cluster,
+    e: int = 1,
+    c: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[float, float, float, float]:
     """(compute, TP communication, EP all-to-alls, CP key/value exchanges) of one layer for one
     microbatch, forward + backward. Under context parallelism a rank holds s/c tokens, whose queries
-    attend to all s keys (causal work balanced by the 2c chunks: 1/c of the attention each)."""
+    attend to all s keys (causal work balanced by the 2c chunks: 1/c of the attention each). The
+    experts and the exchanges are the busiest ep rank's: ``imbalance`` times the mean rows (it
+    receives as much more, and the all-to-all ends when it has)."""
     s, h, a = model.seq_length, model.hidden_size, model.num_heads
     tokens, scores = b * s / c, not cluster.flash_attention
     f = model.dense_ffn_size  # the MLP, or a mixture of experts' shared expert (0: none)
@@ -151,7 +167,7 @@ def _layer_seconds(
         core_f, core_b = map(sum, zip(*(gemm_pass_seconds(*shape, cluster, batch=b * a // t) for shape in attention)))
     else:
         core_f, core_b = flash_attention_seconds(b * s / c * s * model.attention_flops_per_key / t, cluster)
-    experts_f, experts_b = _expert_gemms(model, t, b, sp, e, cluster)
+    experts_f, experts_b = _expert_gemms(model, t, b, sp, e, cluster, imbalance)
     linear_f, linear_b = linear_f + experts_f, linear_b + experts_b
     sbh = s * b * h / c
     streamed = layer_memory_bytes(model, t, b, sp, scores) / c  # every term per token, or per query row
@@ -163,7 +179,8 @@ def _layer_seconds(
     # consecutive dp ranks, t apart: gpus_per_node / t of them share a node
     exchanges = 6 if recompute == "full" else 4
     ep_members = max(1, min(e, cluster.gpus_per_node // t))
-    ep = exchanges * all_to_all_seconds(BF16 * h * expert_rows(model, t, b, sp), e, ep_members, cluster)
+    routed = BF16 * h * expert_rows(model, t, b, sp) * imbalance
+    ep = exchanges * all_to_all_seconds(routed, e, ep_members, cluster)
     # K and V all-gathered in forward (again under full recompute), reduce-scattered in backward:
     # this rank's KV heads over the whole sequence; cp ranks are t apart
     kv = BF16 * b * s * max(1, model.kv_heads // t) * (model.qk_head_dim + model.v_head_dim) / 2
@@ -263,13 +280,17 @@ def cost(
     e: int = 1,
     c: int = 1,
     shard: int | None = None,
+    imbalance: float = 1.0,
 ) -> Layout:
     """The estimate of an already-validated layout (``estimate`` checks the arguments first). ``shard``:
-    HSDP's group of replicas under ZeRO 2-3 (None: all d * c)."""
+    HSDP's group of replicas under ZeRO 2-3 (None: all d * c). ``imbalance``: the busiest ep rank's
+    routed rows over the mean, at most e (every row on one rank); 1 where e = 1 (each rank routes to
+    its own copy of every expert: a hot expert is a larger GEMM, not a busier rank)."""
     d = cluster.num_gpus // (t * p * c)
+    imbalance = min(imbalance, e) if e > 1 and model.num_experts else 1.0
     shard = shard if shard and shard < d * c else None  # HSDP's group; a group of all d * c is plain FSDP
     m = batch // (b * d)
-    layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c)
+    layer, tp_layer, ep_layer, cp_layer = _layer_seconds(model, t, b, recompute, sp, cluster, e, c, imbalance)
     if model.dense_layers:  # the mean layer: a stage's share of dense and MoE layers taken as the model's
         dense = _layer_seconds(model.dense_layer, t, b, recompute, sp, cluster, 1, c)
         share = model.dense_layers / model.num_layers
@@ -323,6 +344,7 @@ def cost(
         compute_s=m * compute_mb,
         tensor_parallel_comm_s=m * tp_mb,
         expert_parallel_comm_s=m * ep_mb,
+        expert_imbalance=imbalance,
         pipeline_comm_s=m * pp_mb + embedding,
         bubble_s=bubble,
         data_parallel_comm_s=dp,
@@ -370,9 +392,12 @@ def estimate(
     scatter_gather: bool = True,
     memory_fraction: float = 0.9,
     data_parallel_shard_size: int | None = None,
+    expert_imbalance: float = 1.0,
 ) -> Layout:
     """The estimated ``Layout`` (``tflops_per_gpu``, ``step_time_s`` and its parts) of one layout;
-    d is ``cluster.num_gpus / (t * p * c)``. A ValueError names the value, the rule it breaks and a fix."""
+    d is ``cluster.num_gpus / (t * p * c)``. ``expert_imbalance``: the busiest ep rank's routed rows
+    over the mean (``ExpertLoad``'s ``moe/rank_imbalance``). A ValueError names the value, the rule it
+    breaks and a fix."""
     size = model_size(model)
     t, p, v, b = tensor_parallel_size, pipeline_parallel_size, virtual_pipeline_size, micro_batch_size
     e, c = expert_parallel_size, context_parallel_size
@@ -387,6 +412,7 @@ def estimate(
     ):
         check_positive(name, value)
     check_options(activation_checkpointing, sequence_parallel, zero_stage, memory_fraction)
+    check_imbalance(expert_imbalance)
     if sequence_parallel and t == 1:
         raise ValueError(
             "sequence_parallel=True needs tensor_parallel_size > 1 (it splits activations inside the "
@@ -453,6 +479,7 @@ def estimate(
         e=e,
         c=c,
         shard=data_parallel_shard_size,
+        imbalance=expert_imbalance,
     )
     limit = cluster.gpu_memory_bytes * memory_fraction
     if layout.memory_bytes_per_gpu > limit:

@@ -73,3 +73,12 @@ def check_options(recompute: object, sequence_parallel: object, zero_stage: obje
         or not 0 < memory_fraction <= 1
     ):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+
+
+def check_imbalance(value: object) -> None:
+    """``expert_imbalance`` is a number >= 1: the busiest rank's rows over the mean."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1.0:
+        raise ValueError(
+            f"expert_imbalance={value!r} must be a number >= 1.0: the busiest expert-parallel rank's routed rows "
+            "over the mean (ExpertLoad logs it as moe/rank_imbalance); use 1.0 for balanced routing"
+        )

@@ -11,6 +11,7 @@ from lightning_ptdp.planner.estimate import Layout, cost
 from lightning_ptdp.planner.models import TABLE_1, ModelSize, check_positive, model_size
 from lightning_ptdp.planner.rules import (
     RECOMPUTE_CHOICES,
+    check_imbalance,
     check_options,
     context_parallel_reason,
     expert_parallel_reason,
@@ -84,6 +85,7 @@ def plan(
     recompute_modes: Sequence[str | None] = RECOMPUTE_CHOICES,
     scatter_gather: bool = True,
     context_parallel_sizes: Sequence[int] = (1,),
+    expert_imbalance: float = 1.0,
 ) -> list[Layout]:
     """Every layout that fits in memory, fastest estimated step first; ValueError saying why if none.
 
@@ -91,7 +93,8 @@ def plan(
     ``recompute_modes``: the choices tried; ``(None, "full")`` is the paper's toolset (selective
     recompute came with Korthikanti et al. 2022). ``sequence_parallel`` applies where t > 1.
     ``context_parallel_sizes``: the c tried (long sequences: e.g. (1, 2, 4, 8, 16)). ``zero_stage``:
-    None searches the stages 0-3 as it searches t, p, v and b; a stage fixes it."""
+    None searches the stages 0-3 as it searches t, p, v and b; a stage fixes it. ``expert_imbalance``:
+    the busiest ep rank's routed rows over the mean, charged to the experts and the exchanges."""
     size = model_size(model)
     if not recompute_modes or any(mode not in RECOMPUTE_CHOICES for mode in recompute_modes):
         raise ValueError(
@@ -100,6 +103,7 @@ def plan(
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_micro_batch_size", max_micro_batch_size)
     check_options(None, sequence_parallel, 0 if zero_stage is None else zero_stage, memory_fraction)
+    check_imbalance(expert_imbalance)
     stages = (0, 1, 2, 3) if zero_stage is None else (zero_stage,)
     limit = cluster.gpu_memory_bytes * memory_fraction
     shapes = list(_shapes(size, cluster.num_gpus, global_batch_size, max_micro_batch_size, context_parallel_sizes))
@@ -126,6 +130,7 @@ def plan(
             e=e,
             c=c,
             shard=shard,
+            imbalance=expert_imbalance,
         )
         for t, p, v, b, e, c in shapes
         for recompute in recompute_modes

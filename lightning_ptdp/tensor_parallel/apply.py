@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.core.blocks import acts_as, find_block_lists, is_conv1d
+from lightning_ptdp.core.blocks import acts_as, find_block_lists, is_conv1d, token_embedding_and_head
 from lightning_ptdp.core.census import BlockInputs
 from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.tensor_parallel import collectives as C
@@ -139,19 +139,12 @@ def runs_whole_sequence(plan: BlockPlan) -> bool:
 
 
 def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
-    embeddings = [
-        (p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding) and id(m) not in inside_blocks
-    ]
-    if not embeddings:
+    found, head = token_embedding_and_head(model, inside_blocks)
+    if found is None:
         return
-    emb_path, embedding = max(embeddings, key=lambda pm: pm[1].num_embeddings)
+    emb_path, embedding = found
     vocab = embedding.num_embeddings
-    heads = [
-        (p, m)
-        for p, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m) not in inside_blocks and m.out_features == vocab
-    ]
-    heads = [(p, m) for p, m in heads[-1:] if acts_as(m, nn.Linear)]
+    heads = [head] if head is not None else []
     take_state_dict_hooks(model, [emb_path, *(p for p, _ in heads)])
     if not acts_as(embedding, nn.Embedding):
         # its own forward (Gemma scales the lookup) would be lost in the swap: kept whole, exactly

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from lightning_ptdp.core.dtypes import at_least_fp32
-from lightning_ptdp.core.subclasses import run_converted
+from lightning_ptdp.core.subclasses import CrossEntropyCall, run_converted
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -28,33 +28,40 @@ _METADATA = {"size", "dim", "numel", "__get__", "__len__", "data_ptr", "element_
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Per-token loss from vocab-split logits (N, V/t) and global targets (N,)."""
+    """Per-token loss from vocab-split logits (N, V/t) and global targets (N,), with torch's label
+    smoothing: (1 - e) * nll + e * (the mean over the V classes of -log p)."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, target: torch.Tensor, shard, tp: TPGroup, ignore_index: int):
+    def forward(ctx, local, target, shard, tp: TPGroup, ignore_index: int, smoothing: float = 0.0):
         x = at_least_fp32(local)
+        padding = torch.arange(shard.local, device=x.device) >= shard.valid
         if shard.valid < shard.local:  # padding rows never win the softmax
-            x = x.masked_fill(torch.arange(shard.local, device=x.device) >= shard.valid, float("-inf"))
+            x = x.masked_fill(padding, float("-inf"))
         x = x - all_reduce_max(x.max(dim=-1).values, tp).unsqueeze(-1)
         target_local = target - shard.start
         owned = (target_local >= 0) & (target_local < shard.valid)
         picked = x.gather(-1, target_local.clamp(0, shard.local - 1).unsqueeze(-1)).squeeze(-1)
         exp = x.exp()
-        totals = all_reduce_sum(torch.stack((picked.where(owned, torch.zeros_like(picked)), exp.sum(-1))), tp)
+        summed = x.masked_fill(padding, 0.0).sum(-1) if smoothing else torch.zeros_like(picked)
+        parts = torch.stack((picked.where(owned, torch.zeros_like(picked)), exp.sum(-1), summed))
+        totals = all_reduce_sum(parts, tp)
         ignored = target == ignore_index
-        loss = (totals[1].log() - totals[0]).masked_fill(ignored, 0.0)
-        ctx.save_for_backward(exp / totals[1].unsqueeze(-1), target_local, owned, ignored)
-        ctx.input_dtype = local.dtype
-        return loss
+        log_total = totals[1].log()
+        loss = (1.0 - smoothing) * (log_total - totals[0]) + smoothing * (log_total - totals[2] / shard.vocab_size)
+        ctx.save_for_backward(exp / totals[1].unsqueeze(-1), target_local, owned, ignored, padding)
+        ctx.input_dtype, ctx.smoothing, ctx.vocab_size = local.dtype, smoothing, shard.vocab_size
+        return loss.masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, target_local, owned, ignored = ctx.saved_tensors
+        softmax, target_local, owned, ignored, padding = ctx.saved_tensors
         grad = softmax
         rows = owned.nonzero(as_tuple=True)[0]
-        grad[rows, target_local[rows]] -= 1.0
+        grad[rows, target_local[rows]] -= 1.0 - ctx.smoothing
+        if ctx.smoothing:  # d/dx of -e/V * sum(log p): softmax * e - e/V on every real class
+            grad -= (ctx.smoothing / ctx.vocab_size) * (~padding).to(grad.dtype)
         grad = grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 class _GatherVocab(Function):
@@ -103,7 +110,7 @@ class VocabParallelLogits(torch.Tensor):
         logits = next(a for a in (*args, *kwargs.values()) if isinstance(a, VocabParallelLogits))
         name = getattr(func, "__name__", "")
         if func is F.cross_entropy:
-            return _cross_entropy(logits, *args[1:], **kwargs)
+            return _cross_entropy(*args, **kwargs)
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -145,28 +152,21 @@ def _run_gathered(func, logits: VocabParallelLogits, args, kwargs):
     return run_converted(func, args, kwargs, VocabParallelLogits, VocabParallelLogits.full)
 
 
-def _cross_entropy(
-    logits,
-    target,
-    weight=None,
-    size_average=None,
-    ignore_index=-100,
-    reduce=None,
-    reduction="mean",
-    label_smoothing=0.0,
-    **_,
-):
-    supported = weight is None and size_average is None and reduce is None and label_smoothing == 0.0
-    if not supported or logits.dim() != 2 or target.dim() != 1:
-        return _run_gathered(
-            F.cross_entropy,
-            logits,
-            (logits, target),
-            dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing),
-        )
-    losses = _VocabParallelCrossEntropy.apply(logits.local(), target, logits._shard, logits._tp, ignore_index)
-    if reduction == "none":
+def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
+    call = CrossEntropyCall(*args, **kwargs)
+    logits, target = call.input, call.target
+    if not call.plain or logits.dim() != 2 or target.dim() != 1:
+        return _run_gathered(F.cross_entropy, logits, (logits, target), call.options())
+    losses = vocab_parallel_losses(
+        logits.local(), target, logits._shard, logits._tp, call.ignore_index, call.label_smoothing
+    )
+    if call.reduction == "none":
         return losses
-    if reduction == "sum":
+    if call.reduction == "sum":
         return losses.sum()
-    return losses.sum() / (target != ignore_index).sum()
+    return losses.sum() / (target != call.ignore_index).sum()
+
+
+def vocab_parallel_losses(local, target, shard, tp: TPGroup, ignore_index: int, smoothing: float) -> torch.Tensor:
+    """Each row's cross-entropy from this rank's (N, V/t) logits, as F.cross_entropy(reduction="none")."""
+    return _VocabParallelCrossEntropy.apply(local, target, shard, tp, ignore_index, smoothing)

@@ -30,7 +30,7 @@ class OpRefused(Exception):
     """The call cannot run on this rank's share of the sharded dim; the message says why."""
 
 
-class _AtenOps(TorchDispatchMode):
+class AtenOps(TorchDispatchMode):
     """Lists the aten ops a call runs, with their (meta) arguments and results."""
 
     def __init__(self) -> None:
@@ -84,7 +84,7 @@ def _empty(node: fx.Node, dim: int | None = None, ratio: int = 1) -> torch.Tenso
 def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node, int], ratio: int) -> list:
     """The sharded dim of each tensor ``call(*args, **kwargs)`` returns (None: whole on every rank),
     given the sharded dim of each sharded input node, all split ``ratio`` ways."""
-    trace = _AtenOps()
+    trace = AtenOps()
     try:
         with trace:
             result, made = _run(call, args, kwargs, _empty)

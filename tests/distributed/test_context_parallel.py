@@ -102,9 +102,13 @@ def fit_and_measure(family: str, strategy_kwargs: dict, devices: int) -> dict:
 
 
 def _held(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds: a SequenceShard reports the whole sequence's sizes, as in one process."""
+    """What this rank holds: a SequenceShard reports the whole sequence's sizes, as in one process; the
+    fused loss's uncomputed logits stand on the head's input, whose tokens are the logits' tokens."""
     from lightning_ptdp.context_parallel.tail import SequenceShard
+    from lightning_ptdp.parallel.head_logits import HeadLogits
 
+    if isinstance(tensor, HeadLogits):
+        tensor = tensor.head_input()
     return tensor.local() if isinstance(tensor, SequenceShard) else tensor
 
 

@@ -102,19 +102,24 @@ def test_gradient_clipping_takes_the_norm_over_every_expert(dist_pool):
     _check(results, _reference("hf_mixtral", clip), {"expert_parallel_size": 2}, 2)
 
 
-def fit_with_expert_load() -> dict:
-    """Mixtral at d2 e2, 2 steps, with ExpertLoad; beside it each step's tokens per expert on this rank,
-    by layer, counted here from each router's logits (its top-k taken again), not from the exchange."""
+def fit_with_expert_load(dirpath: str) -> dict:
+    """Mixtral at d2 e2, 2 steps, with ExpertLoad and PipelineTimeline (its traffic heatmap of step 1);
+    beside them each step's tokens per expert on this rank, by layer, counted here from each router's
+    logits (its top-k taken again), not from the exchange."""
     import functools
+    from pathlib import Path
 
     import lightning.pytorch as L
     import torch
 
-    from lightning_ptdp.callbacks import ExpertLoad
+    from lightning_ptdp.callbacks import ExpertLoad, PipelineTimeline
+    from lightning_ptdp.callbacks.png import read_png
     from tests.fit_utils import fit_and_record
 
     load = ExpertLoad()
+    timeline = PipelineTimeline(step=1, dirpath=dirpath)
     logged: list[dict] = []
+    traffic: list[dict] = []
     chosen: list[dict[str, torch.Tensor]] = []
     in_step: list[bool] = []
 
@@ -135,24 +140,34 @@ def fit_with_expert_load() -> dict:
 
         def on_train_batch_end(self, trainer, *args) -> None:
             logged.append(dict(load.metrics))
+            traffic.append({k: v.tolist() for k, v in load.traffic.items()})
             in_step.clear()
 
     fit_and_record(
-        "hf_mixtral", strategy_kwargs={"expert_parallel_size": 2}, devices=2, steps=2, callbacks=[load, Logged()]
+        "hf_mixtral",
+        strategy_kwargs={"expert_parallel_size": 2},
+        devices=2,
+        steps=2,
+        callbacks=[load, Logged(), timeline],
     )
+    heatmap = [Path(p) for p in timeline.paths if p.name.endswith("_traffic.png")]
     return {
         "history": [{k: v.tolist() for k, v in step.items()} for step in load.history],
         "logged": logged,
+        "traffic": traffic,
         "chosen": [{k: v.tolist() for k, v in step.items()} for step in chosen],
+        "heatmap": read_png(heatmap[0].read_bytes())[3] if heatmap else None,
     }
 
 
 @pytest.mark.world_size(2)
-def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool):
+def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool, tmp_path):
+    from lightning_ptdp.callbacks.timeline import _CELL, _LEFT, _TOP
+
     routed = 8 * 32 * 2  # global batch x sequence x top-2: every (token, expert) row, counted once
     hidden, fp32 = 32, 4
     local_rows = routed // 2  # one rank's rows; the most it can send off-rank in a forward, then take back
-    results = dist_pool(2).run(fit_with_expert_load)
+    results = dist_pool(2).run(fit_with_expert_load, str(tmp_path))
     for index in range(2):
         # the routers' own choices, both ranks' tokens summed, layer by layer (names sort by layer alike)
         chosen = [result["chosen"][index] for result in results]
@@ -165,6 +180,32 @@ def test_expert_load_counts_every_routed_token_and_the_exchange(dist_pool):
             assert [step[name] for name in sorted(step)] == by_router
             assert logged["moe/imbalance"] == pytest.approx(worst)
             assert 0 < logged["moe/all_to_all_bytes"] <= 2 * len(step) * 2 * local_rows * hidden * fp32
+        # the traffic matrix from the routers' choices: rank i sends j the rows routed to j's experts (the
+        # first half of them on rank 0), and sends back the rows j routed to i's, forward and backward
+        links = [[0.0, 0.0], [0.0, 0.0]]
+        layers = sorted(results[0]["traffic"][index])  # the experts modules, in the routers' order
+        for name, layer in zip(sorted(chosen[0]), layers):
+            half = len(chosen[0][name]) // 2
+            to = [[sum(c[name][:half]), sum(c[name][half:])] for c in chosen]  # to[i][j]: rows i routed to j
+            for i, j in ((0, 1), (1, 0)):
+                links[i][j] += 2 * (to[i][j] + to[j][i]) * hidden * fp32
+            link = 2.0 * (to[0][1] + to[1][0]) * hidden * fp32  # at e = 2 a link carries as much each way
+            assert results[0]["traffic"][index][layer] == [[0.0, link], [link, 0.0]]
+        busiest = max(links[0][1], links[1][0])
+        assert results[0]["logged"][index]["moe/busiest_link_bytes"] == busiest
+        rows = [sum(sum(c[n][:half]) for c in chosen for n in c), sum(sum(c[n][half:]) for c in chosen for n in c)]
+        assert results[0]["logged"][index]["moe/rank_imbalance"] == pytest.approx(max(rows) / (sum(rows) / 2))
+    # the heatmap of step 1: the off-diagonal cells red, darker where more bytes went; the diagonal white
+    pixels = results[0]["heatmap"]
+    assert pixels is not None and results[1]["heatmap"] is None  # rank 0 writes it
+
+    def red(i: int, j: int) -> tuple:
+        row = pixels[_TOP + i * _CELL + 4]
+        x = 3 * (_LEFT + j * _CELL + _CELL - 6)
+        return tuple(row[x : x + 3])
+
+    assert red(0, 0) == red(1, 1) == (255, 255, 255)
+    assert red(0, 1) == red(1, 0) == (160, 30, 30)  # the busiest link, darkest
 
 
 STEPS_PER_EPOCH = 4

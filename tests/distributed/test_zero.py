@@ -97,13 +97,15 @@ def test_zero_with_tensor_parallel_matches_single_process(dist_pool, family, zer
         ("nanogpt_dict_tied", 1),
         ("nanogpt_dict_tied", 2),
         ("nanogpt_dict_tied", 3),
+        ("nanogpt_bypassed", 3),
     ],
 )
 def test_zero_on_blocks_held_by_the_lightning_module(dist_pool, family, zero_stage):
     """``self.layers = nn.ModuleList(...)`` on the LightningModule, and nanoGPT's ``transformer``
     ModuleDict: each block and each module outside them is a unit, never the container. nanoGPT's
     wte tied to an lm_head beside the ModuleDict: at stages 2-3 the two are one FSDP group (this
-    was refused before), so the tie holds and the weight gets both gradients."""
+    was refused before), so the tie holds and the weight gets both gradients. A wrapper whose forward
+    the step goes around (``self.net.inner(x)``) is no unit either: its embedding was never gathered."""
     results = dist_pool(2).run(
         fit_and_record,
         family,

@@ -42,6 +42,7 @@ STRATEGY = [
         r"data_parallel_shard_size=2 with expert_parallel_size=2 is not supported yet",
     ),
     ({"float8": "fp8"}, r"float8='fp8' is not one of 'tensorwise', 'rowwise'; choose one of those"),
+    ({"fused_loss": "yes"}, r"fused_loss='yes' must be None \(where it applies\), True or False"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
     (
         {"pipeline_schedule": "interleaved"},
