@@ -226,6 +226,11 @@ class ParallelConfig:
     float8: Union[bool, str, dict, Float8Config, None] = None
     """float8 matmuls in the blocks' Linears (torchao): True, "tensorwise", "rowwise", a dict or a
     ``Float8Config``; stored as a ``Float8Config`` or None."""
+    expert_capacity_factor: Optional[float] = None
+    """Megatron's and Switch Transformer's expert capacity, opt-in: in training each expert takes at
+    most this factor times an even share of a rank's (token, expert) rows, those of the largest routing
+    weights; the rest are dropped (their experts add nothing: the token keeps its residual path). It
+    changes the result. Needs e > 1 (ptdp's exchange drops them) and per-token top-k routing."""
     fused_loss: Optional[bool] = None
     """The LM head and F.cross_entropy computed together in chunks of tokens, never the whole logits
     (parallel/fused_loss.py): None where the step uses the logits only for that loss (the same
@@ -251,6 +256,18 @@ class ParallelConfig:
         for name in ("sequence_parallel", "strict_plan", "certify_plan", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        factor = self.expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise ValueError(
+                f"expert_capacity_factor={factor!r} must be a number > 0 (1.0: each expert takes an even share of "
+                "a rank's routed rows; Switch Transformer used 1.0-2.0), or None for no capacity"
+            )
+        if factor is not None and self.expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_capacity_factor={factor} needs expert_parallel_size > 1: ptdp drops the rows past capacity "
+                "in its token exchange, and at expert_parallel_size=1 the model's own experts run untouched; set "
+                "expert_parallel_size, or leave expert_capacity_factor unset"
+            )
         if self.fused_loss is not None and not isinstance(self.fused_loss, bool):
             raise ValueError(f"fused_loss={self.fused_loss!r} must be None (where it applies), True or False")
         _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)

@@ -85,6 +85,7 @@ class PTDPStrategy(ParallelStrategy):
         compile: Union[bool, dict, cfg.CompileConfig] = False,
         float8: Union[bool, str, dict, cfg.Float8Config, None] = None,
         fused_loss: Optional[bool] = None,
+        expert_capacity_factor: Optional[float] = None,
         tp_plan: Optional[dict[str, str]] = None,
         ep_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
@@ -185,8 +186,7 @@ class PTDPStrategy(ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
-    # ------------------------------------------------------------------ launch and setup
-    @override
+    @override  # ------------------------------------------------------------------ launch and setup
     def _configure_launcher(self) -> None:
         """Called at Trainer construction: validate the layout before any process is started."""
         assert self.cluster_environment is not None

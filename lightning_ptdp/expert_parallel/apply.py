@@ -55,12 +55,17 @@ class EPReport:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep: EPGroup, probe: Callable[[], Any] | ExpertCalls, plan: Optional[dict[str, str]] = None
+    model: nn.Module,
+    ep: EPGroup,
+    probe: Callable[[], Any] | ExpertCalls,
+    plan: Optional[dict[str, str]] = None,
+    capacity_factor: Optional[float] = None,
 ) -> EPReport:
     """Split every MoE layer's experts over ``ep``: found from the setup census's ``ExpertCalls``
     (or one probe forward; every rank still holds all experts), then each rank keeps its n/e and its
     experts' forward exchanges tokens. ``plan``: ep_plan, {module path or glob: style}, deciding
-    where it names a module (the census's recorder was built with it)."""
+    where it names a module (the census's recorder was built with it). ``capacity_factor``: the
+    exchange drops the rows past each expert's capacity (exchange.py ``capacity``)."""
     if isinstance(probe, ExpertCalls):
         sites, lists = probe.sites()
     else:
@@ -80,13 +85,20 @@ def apply_expert_parallel(
             f"'{uneven[0].name}'; each rank holds whole experts: choose expert_parallel_size in {fits} (dividing the "
             "data-parallel size too)"
         )
+    not_per_token = [s for s in every if isinstance(s, GroupedSite) or s in lists]
+    if capacity_factor is not None and not_per_token:
+        raise ExpertDiscoveryError(
+            f"expert_capacity_factor={capacity_factor}: the experts of '{not_per_token[0].name}' are called on rows "
+            "already grouped by expert (a block or a call per expert), not with each token's top-k experts and "
+            "weights, so which rows to drop (the lowest weights) is not known; leave expert_capacity_factor unset"
+        )
     report = EPReport()
     for site in sites:
         shard = _split(site, ep)
         if isinstance(site, GroupedSite):
             install_grouped(site, shard, report.stats)
         else:
-            _install(site, shard, report.stats)
+            _install(site, shard, report.stats, capacity_factor)
         report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n, _ in site.module.named_parameters()]
         report.expert_modules += [m for m in site.module.modules() if "_ptdp_experts" in m.__dict__]
@@ -123,7 +135,7 @@ def _split(site: ExpertsSite, ep: EPGroup) -> ExpertShard:
     return shard
 
 
-def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> None:
+def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats, capacity_factor: Optional[float]) -> None:
     """The module's own forward, run on the rows this rank's experts received."""
     module = site.module
     original = type(module).forward
@@ -157,6 +169,7 @@ def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats) -> Non
             compute=compute,
             stats=stats if self.training else None,
             name=site.name,
+            capacity_factor=capacity_factor if self.training else None,
         ).view(hidden.shape)
 
     # the exchange's split sizes are values (counts read back): under compile= it runs eagerly,

@@ -3,6 +3,7 @@ rank holding that expert, is computed there, and comes back (Megatron's dispatch
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -100,17 +101,25 @@ def exchange(
     compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     stats: ExchangeStats | None = None,
     name: str = "",
+    capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """One MoE layer's experts over the ep group. ``hidden`` [N, H], ``indices`` [N, k] global
     expert ids, ``weights`` [N, k]. ``compute(rows, local_ids [R, 1], ones [R, 1])`` runs this
     rank's experts on the rows it received. Returns [N, H'] (H' the experts' output width): each
-    token's weighted sum over its k experts, as the experts' own forward computes it in one process."""
+    token's weighted sum over its k experts, as the experts' own forward computes it in one process.
+    ``capacity_factor``: each expert takes at most ``capacity(...)`` of this rank's (token, expert)
+    rows, those of the largest routing weights; the rest are dropped (they add nothing)."""
     local = num_experts // ep.size
     k = indices.shape[1]
     flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # rows grouped by expert, so by the rank holding it
+    if capacity_factor is None:
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, so by the rank holding it
+    else:
+        order = within_capacity(
+            flat, weights.reshape(-1), num_experts, capacity(flat.numel(), num_experts, capacity_factor)
+        )
     token = order // k
-    per_expert = torch.bincount(flat, minlength=num_experts)
+    per_expert = torch.bincount(flat[order], minlength=num_experts)
     received_per_expert = torch.empty_like(per_expert)
     dist.all_to_all_single(received_per_expert, per_expert, group=ep.group)  # my experts' counts from each rank
     send = per_expert.view(ep.size, local).sum(1).tolist()
@@ -127,3 +136,20 @@ def exchange(
     weighted = back * weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     out = hidden.new_zeros((hidden.shape[0], back.shape[1]))  # the experts' width (rows grouped by expert: any)
     return out.index_add_(0, token, weighted.to(hidden.dtype))
+
+
+def capacity(rows: int, num_experts: int, factor: float) -> int:
+    """(token, expert) rows one expert takes from one rank: ``factor`` times an even share (Switch
+    Transformer's and Megatron's expert capacity, on this rank's tokens)."""
+    return math.ceil(factor * rows / num_experts)
+
+
+def within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, limit: int) -> torch.Tensor:
+    """Indices of the (token, expert) rows kept, grouped by expert: per expert the ``limit`` rows of the
+    largest weights (Megatron's "probs" drop policy; ties by position)."""
+    by_weight = torch.argsort(-weights, stable=True)
+    by_expert = by_weight[torch.argsort(experts[by_weight], stable=True)]
+    counts = torch.bincount(experts, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(experts.numel(), device=experts.device) - starts[experts[by_expert]]
+    return by_expert[position < limit]

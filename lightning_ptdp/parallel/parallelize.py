@@ -172,7 +172,9 @@ def parallelize(
             if "_ptdp_ep" not in module.__dict__:
                 ep_mesh = expert_mesh["ep"]
                 group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
-                module.__dict__["_ptdp_ep"] = apply_expert_parallel(module, group, experts, ep_plan)
+                module.__dict__["_ptdp_ep"] = apply_expert_parallel(
+                    module, group, experts, ep_plan, config.expert_capacity_factor
+                )
             result.ep_report = module.__dict__["_ptdp_ep"]
         if dims.cp > 1 and "_ptdp_cp" not in module.__dict__:
             cp_mesh = mesh["cp"]

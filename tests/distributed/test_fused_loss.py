@@ -1,6 +1,6 @@
 """The fused head and loss, on by default, under every layout that changes the head or the tail:
 TP's vocabulary-parallel head (with and without SP), CP's cut tail, the pipeline's last stage,
-ZeRO-3 and plain d2, each against one process with no fusion, on three loss idioms: a tied nanoGPT
+ZeRO-1 and ZeRO-3 and plain d2, each against one process with no fusion, on three loss idioms: a tied nanoGPT
 with F.cross_entropy, transformers' own loss on padded labels, and label smoothing with ignored
 targets in the step. Tolerances: test_tensor_parallel's (fp32, 1e-5 for losses and gradients);
 fusion only reorders sums of rows (tests/unit/test_fused_loss.py).
@@ -31,11 +31,12 @@ LAYOUTS = {
     "t2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
     "c2": {"context_parallel_size": 2},
     "p2": {"pipeline_parallel_size": 2, "micro_batch_size": 2},
+    "d2-zero1": {"zero_stage": 1},
     "d2-zero3": {"zero_stage": 3},
 }
 FAMILIES = ["nanogpt_dict_tied", "hf_llama_padded", "hf_llama_smoothed"]
 COUNTS_TARGETS = ("hf_llama_padded", "hf_llama_smoothed")  # targets of -100: a mean over the counted ones
-OWN_MEANS = ("d2", "p2", "d2-zero3")  # each replica or microbatch its own mean
+OWN_MEANS = ("d2", "p2", "d2-zero1", "d2-zero3")  # each replica or microbatch its own mean
 
 _references: dict[str, dict] = {}
 

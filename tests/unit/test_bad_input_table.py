@@ -42,6 +42,10 @@ STRATEGY = [
         r"data_parallel_shard_size=2 with expert_parallel_size=2 is not supported yet",
     ),
     ({"float8": "fp8"}, r"float8='fp8' is not one of 'tensorwise', 'rowwise'; choose one of those"),
+    (
+        {"expert_capacity_factor": 1.0},
+        r"expert_capacity_factor=1.0 needs expert_parallel_size > 1: ptdp drops the rows past capacity",
+    ),
     ({"fused_loss": "yes"}, r"fused_loss='yes' must be None \(where it applies\), True or False"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
     (
