@@ -54,7 +54,8 @@ class _Pointwise:
 
 def _pointwise(func: Any, dtype: torch.dtype, args: tuple, kwargs: dict) -> Optional[tuple[_Pointwise, torch.dtype]]:
     """``func(logits, *args, **kwargs)`` as a step after the head, with its result's dtype, where every
-    other argument is a number and every aten op it runs is pointwise (tried on a meta tensor); else None."""
+    other argument is a number and every aten op it runs is pointwise and not random (tried on a meta
+    tensor); else None."""
     if not all(isinstance(v, (bool, int, float)) or v is None for v in (*args, *kwargs.values())):
         return None
     probe = torch.empty((2, 3), dtype=dtype, device="meta")
@@ -65,8 +66,9 @@ def _pointwise(func: Any, dtype: torch.dtype, args: tuple, kwargs: dict) -> Opti
             return None
     if not isinstance(out, torch.Tensor) or out.shape != probe.shape or not seen.ops:
         return None
-    if not all(torch.Tag.pointwise in op.tags for op, *_ in seen.ops):
-        return None
+    tags = [op.tags for op, *_ in seen.ops]
+    if not all(torch.Tag.pointwise in t and torch.Tag.nondeterministic_seeded not in t for t in tags):
+        return None  # a step run again per chunk and in backward must give the same values: no random op
     return _Pointwise(func, args, kwargs), out.dtype
 
 

@@ -277,3 +277,17 @@ def test_a_cut_sequence_view_reads_dim_1_as_the_sequence_only_when_the_tokens_si
 
     cut = SequenceShard.wrap(torch.zeros(4, 16, 32), CPGroup(None, 2, 0), batch=4)
     assert tuple(cut.view(*shape).local().shape) == local
+
+
+def test_a_random_step_after_the_head_is_not_replayed_per_chunk():
+    """Dropout on the logits is no pointwise step (aten tags it nondeterministic_seeded): the logits are
+    computed once, as unfused, and the loss runs on them."""
+    plain, fused = _pair()
+    report = apply_fused_loss(fused, lm_head_path(fused))
+    ids = _batch().clamp_min(0)
+    losses = []
+    for model in (plain, fused):
+        torch.manual_seed(0)
+        losses.append(F.cross_entropy(F.dropout(model(ids), 0.5).flatten(0, 1), ids.flatten()))
+    assert report.uses == ["dropout"]
+    assert torch.equal(losses[0], losses[1])
