@@ -167,14 +167,8 @@ class _ChunkedHeadLoss(Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.summed:  # the gradients handed over, not copied: autograd then keeps them as the .grad
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:
-                raise RuntimeError(
-                    "fused_loss: a second backward through the fused loss (retain_graph=True); its gradients "
-                    "were handed to the first; pass fused_loss=False to the strategy to backward twice"
-                )
-            return (*(g if g is None else g.mul_(grad.to(g.dtype)) for g in grads), None, None, None, None)
+        if ctx.summed:  # kept, not handed over: zero-bubble's weight pass runs this backward a second time
+            return (*(g if g is None else g * grad.to(g.dtype) for g in ctx.grads), None, None, None, None)
         hidden, weight, bias, target = ctx.saved_tensors
         wanted = tuple(ctx.needs_input_grad[:3])
         _, grads = _chunked((hidden, weight, bias), target, ctx.head, ctx.rule, wanted, grad)

@@ -291,3 +291,19 @@ def test_a_random_step_after_the_head_is_not_replayed_per_chunk():
         losses.append(F.cross_entropy(F.dropout(model(ids), 0.5).flatten(0, 1), ids.flatten()))
     assert report.uses == ["dropout"]
     assert torch.equal(losses[0], losses[1])
+
+
+def test_a_second_backward_through_the_loss_gives_its_gradients_again():
+    """Zero-bubble pipelines run backward twice through a stage (inputs, then weights): each pass
+    must get the loss's gradients, as an unfused loss gives them."""
+    plain, fused = _pair()
+    ids = _batch()
+    grads = []
+    for model in (plain, fused):
+        model.zero_grad()
+        loss = _transformers(model(ids.clamp_min(0)), ids)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert _relative(grads[1][name], grad) <= FP32_REL, name
