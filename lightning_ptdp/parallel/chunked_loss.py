@@ -97,7 +97,8 @@ def chunk_rows(rows: int, vocab: int, hidden: int, least: Optional[int] = None) 
 
 def chunked_cross_entropy(hidden: torch.Tensor, target: torch.Tensor, head: Head, rule: Rule, summed: bool):
     """Cross-entropy of the head's logits of (N, h) rows against (N,) targets: summed, or per row."""
-    return _ChunkedHeadLoss.apply(hidden, head.weight, head.bias, target, head, rule, summed)
+    graph = torch.is_grad_enabled()  # under no_grad a parameter still "needs" its gradient: none is made
+    return _ChunkedHeadLoss.apply(hidden, head.weight, head.bias, target, head, rule, summed, graph)
 
 
 def _chunk_losses(hidden, weight, bias, target, head: Head, rule: Rule) -> torch.Tensor:
@@ -150,8 +151,8 @@ class _ChunkedHeadLoss(Function):
     does (three matmuls per chunk, as unfused); a per-row loss recomputes each chunk in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, head: Head, rule: Rule, summed: bool):
-        wanted = tuple(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, target, head: Head, rule: Rule, summed: bool, graph: bool):
+        wanted = tuple(want and graph for want in ctx.needs_input_grad[:3])
         ctx.head, ctx.rule, ctx.summed = head, rule, summed
         if summed:
             total, ctx.grads = _chunked((hidden, weight, bias), target, head, rule, wanted, None)
@@ -168,8 +169,8 @@ class _ChunkedHeadLoss(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.summed:  # kept, not handed over: zero-bubble's weight pass runs this backward a second time
-            return (*(g if g is None else g * grad.to(g.dtype) for g in ctx.grads), None, None, None, None)
+            return (*(g if g is None else g * grad.to(g.dtype) for g in ctx.grads), None, None, None, None, None)
         hidden, weight, bias, target = ctx.saved_tensors
         wanted = tuple(ctx.needs_input_grad[:3])
         _, grads = _chunked((hidden, weight, bias), target, ctx.head, ctx.rule, wanted, grad)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)

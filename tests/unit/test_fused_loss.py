@@ -140,7 +140,7 @@ def test_each_loss_idiom_gives_the_unfused_loss_and_gradients(idiom, tied):
 
 
 class _LargestTensor(TorchDispatchMode):
-    """The largest tensor any aten op returns (elements)."""
+    """The largest tensor any aten op makes (elements; views of its inputs are not made)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,8 +148,9 @@ class _LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for value in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in given:  # not a view
                 self.largest = max(self.largest, value.numel())
         return out
 
@@ -307,3 +308,13 @@ def test_a_second_backward_through_the_loss_gives_its_gradients_again():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         assert _relative(grads[1][name], grad) <= FP32_REL, name
+
+
+def test_under_no_grad_no_gradient_is_made():
+    """Validation: the head's weight still requires grad, but no weight-sized gradient may be built."""
+    vocab = 512
+    _, fused = _pair(vocab=vocab)
+    ids = torch.randint(0, vocab, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), _LargestTensor() as seen:
+        F.cross_entropy(fused(ids).flatten(0, 1), ids.flatten())
+    assert seen.largest < vocab * HIDDEN  # the weight's size: its gradient would be one
