@@ -1,5 +1,5 @@
 """The first op where a rewritten block departs from its whole copy, for the plan certificate's refusal.
-Both forwards run under ``_OpFlow``: each torch call on a line of the user's code is keyed by (file,
+Both forwards run under ``_OpFlow`` (a watcher of the census's ``EveryTorchCall``): each torch call on a line of the user's code is keyed by (file,
 line, op, its count there), and the rewritten run's ops, compared with the whole run's of the same key,
 agree, differ or cannot be compared; ptdp's own calls are not compared (a row Linear's partial sum is
 right once reduced). Walking back from the block's output through ops that differ or were not compared,
@@ -17,9 +17,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_ptdp.core.census import EveryTorchCall
 
 _TORCH, _OWN = os.sep + "torch" + os.sep, os.sep + "lightning_ptdp" + os.sep
 _SKETCH, _CANDIDATES = 8, 4  # random projections that pick each slice's nearest whole slices; exact checks per slice
@@ -48,26 +49,24 @@ def _user_line(frame: Optional[FrameType]) -> Optional[tuple[str, int]]:
     return None
 
 
-class _OpFlow(TorchFunctionMode):
-    """Hands ``on_op(key, output tensors)`` each torch call on a line of the user's code, and keeps for
-    every call (ptdp's too) the calls that made its input tensors: the path a difference takes."""
+class _OpFlow:
+    """A watcher of ``EveryTorchCall`` (core/census.py): hands ``on_op(key, output tensors)`` each torch
+    call on a line of the user's code, and keeps for every call (ptdp's too) the calls that made its
+    input tensors: the path a difference takes."""
 
     def __init__(self, on_op: Callable[[Key, list[torch.Tensor]], None]) -> None:
-        super().__init__()
         self.on_op, self.counts = on_op, Counter()
         self.made_by = WeakIdKeyDictionary()  # tensor -> the call that made it
         self.inputs: list[set[int]] = []
         self.keys: list[Optional[Key]] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         call = len(self.keys)
         self.inputs.append({self.made_by[t] for t in tree_leaves((args, kwargs)) if _tensor(t) and t in self.made_by})
         tensors = [t for t in tree_leaves(out) if _tensor(t)]
         for t in tensors:
             self.made_by[t] = call
-        line, key = _user_line(sys._getframe(1)), None
+        line, key = _user_line(sys._getframe(2)), None  # the caller of EveryTorchCall's __torch_function__
         if line is not None and tensors and all(t.layout == torch.strided and not t.is_meta for t in tensors):
             site = (*line, getattr(func, "__name__", str(func)))
             key = (*site, self.counts[site])
@@ -75,7 +74,6 @@ class _OpFlow(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():  # a plain copy of a SequenceShard, as it is now
                 self.on_op(key, [t.detach().clone() for t in tensors])
         self.keys.append(key)
-        return out
 
     def upstream(self, tensor: Any, passes: Callable[[int], bool]) -> Optional[set[int]]:
         """The calls ``tensor`` was made from through calls that ``passes``; None when it is not known."""
@@ -103,7 +101,7 @@ def first_difference(
     experts) has no order to pair the calls by: not compared."""
     whole: dict[Key, tuple[int, list[torch.Tensor]]] = {}
     theirs = _OpFlow(lambda key, outs: whole.setdefault(key, (len(whole), outs)))
-    with theirs:
+    with EveryTorchCall([theirs.seen]):
         run_whole()
     verdicts: dict[Key, Optional[bool]] = {}
 
@@ -114,7 +112,7 @@ def first_difference(
             verdicts[key] = False if False in each else (None if None in each else True)
 
     ours = _OpFlow(compare)
-    with ours:
+    with EveryTorchCall([ours.seen]):
         result = run_ours()
     differs = {k for k, v in verdicts.items() if v is False and ours.counts[k[:3]] == theirs.counts[k[:3]]}
     output = result[0] if isinstance(result, (tuple, list)) and result else result

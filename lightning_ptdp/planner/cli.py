@@ -141,25 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             sys.stdout.write(format_layout(layout, cluster) + "\n")
             return 0
-        layouts = plan(
-            model,
-            cluster,
-            args.global_batch_size,
+        searched = dict(
             zero_stage=args.zero_stage,
             sequence_parallel=args.sequence_parallel,
             context_parallel_sizes=_sizes("--context-parallel", args.context_parallel),
-            expert_imbalance=args.expert_imbalance,
         )
+        layouts = plan(model, cluster, args.global_batch_size, expert_imbalance=args.expert_imbalance, **searched)
         balanced = None
         if args.expert_imbalance > 1.0 and model_size(model).num_experts:
-            balanced = plan(
-                model,
-                cluster,
-                args.global_batch_size,
-                zero_stage=args.zero_stage,
-                sequence_parallel=args.sequence_parallel,
-                context_parallel_sizes=_sizes("--context-parallel", args.context_parallel),
-            )[0]
+            balanced = plan(model, cluster, args.global_batch_size, **searched)[0]
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")
     sys.stdout.write(f"model: {model_size(model).describe()}\n")
