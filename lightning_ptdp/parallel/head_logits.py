@@ -55,13 +55,19 @@ class _Pointwise:
 def _pointwise(func: Any, dtype: torch.dtype, args: tuple, kwargs: dict) -> Optional[tuple[_Pointwise, torch.dtype]]:
     """``func(logits, *args, **kwargs)`` as a step after the head, with its result's dtype, where every
     other argument is a number and every aten op it runs is pointwise and not random (tried on a meta
-    tensor); else None."""
+    tensor, once per call signature: a step's argmax asks each step); else None."""
     if not all(isinstance(v, (bool, int, float)) or v is None for v in (*args, *kwargs.values())):
         return None
+    out = _pointwise_dtype(func, dtype, args, tuple(sorted(kwargs.items())))
+    return None if out is None else (_Pointwise(func, args, kwargs), out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pointwise_dtype(func: Any, dtype: torch.dtype, args: tuple, kwargs: tuple) -> Optional[torch.dtype]:
     probe = torch.empty((2, 3), dtype=dtype, device="meta")
     with AtenOps() as seen:
         try:
-            out = func(probe, *args, **kwargs)
+            out = func(probe, *args, **dict(kwargs))
         except Exception:  # not a function of one tensor and numbers
             return None
     if not isinstance(out, torch.Tensor) or out.shape != probe.shape or not seen.ops:
@@ -69,7 +75,7 @@ def _pointwise(func: Any, dtype: torch.dtype, args: tuple, kwargs: dict) -> Opti
     tags = [op.tags for op, *_ in seen.ops]
     if not all(torch.Tag.pointwise in t and torch.Tag.nondeterministic_seeded not in t for t in tags):
         return None  # a step run again per chunk and in backward must give the same values: no random op
-    return _Pointwise(func, args, kwargs), out.dtype
+    return out.dtype
 
 
 class HeadLogits(torch.Tensor):
