@@ -176,6 +176,40 @@ class Float8Config:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertBalanceConfig:
+    """Balanced expert placement (expert_parallel/rebalance.py): every ``interval`` optimizer steps
+    each MoE layer's experts are placed anew from the rows routed to them since, a hot expert
+    replicated on several ranks, its tokens split among them. The result is one process's."""
+
+    interval: int = 100
+    """Optimizer steps between placements (weights and optimizer state move then)."""
+    experts_per_rank: Optional[int] = None
+    """The memory cap: slots a rank holds, at least n/e; None: n/e + 1 (a spare slot a rank)."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("interval", self.interval), ("experts_per_rank", self.experts_per_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"expert_balance {name}={value!r} must be an integer >= 1 (interval: optimizer steps between "
+                    "placements; experts_per_rank: at least n/e, None for n/e + 1)"
+                )
+
+    @classmethod
+    def of(cls, value: object) -> Optional["ExpertBalanceConfig"]:
+        """``expert_balance=`` as the strategy takes it: False/None (off), True (defaults), an int
+        (the interval), a dict of these fields or an ExpertBalanceConfig."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(interval=value)
+        known, config = _switch_of(cls, "expert_balance", value, f"the keys are {[f.name for f in fields(cls)]}")
+        if known:
+            return config
+        raise ValueError(
+            f"expert_balance={value!r} must be True, False, an interval in steps, a dict of ExpertBalanceConfig's "
+            "fields (interval, experts_per_rank) or an ExpertBalanceConfig"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How one model is split across devices: the degrees and the techniques of PTD-P."""
 
@@ -231,6 +265,9 @@ class ParallelConfig:
     most this factor times an even share of a rank's (token, expert) rows, those of the largest routing
     weights; the rest are dropped (their experts add nothing: the token keeps its residual path). It
     changes the result. Needs e > 1 (ptdp's exchange drops them) and per-token top-k routing."""
+    expert_balance: Union[bool, int, dict, ExpertBalanceConfig, None] = None
+    """Balanced expert placement with hot experts replicated (``ExpertBalanceConfig``): True, an
+    interval in steps, a dict or the config; stored as the config or None. Needs e > 1, ZeRO 0-1."""
     fused_loss: Optional[bool] = None
     """The LM head and F.cross_entropy computed together in chunks of tokens, never the whole logits
     (parallel/fused_loss.py): None where the step uses the logits only for that loss (the same
@@ -277,9 +314,23 @@ class ParallelConfig:
         _check_choice("kernels", self.kernels, KERNEL_MODES)
         object.__setattr__(self, "compile", CompileConfig.of(self.compile))
         object.__setattr__(self, "float8", Float8Config.of(self.float8))
+        object.__setattr__(self, "expert_balance", ExpertBalanceConfig.of(self.expert_balance))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        balance = self.expert_balance
+        if balance is not None and self.expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_balance={balance} needs expert_parallel_size > 1: it places (and replicates) experts over "
+                "the ranks that split them, and at expert_parallel_size=1 every rank holds every expert; set "
+                "expert_parallel_size, or leave expert_balance unset"
+            )
+        if balance is not None and self.fsdp:
+            raise ValueError(
+                f"expert_balance with zero_stage={self.zero_stage}: FSDP2 shards each rank's expert slots over its "
+                "d / e replicas, so a replica's gradient cannot be summed with its other holders' slot by slot; use "
+                "zero_stage 0 or 1 with expert_balance, or leave expert_balance unset"
+            )
         if self.compile is not None and self.kernels == "triton":
             raise ValueError(
                 "kernels='triton' with compile: ptdp's Triton kernels are routed by a runtime hook that inductor "

@@ -86,6 +86,7 @@ class PTDPStrategy(ParallelStrategy):
         float8: Union[bool, str, dict, cfg.Float8Config, None] = None,
         fused_loss: Optional[bool] = None,
         expert_capacity_factor: Optional[float] = None,
+        expert_balance: Union[bool, int, dict, cfg.ExpertBalanceConfig, None] = None,
         tp_plan: Optional[dict[str, str]] = None,
         ep_plan: Optional[dict[str, str]] = None,
         pretrained: Optional[str] = None,
@@ -263,8 +264,7 @@ class PTDPStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    # ------------------------------------------------------------------ steps
-    @property
+    @property  # ------------------------------------------------------------------ steps
     def pipeline(self) -> Optional[PipelineEngine]:
         """This rank's pipeline engine (its chunks, the last step's measured timeline); None if p = 1."""
         return self._parallelized.pipeline if self._parallelized is not None else None
@@ -315,7 +315,9 @@ class PTDPStrategy(ParallelStrategy):
             self._parallelized.gradients.finish(params, output, self.lightning_module.trainer.global_step)
             return output
 
-        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        stepped = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        self._parallelized.stepped(optimizer)  # expert_balance: the experts move every interval steps
+        return stepped
 
     def _eval_step(self, name: str, args: tuple, kwargs: dict, context: Any, collect: bool = False) -> Any:
         engine = self.pipeline
@@ -366,8 +368,7 @@ class PTDPStrategy(ParallelStrategy):
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
-    # ------------------------------------------------------------------ collectives on the (pp, dp, cp, tp) world
-    @property
+    @property  # ------------------------------------------------------------------ collectives on the (pp, dp, cp, tp) world
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Replicas are the dp ranks: all tp and pp ranks of one replica read the same samples."""
@@ -414,8 +415,7 @@ class PTDPStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    # ------------------------------------------------------------------ checkpoints (checkpoint/)
-    @property
+    @property  # ------------------------------------------------------------------ checkpoints (checkpoint/)
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # loading cuts the saved tensors to this rank's shards: after parallelize
@@ -473,8 +473,7 @@ class PTDPStrategy(ParallelStrategy):
             write_file=lambda full: self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options),
         )
 
-    # ------------------------------------------------------------------ failures and teardown
-    @override
+    @override  # ------------------------------------------------------------------ failures and teardown
     def on_exception(self, exception: BaseException) -> None:
         """Called by Lightning on every rank whose run raised, before its teardown: this rank's own
         error is recorded for its peers; one whose collective broke because a peer stopped gets a

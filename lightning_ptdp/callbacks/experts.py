@@ -21,7 +21,8 @@ class ExpertLoad(pl.Callback):
       summed, and ``moe/link_imbalance`` that over the mean link between two ranks;
     * ``moe/busiest_rank_rows``: the (token, expert) rows of the global batch the experts of the
       busiest ep rank computed (its replicas together), and ``moe/rank_imbalance`` that over the mean
-      (1.0: every ep rank computes as many).
+      (1.0: every ep rank computes as many); ``moe/rank_imbalance_fixed`` the same had each rank held
+      its fixed n/e experts (with ``expert_balance``: before balancing, against after).
 
     ``history`` keeps the last ``keep`` steps' tokens per expert, by layer (CPU tensors of n_experts
     counts); ``traffic`` the last step's all-to-all bytes from each ep rank (row) to each (column), by
@@ -52,7 +53,8 @@ class ExpertLoad(pl.Callback):
         hot_layer = int(ratio.argmax())
         self.traffic = traffic_matrices(trainer, stats, pl_module.device)
         links = sum(self.traffic.values())
-        rows = counts.view(len(layers), stats.ep_size, -1).sum(dim=(0, 2))  # the rows each ep rank computed
+        fixed = counts.view(len(layers), stats.ep_size, -1).sum(dim=(0, 2))  # the rows each of n/e experts takes
+        rows = rows_per_rank(trainer, stats, pl_module.device)
         off = ~torch.eye(stats.ep_size, dtype=torch.bool)
         self.metrics = {
             "moe/imbalance": float(ratio[hot_layer]),
@@ -63,20 +65,32 @@ class ExpertLoad(pl.Callback):
             "moe/link_imbalance": float(links.max() / links[off].mean().clamp_min(1e-12)) if off.any() else 1.0,
             "moe/busiest_rank_rows": float(rows.max()),
             "moe/rank_imbalance": float(rows.max() / rows.mean().clamp_min(1e-12)),
+            "moe/rank_imbalance_fixed": float(fixed.max() / fixed.mean().clamp_min(1e-12)),
         }
         pl_module.log_dict(self.metrics, on_step=True, on_epoch=False)
+
+
+def rows_per_rank(trainer: pl.Trainer, stats: Any, device: torch.device) -> torch.Tensor:
+    """The (token, expert) rows each ep rank's experts computed this step, all layers, summed over
+    the replicas (every rank calls this: it all-reduces)."""
+    local = torch.zeros(stats.ep_size, dtype=torch.float64)
+    local[stats.ep_rank] = float(sum(stats.rows_computed.values()))
+    return _over_replicas(trainer, local.to(device)).cpu()
+
+
+def _over_replicas(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
+    replicas = trainer.strategy.parallel_dims.replica_mesh(trainer.strategy.device_mesh)  # ep groups are cut from these
+    if replicas.size() > 1:
+        torch.distributed.all_reduce(tensor, group=replicas.get_group())
+    return tensor
 
 
 def traffic_matrices(trainer: pl.Trainer, stats: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """The step's all-to-all bytes from each ep rank (row) to each (column), forward and backward (as
     much again), by MoE layer, summed over the replicas (every rank calls this: it all-reduces)."""
-    strategy = trainer.strategy
     layers = sorted(stats.bytes_to)
     local = torch.zeros(len(layers), stats.ep_size, stats.ep_size, dtype=torch.float64)
     for i, name in enumerate(layers):
         local[i, stats.ep_rank] = stats.bytes_to[name].double()
-    replicas = strategy.parallel_dims.replica_mesh(strategy.device_mesh)  # the ranks an ep group is cut from
-    summed = local.to(device)
-    if replicas.size() > 1:
-        torch.distributed.all_reduce(summed, group=replicas.get_group())
+    summed = _over_replicas(trainer, local.to(device))
     return {name: 2 * matrix for name, matrix in zip(layers, summed.cpu())}

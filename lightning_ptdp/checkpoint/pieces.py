@@ -64,7 +64,7 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
     experts module, else None."""
     experts: Optional[ExpertShard] = layer.__dict__.get("_ptdp_experts")
     if experts is not None:
-        return TPCut(0, experts.num_experts, (Segment(0, experts.local, experts.first),))
+        return TPCut(0, experts.num_experts, expert_segments(experts.mine))
     if isinstance(layer, (VocabParallelEmbedding, VocabParallelHead)):
         shard = layer.shard
         return TPCut(0, shard.vocab_size, (Segment(0, shard.valid, shard.start),) if shard.valid else ())
@@ -75,6 +75,18 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
     layout = layer.layout
     segments = tuple(Segment(*piece) for piece in layout.segments(layer.tp.rank))
     return TPCut(shard_dim(layer, attr), layout.size, segments)
+
+
+def expert_segments(mine: tuple[int, ...]) -> tuple[Segment, ...]:
+    """Slot i holds expert ``mine[i]`` (increasing): one segment per run of consecutive experts."""
+    out: list[Segment] = []
+    for i, j in enumerate(mine):
+        last = out[-1] if out else None
+        if last is not None and last.start + last.length == j:
+            out[-1] = Segment(last.local_start, last.length + 1, last.start)
+        else:
+            out.append(Segment(i, 1, j))
+    return tuple(out)
 
 
 def tp_cuts(model: nn.Module) -> dict[str, TPCut]:

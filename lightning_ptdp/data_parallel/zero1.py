@@ -7,7 +7,7 @@ the same experts (``ExpertZero``)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,9 @@ class ExpertGroups:
     """ids of the split experts' parameters."""
     edp: Any
     ep_size: int
+    together: dict[int, int] = field(default_factory=dict)
+    """id -> group: parameters one edp index owns together (a balanced ModuleList layer's slots, whose
+    state moves as one when experts move: expert_parallel/rebalance.py)."""
 
 
 class ExpertZero(ZeroRedundancyOptimizer):
@@ -42,11 +45,15 @@ class ExpertZero(ZeroRedundancyOptimizer):
         e = self._experts.ep_size
         cache: list[list[dict]] = [[] for _ in range(self.world_size)]
         dense_sizes, expert_sizes = [0] * self.world_size, [0] * (self.world_size // e)
+        owner_of: dict[int, int] = {}  # a ``together`` group -> its edp index
         for group in self.param_groups:
             per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
             for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):  # torch's greedy order
                 if id(param) in self._experts.params:  # one edp index: its e ranks, each holding its own experts
-                    index = expert_sizes.index(min(expert_sizes))
+                    key = self._experts.together.get(id(param))
+                    index = owner_of.get(key, expert_sizes.index(min(expert_sizes)))
+                    if key is not None:
+                        owner_of[key] = index
                     expert_sizes[index] += param.numel()
                     for rank in range(index * e, (index + 1) * e):
                         per_rank[rank].append(param)

@@ -26,6 +26,7 @@ from lightning_ptdp.expert_parallel.discovery import (
 from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard, exchange
 from lightning_ptdp.expert_parallel.expert_list import install_expert_list
 from lightning_ptdp.expert_parallel.grouped import GroupedSite, install_grouped
+from lightning_ptdp.expert_parallel.placement import initial_placement
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,15 @@ def apply_expert_parallel(
     probe: Callable[[], Any] | ExpertCalls,
     plan: Optional[dict[str, str]] = None,
     capacity_factor: Optional[float] = None,
+    slots: Optional[int | str] = None,
 ) -> EPReport:
     """Split every MoE layer's experts over ``ep``: found from the setup census's ``ExpertCalls``
     (or one probe forward; every rank still holds all experts), then each rank keeps its n/e and its
     experts' forward exchanges tokens. ``plan``: ep_plan, {module path or glob: style}, deciding
     where it names a module (the census's recorder was built with it). ``capacity_factor``: the
-    exchange drops the rows past each expert's capacity (exchange.py ``capacity``)."""
+    exchange drops the rows past each expert's capacity (exchange.py ``capacity``). ``slots``: the
+    experts a rank holds when balancing (>= n/e, or ``SPARE_SLOT``: n/e + 1; the spare slots take
+    replicas: rebalance.py)."""
     if isinstance(probe, ExpertCalls):
         sites, lists = probe.sites()
     else:
@@ -85,6 +89,15 @@ def apply_expert_parallel(
             f"'{uneven[0].name}'; each rank holds whole experts: choose expert_parallel_size in {fits} (dividing the "
             "data-parallel size too)"
         )
+    few = [s for s in every if isinstance(slots, int) and not s.num_experts // ep.size <= slots <= s.num_experts]
+    if few:
+        n = few[0].num_experts
+        raise ExpertDiscoveryError(
+            f"expert_balance experts_per_rank={slots}: the {n} experts of '{few[0].name}' over "
+            f"expert_parallel_size={ep.size} need at least n/e = {n // ep.size} per rank (each expert held "
+            f"somewhere) and at most n = {n}; choose experts_per_rank in [{n // ep.size}, {n}] (n/e + 1 leaves one "
+            "slot a rank for a hot expert's replica)"
+        )
     not_per_token = [s for s in every if isinstance(s, GroupedSite) or s in lists]
     if capacity_factor is not None and not_per_token:
         raise ExpertDiscoveryError(
@@ -94,7 +107,7 @@ def apply_expert_parallel(
         )
     report = EPReport()
     for site in sites:
-        shard = _split(site, ep)
+        shard = _split(site, ep, slots)
         if isinstance(site, GroupedSite):
             install_grouped(site, shard, report.stats)
         else:
@@ -103,10 +116,10 @@ def apply_expert_parallel(
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n, _ in site.module.named_parameters()]
         report.expert_modules += [m for m in site.module.modules() if "_ptdp_experts" in m.__dict__]
     for site in lists:
-        shard, kept = install_expert_list(site, ep, report.stats)
+        shard, kept = install_expert_list(site, ep, report.stats, slots)
         report.sites[site.name] = shard
         report.expert_params += [f"{site.name}.{n}" if site.name else n for n in kept]
-        report.expert_modules += list(getattr(site.module, site.experts_attr))[shard.first : shard.first + shard.local]
+        report.expert_modules += site.module.__dict__["_ptdp_expert_slots"][0]
     log.info(report.summary())
     checked = ep_plan_cross_check(model, [*(s.name for s in sites), *(s.name for s in lists)])
     if checked:
@@ -115,21 +128,22 @@ def apply_expert_parallel(
     return report
 
 
-def _split(site: ExpertsSite, ep: EPGroup) -> ExpertShard:
+def _split(site: ExpertsSite, ep: EPGroup, slots: Optional[int | str]) -> ExpertShard:
     """Each module holding the experts' parameters (the site, or its children: torchtitan's
-    GroupedExperts) keeps rows [first, first + n/e) and records the shard (checkpoints read it)."""
+    GroupedExperts) keeps the rows of its rank's experts under the fixed split (n/e contiguous; with
+    ``slots`` > n/e, the next experts fill the spare slots until balancing places replicas there)
+    and records the shard (checkpoints read it)."""
     n = site.num_experts
-    local = n // ep.size
-    first = ep.rank * local
-    shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
+    shard = ExpertShard(num_experts=n, ep=ep, placement=initial_placement(n, ep.size, slots))
+    mine = list(shard.mine)
     for owner in site.module.modules():
         own = list(owner.named_parameters(recurse=False))
         for name, param in own:
-            kept = param.detach()[first : first + local].clone()
+            kept = param.detach()[mine].clone()
             setattr(owner, name, nn.Parameter(kept, requires_grad=param.requires_grad))
         for attr, value in list(vars(owner).items()):  # n_experts the forward reads (one_hot, histc): now its own
             if isinstance(value, int) and not isinstance(value, bool) and value == n and "expert" in attr:
-                setattr(owner, attr, local)
+                setattr(owner, attr, shard.local)
         if own:
             owner.__dict__["_ptdp_experts"] = shard
     return shard
@@ -164,8 +178,7 @@ def _install(site: ExpertsSite, shard: ExpertShard, stats: ExchangeStats, capaci
             hidden.reshape(-1, hidden.shape[-1]),
             site.indices.get(args, kwargs).reshape(-1, k),
             site.weights.get(args, kwargs).reshape(-1, k),
-            num_experts=shard.num_experts,
-            ep=shard.ep,
+            shard=shard,
             compute=compute,
             stats=stats if self.training else None,
             name=site.name,
@@ -247,10 +260,13 @@ def _gather_lists(model: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gather(piece: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """Every rank's slots [e S, ...] gathered over the ep group, then each expert once, in order (a
+    replicated expert from its first holder)."""
     piece = piece.detach().contiguous()
     parts = [torch.empty_like(piece) for _ in range(shard.ep.size)]
     dist.all_gather(parts, piece, group=shard.ep.group)
-    return torch.cat(parts)
+    first = [holders[0] for holders in shard.placement.holders]
+    return torch.cat(parts)[first]
 
 
 def gather_experts(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -285,13 +301,13 @@ def cut_experts(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict):
             return {key: cut(v, shard) for key, v in value.items()}
         if torch.is_tensor(value) and value.dim() and value.shape[0] == shard.num_experts:
-            return value[shard.first : shard.first + shard.local]
+            return value[list(shard.mine)]
         return value
 
     out = dict(state)
     for name, shard in _split_names(model, state).items():
         out[name] = cut(state[name], shard)
     for name, (index, (_, shard)) in _list_expert(model, state).items():
-        if not shard.first <= index < shard.first + shard.local:
+        if index not in shard.mine:
             del out[name]  # another rank's expert
     return out

@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_ptdp.expert_parallel.placement import Placement
+
 
 class AllToAll(torch.autograd.Function):
     """``dist.all_to_all_single`` with uneven splits, differentiable: its backward is the same
@@ -41,14 +43,24 @@ class EPGroup:
     rank: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class ExpertShard:
-    """What one experts module holds after the split: experts [first, first + local) of ``num_experts``."""
+    """What one experts module holds after the split: the experts of ``placement.slots[ep.rank]``, one
+    per slot, of ``num_experts``. The placement changes when balancing moves experts (rebalance.py)."""
 
     num_experts: int
-    local: int
-    first: int
     ep: EPGroup
+    placement: Placement
+
+    @property
+    def local(self) -> int:
+        """Slots this rank holds (n / e under the fixed split)."""
+        return self.placement.per_rank
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        """The experts this rank holds, slot by slot."""
+        return self.placement.slots[self.ep.rank]
 
 
 @dataclass
@@ -65,9 +77,12 @@ class ExchangeStats:
     ep_size: int = 1
     spans: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) of each forward exchange (dispatch, combine), ``time.perf_counter`` seconds."""
+    rows_computed: dict[str, int] = field(default_factory=dict)
+    """By layer: the (token, expert) rows this rank's experts computed."""
 
     def reset(self) -> None:
         self.tokens_per_expert, self.bytes_sent, self.bytes_to, self.spans = {}, 0, {}, []
+        self.rows_computed = {}
 
     def record(
         self, name: str, per_expert: torch.Tensor, send: list[int], receive: list[int], widths: tuple, size: int, ep
@@ -80,6 +95,7 @@ class ExchangeStats:
         sent[ep.rank] = 0
         self.bytes_to[name] = self.bytes_to.get(name, 0) + sent
         self.bytes_sent += int(sent.sum())
+        self.rows_computed[name] = self.rows_computed.get(name, 0) + sum(receive)
         self.ep_rank, self.ep_size = ep.rank, ep.size
 
     def timed_all_to_all(
@@ -96,40 +112,48 @@ def exchange(
     indices: torch.Tensor,
     weights: torch.Tensor,
     *,
-    num_experts: int,
-    ep: EPGroup,
+    shard: ExpertShard,
     compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     stats: ExchangeStats | None = None,
     name: str = "",
     capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """One MoE layer's experts over the ep group. ``hidden`` [N, H], ``indices`` [N, k] global
-    expert ids, ``weights`` [N, k]. ``compute(rows, local_ids [R, 1], ones [R, 1])`` runs this
-    rank's experts on the rows it received. Returns [N, H'] (H' the experts' output width): each
+    expert ids, ``weights`` [N, k]. ``compute(rows, slots [R, 1], ones [R, 1])`` runs this rank's
+    experts (by slot) on the rows it received. Returns [N, H'] (H' the experts' output width): each
     token's weighted sum over its k experts, as the experts' own forward computes it in one process.
+    A replicated expert's rows are split among its replicas (``Placement.route``).
     ``capacity_factor``: each expert takes at most ``capacity(...)`` of this rank's (token, expert)
     rows, those of the largest routing weights; the rest are dropped (they add nothing)."""
-    local = num_experts // ep.size
+    ep, placement = shard.ep, shard.placement
+    n, local = placement.num_experts, placement.per_rank
     k = indices.shape[1]
     flat = indices.reshape(-1)
-    if capacity_factor is None:
-        order = torch.argsort(flat, stable=True)  # rows grouped by expert, so by the rank holding it
-    else:
-        order = within_capacity(
-            flat, weights.reshape(-1), num_experts, capacity(flat.numel(), num_experts, capacity_factor)
-        )
+    kept = (
+        None
+        if capacity_factor is None
+        else within_capacity(flat, weights.reshape(-1), n, capacity(flat.numel(), n, capacity_factor))
+    )
+    chosen = flat if kept is None else flat[kept]
+    slot = placement.route(chosen, ep.rank)  # the global slot computing each row
+    order = torch.argsort(slot, stable=True)  # rows grouped by slot, so by the rank holding it
+    if kept is not None:
+        order = kept[order]
     token = order // k
-    per_expert = torch.bincount(flat[order], minlength=num_experts)
-    received_per_expert = torch.empty_like(per_expert)
-    dist.all_to_all_single(received_per_expert, per_expert, group=ep.group)  # my experts' counts from each rank
-    send = per_expert.view(ep.size, local).sum(1).tolist()
-    received = received_per_expert.view(ep.size, local)
+    per_expert = torch.bincount(chosen, minlength=n)
+    per_slot = torch.bincount(slot, minlength=placement.size * local)
+    received_per_slot = torch.empty_like(per_slot)
+    dist.all_to_all_single(received_per_slot, per_slot, group=ep.group)  # my slots' counts from each rank
+    send = per_slot.view(ep.size, local).sum(1).tolist()
+    received = received_per_slot.view(ep.size, local)
     receive = received.sum(1).tolist()
     all_to_all = stats.timed_all_to_all if stats is not None else AllToAll.apply
     rows = all_to_all(hidden[token], receive, send, ep.group)  # [R, H]
     local_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep.size), received.reshape(-1))
     ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
     computed = compute(rows, local_ids.unsqueeze(1), ones)  # [R, H]
+    if rows.requires_grad and not computed.requires_grad:  # no rows came (experts skip empty calls): both
+        computed = computed + rows.sum().to(computed.dtype) * 0  # exchanges' backwards still run on this rank
     back = all_to_all(computed, send, receive, ep.group)  # [N * k, H], in ``order``
     if stats is not None:
         stats.record(name, per_expert, send, receive, (hidden.shape[1], back.shape[1]), hidden.element_size(), ep)

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers whose experts are a ModuleList of ordinary MLPs (litgpt's LLaMAMoE,
 plain PyTorch MoE code): the layer calls each expert on the rows routed to it, one at a time.
 
-Under expert parallelism a rank keeps its n/e experts; the others become stubs without
+Under expert parallelism a rank keeps its experts (one module per slot); the others become stubs without
 parameters. The layer's forward then runs twice: first to collect every expert call's rows
 (each call answers zeros), then, after one all-to-all exchange has computed every call on the rank
 holding its expert, again with each call answering its computed rows, in the same order. The
@@ -13,11 +13,11 @@ import types
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ptdp.expert_parallel.discovery import ExpertListSite
-from lightning_ptdp.expert_parallel.exchange import AllToAll, EPGroup, ExchangeStats, ExpertShard
+from lightning_ptdp.expert_parallel.exchange import EPGroup, ExchangeStats, ExpertShard, exchange
+from lightning_ptdp.expert_parallel.placement import initial_placement
 
 
 class _Stub(nn.Module):
@@ -56,31 +56,29 @@ class _Calls:
         return self.answers[self.position - 1]
 
 
-def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats) -> tuple[ExpertShard, list[str]]:
-    """Keep this rank's experts, stub the others, make the layer's forward exchange its calls.
-    Returns what this rank kept and the kept experts' parameter names, relative to the layer."""
+def install_expert_list(
+    site: ExpertListSite, ep: EPGroup, stats: ExchangeStats, slots: Optional[int | str] = None
+) -> tuple[ExpertShard, list[str]]:
+    """Keep this rank's experts (one module per slot), stub the others, make the layer's forward
+    exchange its calls. Returns what this rank kept and the kept experts' parameter names, relative
+    to the layer."""
     module, n = site.module, site.num_experts
-    local = n // ep.size
-    first = ep.rank * local
     experts: nn.ModuleList = getattr(module, site.experts_attr)
+    shard = ExpertShard(num_experts=n, ep=ep, placement=initial_placement(n, ep.size, slots))
     current: dict[str, Optional[_Calls]] = {"calls": None}
 
     def answer(index: int, rows: torch.Tensor) -> torch.Tensor:
         return current["calls"].answer(index, rows)
 
-    def own_forward(self: nn.Module, rows: torch.Tensor, index: int = 0) -> torch.Tensor:
+    def own_forward(self: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         if current["calls"] is None:  # called by the exchange, through __call__ (hooks: FSDP's, recompute's)
             return type(self).forward(self, rows)
-        return answer(index, rows)
+        return answer(self.__dict__["_ptdp_expert_index"], rows)
 
-    own = [experts[i] for i in range(first, first + local)]
-    for index in range(n):
-        if first <= index < first + local:
-            experts[index].forward = types.MethodType(
-                lambda self, rows, i=index: own_forward(self, rows, i), experts[index]
-            )
-        else:
-            experts[index] = _Stub(index, answer)
+    own = [experts[j] for j in shard.mine]  # slot i's module: it takes another expert's weights when moved
+    for expert in own:
+        expert.forward = types.MethodType(own_forward, expert)
+    place_expert_list(experts, own, shard.mine, answer)
     original = type(module).forward
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -89,7 +87,7 @@ def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats)
         try:
             original(self, *args, **kwargs)  # first pass: collect the rows of every expert call
             current["calls"] = None  # the exchange calls this rank's experts for real
-            calls.answers = _exchange(calls.calls, own, first, n, ep, stats if self.training else None, site.name)
+            calls.answers = _exchange(calls.calls, own, shard, stats if self.training else None, site.name)
             current["calls"], calls.collecting = calls, False
             torch.random.set_rng_state(state)
             return original(self, *args, **kwargs)
@@ -97,49 +95,44 @@ def install_expert_list(site: ExpertListSite, ep: EPGroup, stats: ExchangeStats)
             current["calls"] = None
 
     module.forward = types.MethodType(torch.compiler.disable(forward), module)  # as stacked experts' (apply.py)
-    shard = ExpertShard(num_experts=n, local=local, first=first, ep=ep)
     module.__dict__["_ptdp_expert_list"] = (site.experts_attr, shard)
-    return shard, [
-        f"{site.experts_attr}.{i}.{p}" for i in range(first, first + local) for p, _ in experts[i].named_parameters()
-    ]
+    module.__dict__["_ptdp_expert_slots"] = (own, answer)
+    return shard, [f"{site.experts_attr}.{j}.{p}" for j in shard.mine for p, _ in experts[j].named_parameters()]
+
+
+def place_expert_list(experts: nn.ModuleList, own: list[nn.Module], mine: tuple[int, ...], answer: Callable) -> None:
+    """``experts[j]`` is slot i's module for ``j = mine[i]``, a stub elsewhere."""
+    for j in range(len(experts)):
+        experts[j] = _Stub(j, answer)
+    for j, expert in zip(mine, own):
+        expert.__dict__["_ptdp_expert_index"] = j
+        experts[j] = expert
 
 
 def _exchange(
     calls: list[tuple[int, torch.Tensor]],
     own: list[nn.Module],
-    first: int,
-    n: int,
-    ep: EPGroup,
+    shard: ExpertShard,
     stats: Optional[ExchangeStats],
     name: str,
 ) -> list[torch.Tensor]:
-    """Every call's rows computed by its expert's rank, returned in call order."""
-    local = n // ep.size
-    order = sorted(range(len(calls)), key=lambda c: calls[c][0])  # by expert, so by the rank holding it
-    rows = torch.cat([calls[c][1] for c in order])
-    per_expert = torch.zeros(n, dtype=torch.int64)
-    for index, sent in calls:
-        per_expert[index] += sent.shape[0]
-    device = rows.device
-    counts = per_expert.to(device)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=ep.group)
-    received_per_expert = received.cpu().view(ep.size, local)
-    send = per_expert.view(ep.size, local).sum(1).tolist()
-    receive = received_per_expert.sum(1).tolist()
-    all_to_all = stats.timed_all_to_all if stats is not None else AllToAll.apply
-    arrived = all_to_all(rows, receive, send, ep.group)  # by source rank, then by expert
-    by_source = arrived.split(receive)
-    pieces = [part.split(received_per_expert[s].tolist()) for s, part in enumerate(by_source)]
-    computed = []
-    for j, expert in enumerate(own):  # each of this rank's experts once, on every source's rows
-        mine = torch.cat([pieces[s][j] for s in range(ep.size)])
-        computed.append(expert(mine).split([pieces[s][j].shape[0] for s in range(ep.size)]))
-    back_rows = torch.cat([computed[j][s] for s in range(ep.size) for j in range(local)])
-    back = all_to_all(back_rows, send, receive, ep.group)  # by expert, in ``order``
-    if stats is not None:
-        stats.record(name, per_expert, send, receive, (rows.shape[1], back.shape[1]), rows.element_size(), ep)
-    answers: list[Optional[torch.Tensor]] = [None] * len(calls)
-    for c, part in zip(order, back.split([calls[c][1].shape[0] for c in order])):
-        answers[c] = part
-    return answers  # type: ignore[return-value]
+    """Every call's rows computed by a rank holding its expert, returned in call order: the calls'
+    rows as one batch routed to one expert each (exchange.py), each slot's module run once on
+    every rank's rows for it."""
+    rows = torch.cat([sent for _, sent in calls])
+    index = torch.tensor([j for j, sent in calls for _ in range(sent.shape[0])], dtype=torch.long, device=rows.device)
+
+    def compute(received: torch.Tensor, slots: torch.Tensor, _ones: torch.Tensor) -> torch.Tensor:
+        slots = slots.view(-1)
+        out: Optional[torch.Tensor] = None
+        for i, expert in enumerate(own):  # each slot's expert once, on every source's rows
+            where = (slots == i).nonzero().view(-1)
+            computed = expert(received[where])
+            if out is None:
+                out = computed.new_zeros((received.shape[0], *computed.shape[1:]))
+            out = out.index_copy(0, where, computed)
+        return out
+
+    ones = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
+    back = exchange(rows, index.unsqueeze(1), ones, shard=shard, compute=compute, stats=stats, name=name)
+    return list(back.split([sent.shape[0] for _, sent in calls]))

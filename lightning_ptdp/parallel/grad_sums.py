@@ -103,7 +103,7 @@ def global_grad_norm(
     dp_group: Any = None,
     pp_group: Any = None,
     exclude: frozenset[int] = frozenset(),
-    split: Optional[tuple[Any, frozenset[int]]] = None,
+    split: Optional[tuple] = None,
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a single process would compute it.
 
@@ -112,7 +112,8 @@ def global_grad_norm(
     Under ZeRO each dp rank holds a slice of every gradient (summed over ``dp_group``); under
     pipeline parallelism each stage its own layers (summed over ``pp_group``), a weight tied
     across stages counted on one of them (the others pass its id in ``exclude``). ``split``: (group,
-    ids) of parameters whose ranks in ``group`` each hold different parts (split experts, summed there).
+    ids) of parameters whose ranks in ``group`` each hold different parts (split experts, summed there),
+    and optionally {id: share}: a replicated expert's slots count 1 / replicas (per row of dim 0).
     """
     weight = {}
     for layer in model.modules():
@@ -124,11 +125,17 @@ def global_grad_norm(
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     parts = torch.zeros((), dtype=torch.float64)
-    split_group, split_ids = split or (None, frozenset())
+    split_group, split_ids, *more = split or (None, frozenset())
+    shares = more[0] if more else {}
     for param in parameters:
         if param.grad is None or id(param) in exclude:
             continue
-        square = local_tensor(param.grad.detach()).double().pow(2).sum().cpu()
+        grad = local_tensor(param.grad.detach()).double()
+        share = shares.get(id(param))
+        if torch.is_tensor(share):  # per row: the squares of each slot
+            square = (grad.pow(2).reshape(grad.shape[0], -1).sum(1).cpu() * share).sum()
+        else:
+            square = grad.pow(2).sum().cpu() * (1.0 if share is None else share)
         share = weight.get(id(param))
         if id(param) in split_ids:
             parts += square
@@ -158,7 +165,7 @@ def clip_grad_norm(
     dp_group: Any = None,
     pp_group: Any = None,
     exclude: frozenset[int] = frozenset(),
-    split: Optional[tuple[Any, frozenset[int]]] = None,
+    split: Optional[tuple] = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over the whole parallel model."""
     total = global_grad_norm(parameters, model, tp, dp_group, pp_group, exclude, split)

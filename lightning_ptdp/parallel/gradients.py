@@ -103,6 +103,8 @@ class StepGradients:
         self._launched: set[int] = set()
         self._buckets: list[tuple[int, PendingAllReduce]] = []
         self._deferred: list[nn.Parameter] = []
+        self.replicas: Any = None
+        """``expert_balance``'s ``ExpertBalancer``: replicated experts' gradients summed over their holders."""
 
     # ------------------------------------------------------------------ what averages where
     def placement_of(self, param: nn.Parameter) -> str:
@@ -192,6 +194,8 @@ class StepGradients:
     # ------------------------------------------------------------------ before the optimizer step
     def finish(self, params: list[nn.Parameter], loss: Any, step: int) -> None:
         """Once per optimizer step on every rank, with the optimizer's parameters and the closure's loss."""
+        if self.replicas is not None:  # a sum like TP's partial ones below, over the ep ranks of one expert
+            self.replicas.sum_replica_grads()
         if self.split is not None:
             shard = self.groups[DENSE].shards[1:] if self.fsdp else None  # the tied copies' FSDP shards
             sum_tied_over_pp(self.split, self.pp_group, self.device, shard)
@@ -229,4 +233,6 @@ class StepGradients:
         experts = frozenset(id(p) for p in params if self.placement_of(p) == EXPERTS)
         # split experts' squares sum over the ep group; under FSDP every square already sums over dp
         split = (self.expert_group, experts) if self.expert_group is not None and not self.fsdp else None
+        if split is not None and self.replicas is not None:  # a replicated expert's squares counted once
+            split = (*split, self.replicas.norm_shares())
         return clip_grad_norm(params, self.model, self.tp, max_norm, dp_group, self.pp_group, exclude, split)

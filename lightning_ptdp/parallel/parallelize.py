@@ -26,6 +26,8 @@ from lightning_ptdp.core.plans import resolve_plan
 from lightning_ptdp.data_parallel import apply_data_parallel, apply_fsdp, shard_optimizer_states
 from lightning_ptdp.data_parallel.zero1 import ExpertGroups
 from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply_expert_parallel, routed_parameters
+from lightning_ptdp.expert_parallel.placement import SPARE_SLOT
+from lightning_ptdp.expert_parallel.rebalance import ExpertBalancer
 from lightning_ptdp.kernels import apply_kernels
 from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
@@ -67,6 +69,13 @@ class Parallelized:
     optimizer_experts: Optional[ExpertGroups] = None
     """ZeRO-1 with expert parallelism: the split experts, sharded over their own d/e ranks."""
     gradients: StepGradients = field(init=False)
+    balancer: Optional[ExpertBalancer] = None
+    """``expert_balance``: places the experts anew every interval steps, sums replicas' gradients."""
+
+    def stepped(self, optimizer: Any) -> None:
+        """After each optimizer step (the strategy's ``optimizer_step``)."""
+        if self.balancer is not None:
+            self.balancer.stepped([optimizer])
 
     def shard_optimizer_states(self, optimizers: list[Any], scheduler_configs: list[Any]) -> list[Any]:
         """ZeRO-1: the optimizers configure_optimizers built, each stepping only its dp rank's share."""
@@ -172,8 +181,10 @@ def parallelize(
             if "_ptdp_ep" not in module.__dict__:
                 ep_mesh = expert_mesh["ep"]
                 group = EPGroup(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
+                balance = config.expert_balance
+                slots = (balance.experts_per_rank or SPARE_SLOT) if balance else None
                 module.__dict__["_ptdp_ep"] = apply_expert_parallel(
-                    module, group, experts, ep_plan, config.expert_capacity_factor
+                    module, group, experts, ep_plan, config.expert_capacity_factor, slots
                 )
             result.ep_report = module.__dict__["_ptdp_ep"]
         if dims.cp > 1 and "_ptdp_cp" not in module.__dict__:
@@ -251,13 +262,19 @@ def parallelize(
     elif training and dims.pp == 1:
         experts = result.ep_report.expert_params if result.ep_report else ()
         result.module = apply_data_parallel(module, replicas, ignore=experts, probe=reached or probe)
+    if training and config.expert_balance is not None and result.ep_report is not None:
+        interval = config.expert_balance.interval
+        result.balancer = ExpertBalancer(module, result.ep_report, interval, pipeline=dims.pp > 1)
     if training and config.zero_stage == 1 and replicas.size() > 1:
         result.optimizer_state_group = replicas.get_group()
         if result.ep_report is not None:
             names = set(result.ep_report.expert_params)
             split = {id(p) for n, p in module.named_parameters() if n in names}
-            result.optimizer_experts = ExpertGroups(frozenset(split), expert_mesh["edp"].get_group(), dims.ep)
+            together = result.balancer.owned_together() if result.balancer is not None else {}
+            edp = expert_mesh["edp"].get_group()
+            result.optimizer_experts = ExpertGroups(frozenset(split), edp, dims.ep, together)
     result.gradients = step_gradients(module, result, config, dims, mesh, expert_mesh, on_nonfinite, device)
+    result.gradients.replicas = result.balancer
     return result
 
 

@@ -46,6 +46,10 @@ STRATEGY = [
         {"expert_capacity_factor": 1.0},
         r"expert_capacity_factor=1.0 needs expert_parallel_size > 1: ptdp drops the rows past capacity",
     ),
+    (
+        {"expert_balance": {"interval": 10}},
+        r"expert_balance=.*interval=10.* needs expert_parallel_size > 1: it places \(and replicates\) experts",
+    ),
     ({"fused_loss": "yes"}, r"fused_loss='yes' must be None \(where it applies\), True or False"),
     ({"activation_checkpointing": "all"}, r"activation_checkpointing='all' is not one of"),
     (
