@@ -102,6 +102,19 @@ SECTIONS: dict[str, tuple[str, dict, dict, int]] = {
         },
         4,
     ),
+    "expert_balance": (
+        "benchmarks.bench_expert_balance",
+        {"rounds": 3},
+        {
+            "rounds": 1,
+            "steps": 4,
+            "warmup": 2,
+            "interval": 2,
+            "model": {"hidden_size": 32, "intermediate_size": 64},
+            "shape": {"vocab_size": 64, "seq_length": 16, "batch": 2},
+        },
+        4,
+    ),
     "context": (
         "benchmarks.bench_context",
         {"rounds": 3},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,9 +86,9 @@ def balance(load: torch.Tensor, ep_size: int, per_rank: int) -> Placement:
     DeepSeek's EPLB in two greedy steps: the spare slots (e S - n) go one at a time to the expert of
     largest rows per replica (at most one replica per rank), then the replicas, largest first, each
     to the least loaded rank with a free slot not holding that expert (LPT). Chosen over an exact
-    search: it is O(eS log eS), deterministic (every rank computes the same from the same counts),
-    and LPT is within 4/3 of the optimum. A replica no rank can take goes back, and a slot left
-    free takes the expert of largest rows per replica not on that rank."""
+    search: it is fast, deterministic (every rank computes the same from the same counts), and LPT
+    is within 4/3 of the optimum. A replica no rank can take goes back, and a slot left free takes
+    the expert of largest rows per replica not on that rank; then pairwise swaps off the busiest rank."""
     n = load.numel()
     if not n <= ep_size * per_rank <= n * ep_size:
         raise ValueError(f"{ep_size} ranks x {per_rank} slots cannot hold {n} experts once each and at most e times")
@@ -114,7 +115,54 @@ def balance(load: torch.Tensor, ep_size: int, per_rank: int) -> Placement:
             j = max((j for j in range(n) if j not in held[r]), key=lambda j: (rows[j] / replicas[j], -j))
             held[r].append(j)
             replicas[j] += 1
+    _improve(held, rows)
     return Placement(n, tuple(tuple(sorted(h)) for h in held))
+
+
+def _improve(held: list[list[int]], rows: list[float], passes: int = 32, candidates: int = 8) -> None:
+    """Local search after the greedy steps, which can leave the busiest rank above the rest: take
+    the move that most lowers the busiest rank's rows, until none does. A move swaps one of its
+    replicas with another rank's, or turns one of its replicas of a replicated expert into a replica
+    of one of the ``candidates`` experts of most rows per replica (changing both experts' shares)."""
+    for _ in range(passes):
+        count = [0] * len(rows)
+        for h in held:
+            for j in h:
+                count[j] += 1
+        busy = _busy(held, rows, count)
+        top = max(range(len(held)), key=lambda r: (busy[r], -r))
+        best: tuple[float, Any] = (busy[top], None)
+        share = [rows[j] / count[j] for j in range(len(rows))]
+        for other in range(len(held)):  # swaps: only the two ranks change
+            for a in held[top] if other != top else ():
+                for b in held[other]:
+                    if b not in held[top] and a not in held[other]:
+                        pair = max(busy[top] - share[a] + share[b], busy[other] - share[b] + share[a])
+                        rest = max((busy[r] for r in range(len(held)) if r not in (top, other)), default=0.0)
+                        if max(pair, rest) < best[0] - 1e-12:
+                            best = (max(pair, rest), ("swap", other, a, b))
+        hot = sorted(range(len(rows)), key=lambda j: (-share[j], j))[:candidates]
+        for a in [a for a in held[top] if count[a] > 1]:  # re-replications: every holder of a and b changes
+            for b in [b for b in hot if b not in held[top]]:
+                count[a], count[b] = count[a] - 1, count[b] + 1
+                trial = [list(h) for h in held]
+                trial[top][trial[top].index(a)] = b
+                worst = max(_busy(trial, rows, count))
+                count[a], count[b] = count[a] + 1, count[b] - 1
+                if worst < best[0] - 1e-12:
+                    best = (worst, ("replicate", a, b))
+        if best[1] is None:
+            return
+        if best[1][0] == "swap":
+            _, other, a, b = best[1]
+            held[other][held[other].index(b)] = a
+        else:
+            _, a, b = best[1]
+        held[top][held[top].index(a)] = b
+
+
+def _busy(held: list[list[int]], rows: list[float], count: list[int]) -> list[float]:
+    return [sum(rows[j] / count[j] for j in h) for h in held]
 
 
 SPARE_SLOT = "n/e+1"
