@@ -188,17 +188,23 @@ def _unsplittable(
 
 
 def _returned(node: fx.Node, linears: set[fx.Node]) -> bool:
-    """Whether ``node``'s value, before any other Linear reads it, reaches the block's outputs."""
+    """Whether ``node``'s value, before any other Linear reads it, reaches the block's hidden-state
+    output (an extra output, eager attention's weights, is gathered where read: extra_outputs.py)."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         for user in n.users:
-            if user.op == "output":
+            if user.op == "output" and _first_output(user) is n:
                 return True
             if user not in seen and user not in linears:
                 seen.add(user)
                 stack.append(user)
     return False
+
+
+def _first_output(output: fx.Node) -> object:
+    value = output.args[0]
+    return value[0] if isinstance(value, (tuple, list)) and value else value
 
 
 def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:

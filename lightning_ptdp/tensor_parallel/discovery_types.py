@@ -72,6 +72,8 @@ class RegionPlan:
     # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
     feature_norms: dict[str, FeatureNorm | HeadSlices] = field(default_factory=dict)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
+    sharded_outputs: dict[int, int] = field(default_factory=dict)
+    """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
 
     def style(self, name: str) -> str:
         """The explicit-plan style of one of this region's Linears."""

@@ -67,18 +67,19 @@ class ShardPropagation:
                 self._function(node, sharded_inputs)
 
     def _output(self, node: fx.Node) -> None:
-        """The block's hidden state must come out whole; extra outputs that are head-sharded (eager
-        attention's weights) are this rank's heads only: allowed, and said in the log."""
+        """The block's hidden state must come out whole; an extra output that is head-sharded (eager
+        attention's weights), split evenly over the ranks, is gathered when something reads it."""
         outputs = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
         if outputs and outputs[0] in self.shard:
             raise self.fail(node, "returns a head-sharded tensor from the block")
-        extra = [o.name for o in outputs[1:] if o in self.shard]
-        if extra:
-            log.warning(
-                "block '%s' also returns %s: under tensor parallelism each rank's copy holds its own heads only",
-                self.name,
-                ", ".join(extra),
-            )
+        for index, value in enumerate(outputs[1:], start=1):
+            info = self.shard.get(value)
+            if info is None:
+                continue
+            if info.ratio != self.tp_size or info.bounds:
+                raise self.fail(node, "returns a tensor sharded unevenly (replicated KV heads or fused parts)")
+            self.region.sharded_outputs[index] = info.dim
+            log.info("block '%s' also returns %s, head-sharded: gathered over tp where read", self.name, value.name)
 
     def _module(self, node: fx.Node, src: fx.Node) -> None:
         info = self.shard[src]

@@ -24,6 +24,7 @@ from lightning_ptdp.core.sites import CallSite, SiteCounter
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
+from lightning_ptdp.tensor_parallel.extra_outputs import wrap_extra_outputs
 from lightning_ptdp.tensor_parallel.recording import is_leaf
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
@@ -96,6 +97,7 @@ class BlockProgram:
     funcs: frozenset = frozenset()
     by_ordinal: dict[tuple, CallSite] = field(default_factory=dict)  # (func, n-th call) -> its site
     sites: frozenset = frozenset()  # every call site the replay acts on
+    sharded_outputs: dict[int, int] = field(default_factory=dict)  # extra outputs gathered where read
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -109,6 +111,7 @@ class BlockProgram:
         calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for k, region in enumerate(plan.regions):
+            program.sharded_outputs.update(region.sharded_outputs)
             source = nodes[region.input_node]
             program.sources.append(_source_of(source, placeholders))
             if program.sources[-1].kind == "site":
@@ -182,7 +185,7 @@ class BlockRuntime:
     """The per-block state the replay needs: its program, region entries and leaf depth."""
 
     def __init__(self, block: nn.Module, program: BlockProgram, tp: TPGroup, sequence_parallel: bool) -> None:
-        self.program = program
+        self.program, self.tp = program, tp
         self.entries = [RegionEntry(tp, sequence_parallel) for _ in program.sources]
         self.sites = SiteCounter()
         self.calls: dict[Any, int] = {}  # func -> calls so far in this forward
@@ -347,6 +350,7 @@ def install_replay(block: nn.Module, runtime: BlockRuntime, whole_sequence: TPGr
         args, kwargs = runtime.start(args, kwargs)
         with _ReplayMode(runtime):
             out = forward(*args, **kwargs)
+        out = wrap_extra_outputs(out, runtime.program.sharded_outputs, runtime.tp)
         if whole_sequence is None:
             return out
         if isinstance(out, tuple):

@@ -121,3 +121,124 @@ def _shared_leaf_models() -> list:
 def test_a_leaf_module_shared_by_blocks_and_models_keeps_them_copyable(dist_pool):
     for copied in dist_pool(2).run(_shared_leaf_models):
         assert copied == [True, True]
+
+
+class WeightsReturningBlock(nn.Module):
+    """Eager attention that returns its weights beside the hidden states (GPT-Neo's and MPT's blocks)."""
+
+    def __init__(self, heads: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, c = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)  # [B, H, T, T]
+        out = (weights @ v).transpose(1, 2).reshape(b, t, c)
+        return x + self.o(out), weights
+
+
+class WeightsReturningNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([WeightsReturningBlock(), WeightsReturningBlock()])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        seen = []
+        for layer in self.layers:
+            x, weights = layer(x)
+            seen.append(weights)
+        return x, seen
+
+
+def _weights_step(distributed: bool, reads_weights: bool) -> dict:
+    torch.manual_seed(0)
+    net = WeightsReturningNet()
+    inputs = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    if distributed:
+        import torch.distributed as dist
+
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
+
+        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+        apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs)[0])
+    out, weights = net(inputs)
+    loss = out.square().mean()
+    if reads_weights:  # the whole [B, H, T, T] weights, as one process has them
+        loss = loss + sum((w * torch.arange(w.shape[1]).view(1, -1, 1, 1)).mean() for w in weights)
+    loss.backward()
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+
+    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].q.weight.shape[0], "heads": weights[0].shape}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("reads_weights", [False, True])
+def test_attention_weights_a_block_returns_are_gathered_where_read(dist_pool, reads_weights):
+    """The heads are split (not kept whole with a warning); the returned weights, read by the loss
+    with a per-head factor, are the whole [B, H, T, T]: loss and gradients equal one process's."""
+    from tests.fit_utils import noise_only, relative_error
+
+    ref = _weights_step(False, reads_weights)
+    for result in dist_pool(2).run(_weights_step, True, reads_weights):
+        assert result["rows"] == 8  # q split by heads over t = 2
+        assert tuple(result["heads"]) == (2, 4, 6, 6)
+        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        for name, expected in ref["grads"].items():
+            if noise_only(expected):  # the key bias: softmax ignores a constant per query, its gradient is 0
+                continue
+            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+
+
+class CarriedStateNet(nn.Module):
+    """A block handing a column output to the next block besides the hidden states (ZAYA's router
+    state): tests/unit/test_tp_discovery.py's HandsOnBlock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.unit.test_tp_discovery import HandsOnBlock
+
+        self.layers = nn.ModuleList([HandsOnBlock(True), HandsOnBlock(False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        carried = None
+        for layer in self.layers:
+            x, carried = layer(x, carried)
+        return x
+
+
+def _carried_step(distributed: bool) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    net = CarriedStateNet()
+    inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    if distributed:
+        import torch.distributed as dist
+
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
+
+        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the second block's region stays whole, warned
+            apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
+    loss = net(inputs).square().mean()
+    loss.backward()
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+
+    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].down.weight.shape[0]}
+
+
+@pytest.mark.world_size(2)
+def test_a_state_handed_to_the_next_block_is_gathered_there(dist_pool):
+    from tests.fit_utils import relative_error
+
+    ref = _carried_step(False)
+    for result in dist_pool(2).run(_carried_step, True):
+        assert result["rows"] == 8  # the first block's down is split
+        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        for name, expected in ref["grads"].items():
+            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name

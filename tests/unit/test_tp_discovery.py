@@ -263,7 +263,7 @@ class HandsOnBlock(nn.Module):
         return x, state
 
 
-def test_a_column_output_the_block_returns_keeps_its_region_whole():
+def test_a_column_output_the_block_returns_is_gathered_where_the_next_block_reads_it():
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -276,11 +276,14 @@ def test_a_column_output_the_block_returns_keeps_its_region_whole():
             return x
 
     net = Net()
-    with pytest.warns(PartialSplitWarning, match=r"column-parallel linear 'down' is returned by the block"):
+    # the first block splits: its returned state is gathered when read (tensor_parallel/extra_outputs.py);
+    # the second adds that whole state to its own column output, so that region stays whole
+    with pytest.warns(PartialSplitWarning, match=r"applies 'add' to a head-sharded tensor"):
         report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.ones(2, 4, 8)))
     styles = {path: style for path, style, _ in report.entries}
-    for layer in ("layers.0", "layers.1"):  # two plans: the second block adds what the first handed on
-        assert styles[f"{layer}.down"] == styles[f"{layer}.out"] == "replicated"
+    assert (styles["layers.0.down"], styles["layers.0.out"]) == ("colwise", "rowwise")
+    assert styles["layers.1.down"] == styles["layers.1.out"] == "replicated"
+    for layer in ("layers.0", "layers.1"):
         assert (styles[f"{layer}.up"], styles[f"{layer}.proj"]) == ("colwise", "rowwise")
 
 
