@@ -72,6 +72,8 @@ class RegionPlan:
     # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
     feature_norms: dict[str, FeatureNorm | HeadSlices] = field(default_factory=dict)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
+    operand_slices: dict[Any, list[tuple[int, int]]] = field(default_factory=dict)
+    """Call site -> (argument leaf, dim) of whole per-head operands each rank slices (ALiBi's bias)."""
     sharded_outputs: dict[int, int] = field(default_factory=dict)
     """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
 

@@ -104,6 +104,30 @@ def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node
     return found
 
 
+def per_head_operands(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Whole inputs of an elementwise call (every aten op it runs tagged pointwise) that broadcast
+    against the sharded input with the sharded dim's full size (ALiBi's per-head bias added to
+    head-sharded scores): each rank takes their slice along that dim. {node: dim}."""
+    (source, dim), *_ = sharded.items()
+    width, back = _empty(source).shape[dim], dim - _empty(source).dim()
+    candidates = {}
+    for node in tree_flatten((args, kwargs))[0]:
+        if isinstance(node, fx.Node) and node not in sharded and getattr(node.meta.get("tensor_meta"), "shape", None):
+            shape = node.meta["tensor_meta"].shape
+            if len(shape) >= -back and shape[back] == width > 1:
+                candidates[node] = len(shape) + back
+    if not candidates:
+        return {}
+    trace = AtenOps()
+    try:
+        made = {n: _empty(n) for n in tree_flatten((args, kwargs))[0] if isinstance(n, fx.Node)}  # outside the trace
+        with trace:
+            _run(call, args, kwargs, made.__getitem__)
+    except Exception:  # the user's call on meta tensors may raise anything: follow_call says why
+        return {}
+    return candidates if trace.ops and all(torch.Tag.pointwise in func.tags for func, *_ in trace.ops) else {}
+
+
 def _dim(placement: Placement | None) -> int | None:
     if placement is None:
         return None

@@ -30,7 +30,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape_args,
 )
 from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
-from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call
+from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, per_head_operands
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,15 @@ class ShardPropagation:
                     "which only view, reshape, expand, split and repeat_interleave rewrite",
                 )
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        sharded = {i: self.shard[i].dim for i in inputs}
+        if ratio == self.tp_size and "site" in node.meta:  # a whole per-head operand: each rank its slice
+            whole = per_head_operands(call, node.args, node.kwargs, sharded)
+            if whole:
+                leaves = tree_flatten((node.args, node.kwargs))[0]
+                self.region.operand_slices[node.meta["site"]] = [(leaves.index(n), d) for n, d in whole.items()]
+                sharded.update(whole)
         try:
-            dims = follow_call(call, node.args, node.kwargs, {i: self.shard[i].dim for i in inputs}, ratio)
+            dims = follow_call(call, node.args, node.kwargs, sharded, ratio)
         except OpRefused as refusal:
             raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         if _shape(node) is not None:  # one tensor

@@ -98,6 +98,7 @@ class BlockProgram:
     by_ordinal: dict[tuple, CallSite] = field(default_factory=dict)  # (func, n-th call) -> its site
     sites: frozenset = frozenset()  # every call site the replay acts on
     sharded_outputs: dict[int, int] = field(default_factory=dict)  # extra outputs gathered where read
+    slices: dict[CallSite, list[tuple[int, int]]] = field(default_factory=dict)  # whole per-head operands
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -112,6 +113,7 @@ class BlockProgram:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for k, region in enumerate(plan.regions):
             program.sharded_outputs.update(region.sharded_outputs)
+            program.slices.update(region.operand_slices)
             source = nodes[region.input_node]
             program.sources.append(_source_of(source, placeholders))
             if program.sources[-1].kind == "site":
@@ -120,7 +122,7 @@ class BlockProgram:
             for user in source.users:
                 if user not in inside and "site" in user.meta:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
-        sites = {*program.rewrites, *program.outside, *program.source_sites}
+        sites = {*program.rewrites, *program.outside, *program.source_sites, *program.slices}
         program.funcs = frozenset(site.func for site in sites)
         program.by_ordinal = {n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in sites}
         program.sites = frozenset(sites)
@@ -309,6 +311,8 @@ class _ReplayMode(TorchFunctionMode):
                     args = tuple(_swap(a, entry.source, entered) for a in args)
         if site is not None and site in program.rewrites:
             args, kwargs = program.rewrites[site].apply(args, kwargs)
+        if site is not None and site in program.slices:
+            args, kwargs = _own_heads(args, kwargs, program.slices[site], rt.tp)
         result = func(*args, **kwargs)
         if site is not None and site in program.source_sites:
             for k in program.source_sites[site]:
@@ -317,6 +321,19 @@ class _ReplayMode(TorchFunctionMode):
                 if entered is not None:
                     result = entered if index is None else _replace(result, index, entered)
         return result
+
+
+def _own_heads(args: tuple, kwargs: dict, slices: list[tuple[int, int]], tp: TPGroup) -> tuple[tuple, dict]:
+    """Each whole per-head operand cut to this rank's heads; one that needs a gradient enters the
+    region first (its gradient, this rank's heads only, summed over tp: every rank gets all heads')."""
+    leaves, spec = tree_flatten((args, kwargs))
+    for index, dim in slices:
+        whole = leaves[index]
+        if whole.requires_grad:
+            whole = C.copy_to_tp_region(whole, tp)
+        size = whole.shape[dim] // tp.size
+        leaves[index] = whole.narrow(dim, tp.rank * size, size)
+    return tree_unflatten(leaves, spec)
 
 
 def _reads(value: Any, tensor: torch.Tensor) -> bool:

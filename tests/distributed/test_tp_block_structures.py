@@ -242,3 +242,68 @@ def test_a_state_handed_to_the_next_block_is_gathered_there(dist_pool):
         assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
         for name, expected in ref["grads"].items():
             assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+
+
+class PerHeadBiasBlock(nn.Module):
+    """Attention scores plus a whole [H, 1, T] per-head tensor the model computes (ALiBi, as BLOOM's
+    and MPT's blocks take it): each rank adds its heads' slice."""
+
+    def __init__(self, heads: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-1, -2)) * 0.5 + bias
+        return x + self.o((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class PerHeadBiasNet(nn.Module):
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([PerHeadBiasBlock(), PerHeadBiasBlock()])
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+        self.slopes = nn.Parameter(slopes) if learned else nn.Buffer(slopes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        bias = self.slopes.view(-1, 1, 1) * -torch.arange(t, dtype=x.dtype).view(1, 1, t)  # [H, 1, T]
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x
+
+
+def _bias_step(distributed: bool, learned: bool) -> dict:
+    torch.manual_seed(0)
+    net = PerHeadBiasNet(learned)
+    inputs = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    if distributed:
+        import torch.distributed as dist
+
+        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
+
+        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+        apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
+    loss = net(inputs).square().mean()
+    loss.backward()
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+
+    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].q.weight.shape[0]}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("learned", [False, True])  # a buffer; a parameter, whose gradient sums every rank's heads
+def test_a_whole_per_head_bias_is_sliced_to_each_ranks_heads(dist_pool, learned):
+    from tests.fit_utils import noise_only, relative_error
+
+    ref = _bias_step(False, learned)
+    for result in dist_pool(2).run(_bias_step, True, learned):
+        assert result["rows"] == 8  # split by heads, no warning
+        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        for name, expected in ref["grads"].items():
+            if noise_only(expected):  # the key bias: softmax ignores a constant per query
+                continue
+            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
