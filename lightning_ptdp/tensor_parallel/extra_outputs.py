@@ -44,12 +44,15 @@ class HeadShardedOutput(torch.Tensor):
         out._dim, out._tp = dim, tp
         return out
 
+    def local(self) -> torch.Tensor:
+        """This rank's heads, a plain tensor still attached to autograd."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
     def whole(self) -> torch.Tensor:
         """The gathered value (once per output, still attached to autograd)."""
         if self._whole is None:
-            with torch._C.DisableTorchFunctionSubclass():
-                local = self.as_subclass(torch.Tensor)
-            self._whole = _GatherHeads.apply(local, self._dim, self._tp)
+            self._whole = _GatherHeads.apply(self.local(), self._dim, self._tp)
         return self._whole
 
     @classmethod

@@ -24,7 +24,7 @@ from lightning_ptdp.core.sites import CallSite, SiteCounter
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
-from lightning_ptdp.tensor_parallel.extra_outputs import wrap_extra_outputs
+from lightning_ptdp.tensor_parallel.extra_outputs import HeadShardedOutput, wrap_extra_outputs
 from lightning_ptdp.tensor_parallel.recording import is_leaf
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
@@ -329,6 +329,11 @@ def _own_heads(args: tuple, kwargs: dict, slices: list[tuple[int, int]], tp: TPG
     leaves, spec = tree_flatten((args, kwargs))
     for index, dim in slices:
         whole = leaves[index]
+        if isinstance(whole, HeadShardedOutput):  # another block's sharded output: its local part is the slice
+            if (whole._dim, whole._tp) == (dim, tp):
+                leaves[index] = whole.local()
+                continue
+            whole = whole.whole()
         if whole.requires_grad:
             whole = C.copy_to_tp_region(whole, tp)
         size = whole.shape[dim] // tp.size

@@ -221,15 +221,17 @@ def _carried_step(distributed: bool) -> dict:
         from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
 
         tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+        from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
+
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the second block's region stays whole, warned
+            warnings.simplefilter("error", PartialSplitWarning)  # both blocks split: no region kept whole
             apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
     loss = net(inputs).square().mean()
     loss.backward()
     from lightning_ptdp.tensor_parallel.consolidate import full_gradients
 
     grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].down.weight.shape[0]}
+    return {"loss": loss.item(), "grads": grads, "rows": [layer.down.weight.shape[0] for layer in net.layers]}
 
 
 @pytest.mark.world_size(2)
@@ -238,7 +240,7 @@ def test_a_state_handed_to_the_next_block_is_gathered_there(dist_pool):
 
     ref = _carried_step(False)
     for result in dist_pool(2).run(_carried_step, True):
-        assert result["rows"] == 8  # the first block's down is split
+        assert result["rows"] == [8, 8]  # both blocks' down split: the state stays this rank's share between them
         assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
         for name, expected in ref["grads"].items():
             assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name

@@ -151,13 +151,10 @@ def test_per_head_weights_whose_slice_is_no_share_keep_the_region_whole():
         assert _plan(block, strict=False) == dict.fromkeys(ATTENTION, "replicated")
 
 
-def test_a_per_head_parameter_of_the_block_itself_is_refused():
-    with pytest.raises(
-        TPDiscoveryError,
-        match=r"in weights\) applies 'mul' to a head-sharded tensor, which mixes the sharded dim with an "
-        r"unsharded tensor of shape \(4, 1, 1\)",
-    ):
-        _plan(ScaledInBlock)
+def test_a_per_head_parameter_of_the_block_itself_is_sliced_where_it_is_used():
+    """Read as a whole operand of an elementwise call, broadcast against the heads: each rank takes its
+    heads' slice at that call (tests/distributed/test_tp_block_structures.py trains the idiom)."""
+    assert _plan(ScaledInBlock) == ATTENTION
 
 
 def test_a_split_along_the_heads_is_refused_unless_cut_at_fused_part_boundaries():
