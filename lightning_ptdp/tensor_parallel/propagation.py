@@ -163,7 +163,8 @@ class ShardPropagation:
                 )
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
         sharded = {i: self.shard[i].dim for i in inputs}
-        if ratio == self.tp_size and "site" in node.meta:  # a whole per-head operand: each rank its slice
+        contiguous = not any(self.shard[i].bounds for i in inputs)  # each rank one contiguous share, not fused parts
+        if ratio == self.tp_size and contiguous and "site" in node.meta:  # a whole per-head operand: its slice
             whole = per_head_operands(call, node.args, node.kwargs, sharded)
             if whole:
                 leaves = tree_flatten((node.args, node.kwargs))[0]
