@@ -106,8 +106,10 @@ def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node
 
 def per_head_operands(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node, int]) -> dict[fx.Node, int]:
     """Whole inputs of an elementwise call (every aten op it runs tagged pointwise) that broadcast
-    against the sharded input with the sharded dim's full size (ALiBi's per-head bias added to
-    head-sharded scores): each rank takes their slice along that dim. {node: dim}."""
+    against the sharded input with the sharded dim's full size, {node: dim}: ALiBi's per-head bias
+    added to head-sharded scores. Each rank may take their slice: the call on the slices is the
+    slice of the call. (Not other ops: a ``cat`` of an attention sink's logits made with this rank's
+    head count fails before the cut; the plan certificate caught it, so such calls stay refused.)"""
     (source, dim), *_ = sharded.items()
     width, back = _empty(source).shape[dim], dim - _empty(source).dim()
     candidates = {}

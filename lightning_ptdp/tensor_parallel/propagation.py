@@ -163,17 +163,12 @@ class ShardPropagation:
                 )
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
         sharded = {i: self.shard[i].dim for i in inputs}
-        contiguous = not any(self.shard[i].bounds for i in inputs)  # each rank one contiguous share, not fused parts
-        if ratio == self.tp_size and contiguous and "site" in node.meta:  # a whole per-head operand: its slice
-            whole = per_head_operands(call, node.args, node.kwargs, sharded)
-            if whole:
-                leaves = tree_flatten((node.args, node.kwargs))[0]
-                self.region.operand_slices[node.meta["site"]] = [(leaves.index(n), d) for n, d in whole.items()]
-                sharded.update(whole)
         try:
             dims = follow_call(call, node.args, node.kwargs, sharded, ratio)
         except OpRefused as refusal:
-            raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
+            dims = self._with_whole_operands(node, call, sharded, ratio)
+            if dims is None:
+                raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         if _shape(node) is not None:  # one tensor
             if dims[0] is not None:
                 bounds = {self.shard[i].bounds for i in inputs}
@@ -182,6 +177,22 @@ class ShardPropagation:
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
             self.shard[node] = Sharded(dims[0], ratio)
+
+    def _with_whole_operands(self, node: fx.Node, call: Any, sharded: dict, ratio: int) -> list | None:
+        """The call's dims with its whole per-head operands cut to each rank's heads (ALiBi's bias:
+        op_semantics.per_head_operands), recorded for the replay; None where there are none, or
+        torch's rule does not take them split either."""
+        contiguous = not any(self.shard[i].bounds for i in sharded)  # one contiguous share a rank, not fused parts
+        whole = per_head_operands(call, node.args, node.kwargs, sharded) if ratio == self.tp_size and contiguous else {}
+        if not whole or "site" not in node.meta:
+            return None
+        try:
+            dims = follow_call(call, node.args, node.kwargs, {**sharded, **whole}, ratio)
+        except OpRefused:
+            return None
+        leaves = tree_flatten((node.args, node.kwargs))[0]
+        self.region.operand_slices[node.meta["site"]] = [(leaves.index(n), d) for n, d in whole.items()]
+        return dims
 
     def _mark(self, node: fx.Node, dim: int, info: Sharded) -> None:
         """``node`` is sharded along ``dim``; a fused column's part boundaries carry over while that
