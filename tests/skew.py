@@ -42,6 +42,12 @@ class SkewedRouting(L.Callback):
         self._mode.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._leave()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._leave()  # a step that raised: the pool's next call must not run skewed
+
+    def _leave(self) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
