@@ -539,6 +539,10 @@ def main(argv: list[str] | None = None) -> dict:
     record["counts"] = counts(record)
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))
+    whole = not (args.families or args.sample or args.quick) and args.layouts == list(LAYOUTS)
+    if args.results is None and not whole:  # a part of the sweep never replaces the recorded whole one
+        print("a partial sweep (--families, --sample, --quick or --layouts): RESULTS.md and README left as they are")
+        return record
     kwargs = {"path": args.results} if args.results is not None else {}
     write_section(SECTION, render(record), commit=commit, **kwargs)
     if args.results is None:  # the repository's RESULTS.md: the README's counts block follows it
