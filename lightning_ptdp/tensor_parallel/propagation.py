@@ -111,7 +111,24 @@ class ShardPropagation:
             return
         if _shape(node) != _shape(src):
             raise self.fail(node, "changes the shape of a sharded tensor")
+        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
+            self._parameterless(node, module, src, info)
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _parameterless(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
+        """A module without parameters on the sharded tensor alone (an L2 norm, an activation) is followed
+        like any call, by the aten ops its forward runs: one that reduces over the sharded dim (nGPT's L2
+        norm over all heads' features) is refused. One that cannot run on meta tensors keeps the old
+        rule, elementwise (it keeps the shape); modules of several tensors (attention) keep their handlers."""
+        try:
+            dims = follow_call(module, node.args, node.kwargs, {src: info.dim}, info.ratio)
+        except OpRefused as refusal:
+            if str(refusal).startswith("which discovery does not know"):
+                return
+            raise self.fail(node, f"runs {type(module).__name__} on a head-sharded tensor, {refusal}") from None
+        if dims[:1] != [info.dim]:
+            raise self.fail(node, f"runs {type(module).__name__}, which moves the sharded dim to {dims[:1]}")
 
     def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
         """Parameters with one entry per head (Cohere's (heads, head_dim) q/k norm, per-head scalars):

@@ -218,3 +218,30 @@ def test_per_head_norms_and_a_fused_projection_behind_unsqueeze_train_equal_to_o
                 if noise_only(expected):  # the key bias: zero in exact arithmetic (softmax is shift invariant)
                     continue
                 assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+
+
+class L2NormedAttention(Attention):
+    """nGPT's output: the attention output projected onto the unit sphere over all heads' features by a
+    module without parameters, before the output projection (transformers' Dory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub_norm = _UnitNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(self.q(x)).transpose(1, 2), self.kv(self.k(x)), self.kv(self.v(x))
+        out = self.weights((q @ k.transpose(-2, -1)) * SIZE**-0.5) @ v
+        return x + self.o(self.sub_norm(out.transpose(1, 2).reshape(x.shape)))
+
+
+class _UnitNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def test_a_parameterless_module_that_sums_over_the_heads_is_followed_like_a_call():
+    """Its forward's aten ops are followed (op_semantics.py): the sum over all heads' features would be
+    this rank's share only, so the region is refused, not split with a wrong norm."""
+    block = L2NormedAttention
+    with pytest.raises(TPDiscoveryError, match=r"runs _UnitNorm on a head-sharded tensor, which reduces across"):
+        _plan(block)
