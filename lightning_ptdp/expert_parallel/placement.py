@@ -56,11 +56,18 @@ class Placement:
         table = torch.tensor([[*h, *(h[0],) * (most - len(h))] for h in self.holders], dtype=torch.long)
         return table, torch.tensor([len(h) for h in self.holders], dtype=torch.long)
 
+    def _table_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_table`` on ``device``, copied there once (every exchange of a step routes with it)."""
+        tables = self.__dict__.setdefault("_tables", {})
+        if device not in tables:
+            tables[device] = tuple(t.to(device) for t in self._table)
+        return tables[device]
+
     def route(self, experts: torch.Tensor, source: int) -> torch.Tensor:
         """The global slot computing each row of ``experts`` [R] (expert ids) sent from ep rank ``source``:
         an expert's rows go round-robin over its replicas, starting at ``source`` (so every source's
         remainders do not land on the same replica)."""
-        table, count = (t.to(experts.device) for t in self._table)
+        table, count = self._table_on(experts.device)
         order = torch.argsort(experts, stable=True)
         per_expert = torch.bincount(experts, minlength=self.num_experts)
         starts = torch.cumsum(per_expert, 0) - per_expert

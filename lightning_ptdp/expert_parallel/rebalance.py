@@ -48,7 +48,7 @@ class ExpertBalancer:
     """Placement, gradients and moves of every split MoE layer of one model (see the module doc)."""
 
     def __init__(self, model: nn.Module, report: EPReport, interval: int, pipeline: bool = False) -> None:
-        self.interval, self.steps, self.moves = interval, 0, 0
+        self.interval, self.steps = interval, 0
         layers = [_layer(model, name, shard) for name, shard in sorted(report.sites.items())]
         self.layers = [layer for layer in layers if layer.groups]  # under PP: this stage's layers
         listed = [layer.name for layer in self.layers if layer.module is not None]
@@ -127,7 +127,6 @@ class ExpertBalancer:
                 _move(layer, old, new, optimizers)
                 moved = True
             self.load[layer.name].zero_()
-        self.moves += moved
         return moved
 
 

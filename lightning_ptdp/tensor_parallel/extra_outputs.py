@@ -1,5 +1,5 @@
 """A value a tensor-parallel block returns besides its hidden states that is still sharded by heads
-(eager attention's weights, which GPT-Neo's and MPT's blocks return): ``HeadShardedOutput`` holds
+(eager attention's weights a block returns, a state it hands the next block): ``HeadShardedOutput`` holds
 this rank's heads and is gathered whole over the tp group the first time anything reads it, so an
 unread one (the usual case: the model keeps it only when asked for attentions) costs nothing and a
 read one is the single process's value."""

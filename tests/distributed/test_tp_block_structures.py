@@ -152,26 +152,63 @@ class WeightsReturningNet(nn.Module):
         return x, seen
 
 
-def _weights_step(distributed: bool, reads_weights: bool) -> dict:
-    torch.manual_seed(0)
-    net = WeightsReturningNet()
-    inputs = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+def _tp_step(net: nn.Module, inputs: torch.Tensor, distributed: bool, loss_of=None, split_all: bool = False) -> dict:
+    """One step of ``net`` on ``inputs``, split at t = world size (or whole): loss, gradients (whole).
+    ``loss_of(output)``: the loss (default: the mean square of the first output); ``split_all``: a
+    region kept whole is an error, not a warning."""
+    import warnings
+
+    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+    from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
+
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     if distributed:
         import torch.distributed as dist
 
         from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
 
         tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
-        apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs)[0])
-    out, weights = net(inputs)
-    loss = out.square().mean()
-    if reads_weights:  # the whole [B, H, T, T] weights, as one process has them
-        loss = loss + sum((w * torch.arange(w.shape[1]).view(1, -1, 1, 1)).mean() for w in weights)
+        with warnings.catch_warnings():
+            if split_all:
+                warnings.simplefilter("error", PartialSplitWarning)
+            apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: first(net(inputs)))
+    out = net(inputs)
+    loss = loss_of(out) if loss_of is not None else first(out).square().mean()
     loss.backward()
-    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
-
     grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].q.weight.shape[0], "heads": weights[0].shape}
+    return {"loss": loss.item(), "grads": grads, "out": out}
+
+
+def _assert_as_one_process(result: dict, ref: dict, skip_noise: bool = True) -> None:
+    """Loss and every gradient as the single process's; ``skip_noise``: a gradient that is round-off
+    only (the key bias: softmax ignores a constant per query) is not compared."""
+    from tests.fit_utils import noise_only, relative_error
+
+    assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+    for name, expected in ref["grads"].items():
+        if skip_noise and noise_only(expected):
+            continue
+        assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+
+
+def _inputs(width: int, tokens: int = 6) -> torch.Tensor:
+    torch.manual_seed(0)  # the model built next draws the same weights on every rank and in the reference
+    return torch.randn(2, tokens, width, generator=torch.Generator().manual_seed(1))
+
+
+def _weights_step(distributed: bool, reads_weights: bool) -> dict:
+    inputs = _inputs(16)
+    net = WeightsReturningNet()
+
+    def loss_of(out: tuple) -> torch.Tensor:
+        loss = out[0].square().mean()
+        if reads_weights:  # the whole [B, H, T, T] weights, as one process has them
+            loss = loss + sum((w * torch.arange(w.shape[1]).view(1, -1, 1, 1)).mean() for w in out[1])
+        return loss
+
+    result = _tp_step(net, inputs, distributed, loss_of)
+    heads = result.pop("out")[1][0].shape
+    return {**result, "rows": net.layers[0].q.weight.shape[0], "heads": heads}
 
 
 @pytest.mark.world_size(2)
@@ -179,17 +216,11 @@ def _weights_step(distributed: bool, reads_weights: bool) -> dict:
 def test_attention_weights_a_block_returns_are_gathered_where_read(dist_pool, reads_weights):
     """The heads are split (not kept whole with a warning); the returned weights, read by the loss
     with a per-head factor, are the whole [B, H, T, T]: loss and gradients equal one process's."""
-    from tests.fit_utils import noise_only, relative_error
-
     ref = _weights_step(False, reads_weights)
     for result in dist_pool(2).run(_weights_step, True, reads_weights):
         assert result["rows"] == 8  # q split by heads over t = 2
         assert tuple(result["heads"]) == (2, 4, 6, 6)
-        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
-        for name, expected in ref["grads"].items():
-            if noise_only(expected):  # the key bias: softmax ignores a constant per query, its gradient is 0
-                continue
-            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+        _assert_as_one_process(result, ref)
 
 
 class CarriedStateNet(nn.Module):
@@ -210,40 +241,19 @@ class CarriedStateNet(nn.Module):
 
 
 def _carried_step(distributed: bool) -> dict:
-    import warnings
-
-    torch.manual_seed(0)
+    inputs = _inputs(8, tokens=4)
     net = CarriedStateNet()
-    inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
-    if distributed:
-        import torch.distributed as dist
-
-        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
-
-        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
-        from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", PartialSplitWarning)  # both blocks split: no region kept whole
-            apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
-    loss = net(inputs).square().mean()
-    loss.backward()
-    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
-
-    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "rows": [layer.down.weight.shape[0] for layer in net.layers]}
+    result = _tp_step(net, inputs, distributed, split_all=True)  # both blocks split: no region kept whole
+    result.pop("out")
+    return {**result, "rows": [layer.down.weight.shape[0] for layer in net.layers]}
 
 
 @pytest.mark.world_size(2)
 def test_a_state_handed_to_the_next_block_is_gathered_there(dist_pool):
-    from tests.fit_utils import relative_error
-
     ref = _carried_step(False)
     for result in dist_pool(2).run(_carried_step, True):
         assert result["rows"] == [8, 8]  # both blocks' down split: the state stays this rank's share between them
-        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
-        for name, expected in ref["grads"].items():
-            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+        _assert_as_one_process(result, ref, skip_noise=False)
 
 
 class PerHeadBiasBlock(nn.Module):
@@ -278,34 +288,17 @@ class PerHeadBiasNet(nn.Module):
 
 
 def _bias_step(distributed: bool, learned: bool) -> dict:
-    torch.manual_seed(0)
+    inputs = _inputs(16)
     net = PerHeadBiasNet(learned)
-    inputs = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
-    if distributed:
-        import torch.distributed as dist
-
-        from lightning_ptdp.tensor_parallel import TPGroup, apply_tensor_parallel
-
-        tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
-        apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
-    loss = net(inputs).square().mean()
-    loss.backward()
-    from lightning_ptdp.tensor_parallel.consolidate import full_gradients
-
-    grads = full_gradients(net) if distributed else {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "rows": net.layers[0].q.weight.shape[0]}
+    result = _tp_step(net, inputs, distributed)
+    result.pop("out")
+    return {**result, "rows": net.layers[0].q.weight.shape[0]}
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("learned", [False, True])  # a buffer; a parameter, whose gradient sums every rank's heads
 def test_a_whole_per_head_bias_is_sliced_to_each_ranks_heads(dist_pool, learned):
-    from tests.fit_utils import noise_only, relative_error
-
     ref = _bias_step(False, learned)
     for result in dist_pool(2).run(_bias_step, True, learned):
         assert result["rows"] == 8  # split by heads, no warning
-        assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
-        for name, expected in ref["grads"].items():
-            if noise_only(expected):  # the key bias: softmax ignores a constant per query
-                continue
-            assert relative_error(result["grads"][name], expected, expected) <= GRAD_REL, name
+        _assert_as_one_process(result, ref)
