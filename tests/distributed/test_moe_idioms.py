@@ -232,3 +232,32 @@ def test_experts_a_later_step_may_not_reach_turn_on_ddps_search(dist_pool):
     for result in dist_pool(2).run(train_looped_experts):
         assert result["find_unused"]
         assert all(error <= TOL for _, error in result["errors"]), result["errors"]
+
+
+def exchange_with_an_idle_rank() -> dict:
+    """Every token of both ranks routed to expert 0 (rank 0's): rank 1 receives no row, and its experts'
+    compute, like a loop over the experts a batch hit, returns zeros with no graph behind them."""
+    import torch.distributed as dist
+
+    from lightning_ptdp.expert_parallel.exchange import EPGroup, ExpertShard, exchange
+    from lightning_ptdp.expert_parallel.placement import Placement
+
+    rank = dist.get_rank()
+    experts = torch.randn(2, H, H, generator=torch.Generator().manual_seed(0))
+    mine = experts[rank].clone().requires_grad_()
+    hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(1 + rank)).requires_grad_()
+    shard = ExpertShard(num_experts=2, ep=EPGroup(dist.group.WORLD, 2, rank), placement=Placement.contiguous(2, 2))
+
+    def compute(rows: torch.Tensor, slots: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+        return rows @ mine if rows.shape[0] else torch.zeros_like(rows.detach())  # nothing hit: no graph
+
+    out = exchange(hidden, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), shard=shard, compute=compute)
+    out.sum().backward()  # both exchanges' backwards run on both ranks, or rank 0 waits forever
+    expected = torch.ones(4, H) @ experts[0].T
+    return {"rows": out.shape[0], "error": ((hidden.grad - expected).norm() / expected.norm()).item()}
+
+
+@pytest.mark.world_size(2)
+def test_a_rank_that_receives_no_rows_still_runs_the_exchanges_backward(dist_pool):
+    for result in dist_pool(2).run(exchange_with_an_idle_rank):
+        assert result["rows"] == 4 and result["error"] <= TOL
