@@ -10,6 +10,7 @@ them get partial gradients, listed in the report for ``StepGradients`` to sum ov
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
 from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, shard_feature_norm
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
+    GatheredColumnLinear,
     RowParallelLinear,
     ShardLayout,
     VocabParallelEmbedding,
@@ -48,6 +50,7 @@ from lightning_ptdp.tensor_parallel.model_plan import cross_check
 from lightning_ptdp.tensor_parallel.replay import (
     BlockProgram,
     BlockRuntime,
+    RegionEntry,
     install_replay,
     snapshot_args,
 )
@@ -118,6 +121,10 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> No
         closing = block.get_submodule(region.row)
         in_features = closing.weight.shape[0] if is_conv1d(closing) else closing.in_features
         _set_submodule(block, region.row, row(closing, ShardLayout(1, widest, in_features // widest, tp.size)))
+        for name in region.gathered:
+            linear = block.get_submodule(name)
+            layout = ShardLayout(1, linear.out_features, 1, tp.size)
+            _set_submodule(block, name, GatheredColumnLinear(linear, layout, tp))
 
 
 def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:
@@ -126,16 +133,29 @@ def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, t
     whole_sequence = sp and runs_whole_sequence(plan)
     runtime = BlockRuntime(block, program, tp, sp and not whole_sequence)
     for region, entry in zip(plan.regions, runtime.entries):
-        for name in (*region.columns, region.row):
+        # behind a prefix the columns read what it made of the entered input: only the row takes the entry
+        inside = region.prefix or region.gathered
+        for name in (region.row,) if inside else (*region.columns, region.row):
             block.get_submodule(name).region = entry
+    for k, names in program.entering.items():  # a prefix's leaf modules reading the region's input
+        for name in names:
+            block.get_submodule(name).register_forward_pre_hook(functools.partial(_enter_input, runtime.entries[k]))
     runtime.watch_leaves(block)
     install_replay(block, runtime, tp if whole_sequence else None)
 
 
+def _enter_input(entry: RegionEntry, module: nn.Module, args: tuple) -> tuple | None:
+    if entry.source is None or not any(a is entry.source for a in args):
+        return None
+    entered, _ = entry.enter(entry.source)
+    return tuple(entered if a is entry.source else a for a in args)
+
+
 def runs_whole_sequence(plan: BlockPlan) -> bool:
     """A region kept whole must see every token (attention over 1/t of the sequence is another
-    function), so under SP its block gathers the sequence and runs as without SP."""
-    return bool(plan.kept_whole)
+    function), and so may code outside the regions reading their input (``sequence_bound``): under
+    SP such a block gathers the sequence and runs as without SP."""
+    return bool(plan.kept_whole or plan.sequence_bound)
 
 
 def _shard_vocabulary(model: nn.Module, tp: TPGroup, inside_blocks: set[int], report: TPReport) -> None:
@@ -273,6 +293,8 @@ def _shard_planned_block(
     for region in plan.regions:
         for linear in (*region.columns, region.row):
             report.entries.append((_join(name, linear), region.style(linear), _layout_text(block, linear)))
+        for linear in region.gathered:
+            report.entries.append((_join(name, linear), "colwise_gathered", _layout_text(block, linear)))
     report.entries += _replicated_entries(name, plan)
 
 
@@ -280,7 +302,9 @@ def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, st
     """The report's lines for what a block keeps whole: routers and routed experts, regions discovery
     could not split, norms over all heads and modules with per-head parameters."""
     norms = [(name, norm) for region in plan.regions for name, norm in region.feature_norms.items()]
+    prefix_paths = [t for region in plan.regions for t in region.prefix]
     return [
+        *((_join(prefix, name), "replicated", PREFIX) for name in prefix_paths),
         *((_join(prefix, name), "replicated", WHOLE) for name in plan.replicated),
         *((_join(prefix, name), "replicated", KEPT) for kept in plan.kept_whole for name in kept.linears),
         *((_join(prefix, name), "replicated", NORM if isinstance(n, FeatureNorm) else HEADS) for name, n in norms),
@@ -290,11 +314,21 @@ def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, st
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
 KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
 HEADS = "per-head parameters: whole on every rank, each rank applies its heads' slice, gradients summed over tp"
+PREFIX = "before a region's columns, on its input: whole on every rank, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
 
 def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(m, n) for m in module.modules() for n, _ in m.named_parameters(recurse=False)]
+
+
+def _parameters_at(block: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
+    """(module, name) of a module's own parameters, or of the one parameter at ``path``."""
+    owner, _, leaf = path.rpartition(".")
+    module = block.get_submodule(owner)
+    if leaf in dict(module.named_parameters(recurse=False)):
+        return [(module, leaf)]
+    return _own_parameters(block.get_submodule(path))
 
 
 def _layout_text(block: nn.Module, name: str) -> str:
@@ -324,7 +358,8 @@ def _partial_gradients(block: nn.Module, plan: BlockPlan, on_shards: bool) -> li
     sequence, every one but the shards'; on the whole sequence, those applied to this rank's heads
     only (per-head q/k norms)."""
     if not on_shards:
-        return [p for region in plan.regions for t in region.partial for p in _own_parameters(block.get_submodule(t))]
+        partial = [t for region in plan.regions for t in (*region.partial, *region.prefix)]
+        return [p for t in dict.fromkeys(partial) for p in _parameters_at(block, t)]
     return [
         (module, name)
         for module in block.modules()

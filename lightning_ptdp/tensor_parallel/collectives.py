@@ -1,11 +1,11 @@
-"""Megatron's collectives, autograd functions over one tp group (forward / backward; T: dim 1, sequence):
+"""Megatron's collectives over one tp group, forward / backward (T: dim 1, sequence; C: features):
 copy_to_tp_region                 identity / all-reduce                 column-parallel region input
 reduce_from_tp_region             all-reduce / identity                 row-parallel region output
 gather_from_sp_region             all-gather(T) / reduce-scatter(T)     SP: region input
 reduce_scatter_to_sp_region       reduce-scatter(T) / all-gather(T)     SP: region output
-scatter_to_sp_region              own chunk / all-gather(T)             SP: entering the blocks
-gather_from_sp_region_split_grad  all-gather(T) / own chunk             SP: leaving the blocks
+scatter_to_sp_region              own chunk / all-gather(T) (and back: gather_from_sp_region_split_grad)
 sum_over_tp_region                all-reduce / all-reduce               a statistic of all ranks' features
+gather_features_from_tp_region    all-gather(C) / reduce-scatter(C)     a gathered column in a region
 """
 
 from __future__ import annotations
@@ -46,24 +46,38 @@ def _seq_dim(x: torch.Tensor) -> int:
     return SEQ_DIM if x.dim() > 2 else 0
 
 
-def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    dim = _seq_dim(x)
+def _all_gather_along(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
     if not x.is_meta:
         dist.all_gather_into_tensor(out, x, group=tp.group)
-    # contiguous (B, T, C), not a movedim view: several Linears reading a view would each copy it
+    # contiguous, not a movedim view: several Linears reading a view would each copy it
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    dim = _seq_dim(x)
-    check_sequence_divisible(x.shape[dim], tp)
+def _reduce_scatter_along(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
     if not x.is_meta:
         dist.reduce_scatter_tensor(out, x, group=tp.group)
     return out.movedim(0, dim).contiguous()  # not a view: the model may add to it in place
+
+
+def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _all_gather_along(x, tp, _seq_dim(x))
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    check_sequence_divisible(x.shape[_seq_dim(x)], tp)
+    return _reduce_scatter_along(x, tp, _seq_dim(x))
+
+
+def _all_gather_features(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _all_gather_along(x, tp, x.dim() - 1)
+
+
+def _reduce_scatter_features(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _reduce_scatter_along(x, tp, x.dim() - 1)
 
 
 def _own_chunk(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -110,6 +124,10 @@ reduce_scatter_to_sp_region = _conjugate_pair("ReduceScatterToSPRegion", _reduce
 scatter_to_sp_region = _conjugate_pair("ScatterToSPRegion", _own_chunk, _all_gather_seq)
 gather_from_sp_region_split_grad = _conjugate_pair("GatherFromSPRegionSplitGrad", _all_gather_seq, _own_chunk)
 sum_over_tp_region = _conjugate_pair("SumOverTPRegion", _all_reduce, _all_reduce)  # every rank uses the sum
+# backward reduce-scatters, not splits: what reads the gathered features inside a region is per-rank (its heads)
+gather_features_from_tp_region = _conjugate_pair(
+    "GatherFeaturesFromTPRegion", _all_gather_features, _reduce_scatter_features
+)
 
 
 def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

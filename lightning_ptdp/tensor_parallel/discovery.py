@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 
+import torch
 import torch.nn as nn
 from torch import fx
 
@@ -24,11 +25,14 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     TPDiscoveryError,
     _call_name,
     _shape,
+    ancestry,
     plan_hint,
     working_plan_hint,
 )
+from lightning_ptdp.tensor_parallel.op_semantics import is_pointwise
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
+from lightning_ptdp.tensor_parallel.regions import Assignment, find_regions, weight_count
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> RecordedBlock:
@@ -42,169 +46,6 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> Recor
             f"tensor parallelism could not run block '{name}' ({type(block).__name__}) to read its dataflow: "
             f"{type(err).__name__}: {err}; " + plan_hint(name, "<linear>")
         ) from err
-
-
-def _linear_nodes(gm: RecordedBlock) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_module" and is_linear_like(gm.get_submodule(n.target))]
-
-
-_INDEXING = {"getitem", "__getitem__", "index_select", "gather", "take_along_dim", "masked_select"}
-
-
-def _integer(node: fx.Node) -> bool:
-    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
-    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
-
-
-def _from_values(node: fx.Node) -> bool:
-    """An integer tensor computed from float values in the block (top-k indices, a routing mask),
-    not from positions or the block's own integer inputs."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        meta = n.meta.get("tensor_meta")
-        if n is not node and getattr(meta, "dtype", None) is not None and meta.dtype.is_floating_point:
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
-
-
-def _picks_rows(node: fx.Node) -> bool:
-    """Rows of a tensor picked by an index computed from values: a routed expert's ``x[token_idx]``."""
-    if _call_name(node) not in _INDEXING:
-        return False
-    return any(_integer(n) and _from_values(n) for n in node.all_input_nodes[1:])
-
-
-def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], bool]:
-    """The Linears feeding ``node`` (through anything but another Linear), and whether its input
-    rows are picked by the routing on the way; the routing's index is not followed (it picks rows,
-    carrying no Linear's values: a router does not feed the experts it routes to)."""
-    found, seen, stack, picked = set(), set(), list(node.all_input_nodes), False
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in linears:
-            found.add(n)
-        elif _picks_rows(n):
-            picked = True
-            stack.append(n.all_input_nodes[0])
-        else:
-            stack.extend(n.all_input_nodes)
-    return found, picked
-
-
-def find_regions(gm: RecordedBlock, name: str) -> tuple[list[RegionPlan], list[str], list[KeptWhole]]:
-    """Group the block's Linears into column -> row regions from the dataflow alone.
-
-    In graph order: a Linear fed by no other Linear, or only by whole outputs (rows, after their
-    reduction, e.g. through the residual stream), opens a region as a column; a Linear fed only by
-    columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``): a column
-    no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear), and the
-    experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert tensor
-    parallel size 1; expert parallelism splits them). Linears joined through column outputs form one
-    group; a group that is no single column -> row pair (a Linear fed by a column and by the residual,
-    a column feeding two rows) is kept whole (``KeptWhole``), with the reason.
-    """
-    everything = _linear_nodes(gm)
-    found = {n: _upstream_linears(n, set(everything)) for n in everything}
-    routed: set[fx.Node] = set()  # a routed expert's Linears, and what they feed: whole on every rank
-    for node in everything:
-        if found[node][1] or found[node][0] & routed:
-            routed.add(node)
-    linears = [n for n in everything if n not in routed]
-    upstream = {n: found[n][0] for n in linears}
-    role: dict[fx.Node, str] = {}
-    mixed: dict[fx.Node, str] = {}
-    group = {n: n for n in linears}  # union-find over Linears joined by a column's (sharded) output
-
-    def root(n: fx.Node) -> fx.Node:
-        while group[n] is not n:
-            n = group[n]
-        return n
-
-    for node in linears:
-        feeders = {role[u] for u in upstream[node]}
-        role[node] = "column" if "column" not in feeders else "row" if feeders == {"column"} else "whole"
-        if role[node] == "whole":
-            mixed[node] = (
-                f"block '{name}': linear '{node.target}' is fed both by a column-parallel linear and by the "
-                "residual stream; only column -> row pairs (attention, MLP) are discovered automatically"
-            )
-        for u in upstream[node]:
-            if role[u] == "column":
-                group[root(u)] = root(node)
-    members: dict[fx.Node, list[fx.Node]] = {}
-    for node in linears:
-        members.setdefault(root(node), []).append(node)
-    regions, kept = [], []
-    for nodes in members.values():
-        rows = [n for n in nodes if role[n] == "row"]
-        if len(nodes) == 1 and not rows:
-            continue  # a column no Linear reads: replicated below
-        reason = _unsplittable(nodes, rows, mixed, upstream, name, set(everything))
-        if reason is not None:
-            kept.append(KeptWhole([n.target for n in nodes], reason))
-            continue
-        row = rows[0]
-        columns = [c.target for c in nodes if c is not row]
-        regions.append(RegionPlan(columns, row.target, next(iter(upstream[row])).args[0].name))
-    grouped = {t for r in regions for t in (*r.columns, r.row)} | {t for k in kept for t in k.linears}
-    order = {n.target: i for i, n in enumerate(everything)}
-    regions.sort(key=lambda r: order[r.row])
-    return regions, [n.target for n in everything if n.target not in grouped], kept
-
-
-def _unsplittable(
-    nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, upstream: dict, name: str, linears: set[fx.Node]
-) -> str | None:
-    """Why one group of Linears is no column -> row region, or None when it is one."""
-    if any(n in mixed for n in nodes):
-        return mixed[next(n for n in nodes if n in mixed)]
-    leaving = next((c for c in nodes if c not in rows and _returned(c, linears)), None)
-    if leaving is not None:
-        return (
-            f"block '{name}': the output of column-parallel linear '{leaving.target}' is returned by the block "
-            "before a row-parallel linear sums it (a value handed to the next block besides the hidden states): "
-            "each rank would return 1/t of its features"
-        )
-    if len(rows) != 1:
-        return (
-            f"block '{name}': a column-parallel linear feeds two row-parallel linears "
-            f"({' and '.join(repr(r.target) for r in rows)})"
-        )
-    inputs = {c.args[0] for c in upstream[rows[0]]}
-    if len(inputs) != 1:
-        return (
-            f"block '{name}': the column-parallel linears {sorted(c.target for c in upstream[rows[0]])} of "
-            f"'{rows[0].target}' read different inputs"
-        )
-    return None
-
-
-def _returned(node: fx.Node, linears: set[fx.Node]) -> bool:
-    """Whether ``node``'s value, before any other Linear reads it, reaches the block's hidden-state
-    output (an extra output, eager attention's weights, is gathered where read: extra_outputs.py)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for user in n.users:
-            if user.op == "output" and _first_output(user) is n:
-                return True
-            if user not in seen and user not in linears:
-                seen.add(user)
-                stack.append(user)
-    return False
-
-
-def _first_output(output: fx.Node) -> object:
-    value = output.args[0]
-    return value[0] if isinstance(value, (tuple, list)) and value else value
 
 
 def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
@@ -324,18 +165,44 @@ def _feature_split(shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> tup
 def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = False) -> BlockPlan:
     """Regions, layouts (validated against t) and the rewritten graph for one block. A region the
     propagation cannot split is kept whole (its rewrites undone) and the others are split; with
-    ``strict`` it is refused instead, naming the op and the explicit plan that works."""
-    regions, replicated, kept = find_regions(gm, name)
+    ``strict`` it is refused instead, naming the op and the explicit plan that works. Of the ways to
+    pair the Linears (``find_regions``), the one that splits the most weights once propagated wins."""
+    recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
+    best: tuple[int, BlockPlan, dict] | None = None
+    for k, assignment in enumerate(find_regions(gm, name)):
+        for node, (args, kwargs) in recorded.items():
+            node.args, node.kwargs = args, kwargs
+        try:
+            plan = _propagate(gm, assignment, name, tp_size, recorded)
+        except ValueError:
+            if k == 0:
+                raise
+            continue  # an alternative pairing t does not divide: the first one's error is the user's
+        split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered))
+        if best is None or split > best[0]:
+            best = (split, plan, {n: (n.args, n.kwargs) for n in gm.graph.nodes})
+    _, plan, rewritten = best
+    for node, (args, kwargs) in rewritten.items():
+        node.args, node.kwargs = args, kwargs
+    plan.sequence_bound = _read_outside(gm, plan.regions)
+    if strict and plan.kept_whole:
+        raise TPDiscoveryError(f"{plan.kept_whole[0].reason}; " + working_plan_hint(name, plan.regions, tp_size))
+    gm.graph.lint()
+    return plan
+
+
+def _propagate(gm: RecordedBlock, assignment: Assignment, name: str, tp_size: int, recorded: dict) -> BlockPlan:
+    regions, replicated, kept = assignment.regions, list(assignment.replicated), list(assignment.kept)
     for region in regions:
         detect_layouts(gm, region)
+        _gather_prefix(gm, region, tp_size)
     single = {id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None}
     single.update({id(r): reason for r in regions if (reason := _own_forward(gm, r, name)) is not None})
-    kept += [KeptWhole([*r.columns, r.row], single[id(r)]) for r in regions if id(r) in single]
+    kept += [KeptWhole(_all_linears(gm, r), single[id(r)]) for r in regions if id(r) in single]
     regions = [r for r in regions if id(r) not in single]
     for region in regions:
         validate_layouts(region, name, tp_size)
     ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
-    recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
     while True:
         failures = []
         for region in regions:
@@ -349,15 +216,53 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
             node.args, node.kwargs = args, kwargs
         failed = {id(region) for region, _ in failures}
         regions = [r for r in regions if id(r) not in failed]
-        kept += [KeptWhole([*r.columns, r.row], str(error)) for r, error in failures]
+        kept += [KeptWhole(_all_linears(gm, r), str(error)) for r, error in failures]
         for region in regions:
             region.feature_norms.clear()
             region.partial.clear()
+            region.operand_slices.clear()
+            region.sharded_outputs.clear()
             region.rewrites_shapes = False
-    if strict and kept:
-        raise TPDiscoveryError(f"{kept[0].reason}; " + working_plan_hint(name, regions, tp_size))
-    gm.graph.lint()
     return BlockPlan(gm.graph, regions, replicated, kept)
+
+
+def _all_linears(gm: RecordedBlock, region: RegionPlan) -> list[str]:
+    """The region's Linears, its prefix's included (what stays whole when it cannot be split)."""
+    prefix = [t for t in (*region.gathered, *region.prefix) if is_linear_like(_target(gm, t))]
+    return [*region.columns, region.row, *prefix]
+
+
+def _target(gm: RecordedBlock, target: str) -> object:
+    try:
+        return gm.get_submodule(target)
+    except AttributeError:  # a parameter's path
+        return None
+
+
+def _read_outside(gm: RecordedBlock, regions: list[RegionPlan]) -> str:
+    """Why a region's input is read outside every region other than elementwise (a post-norm block
+    adding it to the residual, which the replay serves on the shard): "" when it is not."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    inside = set().union(*(ancestry(calls[r.row]) for r in regions)) if regions else set()
+    for region in regions:
+        for user in nodes[region.input_node].users:
+            if user in inside or user.op == "output":
+                continue
+            call = getattr(torch.Tensor, user.target) if user.op == "call_method" else user.target
+            if user.op == "call_module" or not is_pointwise(call, user.args, user.kwargs):
+                return f"'{user.format_node()}' reads the input of the region ending in '{region.row}' outside it"
+    return ""
+
+
+def _gather_prefix(gm: RecordedBlock, region: RegionPlan, tp_size: int) -> None:
+    """The prefix's Linears that split evenly by output features are gathered columns; the rest of
+    the prefix stays whole on every rank, its gradient summed over tp."""
+    for target in list(region.prefix):
+        module = _target(gm, target)
+        if isinstance(module, nn.Linear) and acts_as(module, nn.Linear) and module.out_features % tp_size == 0:
+            region.gathered.append(target)
+            region.prefix.remove(target)
 
 
 def _divisors(n: int) -> str:

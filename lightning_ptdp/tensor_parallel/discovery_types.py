@@ -20,7 +20,7 @@ def working_plan_hint(block: str, regions: list[Any], tp_size: int) -> str:
     the regions it could split and an explicit plan can express, one glob each; the rest stay whole."""
     blocks = _blocks_glob(block)
     # a region with per-head norms needs discovery's gradient sums (an explicit plan has none)
-    usable = [r for r in regions if not r.rewrites_shapes and not r.partial]
+    usable = [r for r in regions if not (r.rewrites_shapes or r.partial or r.prefix or r.gathered)]
     plan = {f"{blocks}.{m}": r.style(m) for r in usable for m in (*r.columns, r.row)}
     if not plan:
         return (
@@ -56,6 +56,16 @@ class Sharded:
     bounds: tuple[int, ...] = ()  # a fused column's part boundaries (global), where slicing may cut
 
 
+@dataclass(frozen=True)
+class OperandSlice:
+    """A whole per-head operand of one call, cut to each rank's heads at run time (ALiBi's bias, a sink)."""
+
+    index: int  # argument leaf
+    dim: int
+    width: int  # its global size along ``dim``; already 1/t of it at run time (made from a local size): kept
+    made_inside: bool  # computed from the region's input: its gradient already reaches f, no second sum
+
+
 @dataclass
 class RegionPlan:
     """One column-parallel -> row-parallel region of a block (attention or MLP)."""
@@ -72,10 +82,15 @@ class RegionPlan:
     # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
     feature_norms: dict[str, FeatureNorm | HeadSlices] = field(default_factory=dict)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
-    operand_slices: dict[Any, list[tuple[int, int]]] = field(default_factory=dict)
-    """Call site -> (argument leaf, dim) of whole per-head operands each rank slices (ALiBi's bias)."""
+    operand_slices: dict[Any, list[OperandSlice]] = field(default_factory=dict)
+    """Call site -> the whole per-head operands each rank slices (ALiBi's bias, a sink's logits)."""
     sharded_outputs: dict[int, int] = field(default_factory=dict)
     """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
+    prefix: list[str] = field(default_factory=list)
+    """What runs on the entered input before the columns (MLA's q_a, its norm): module or parameter
+    paths, whole on every rank, their gradients summed over tp (each rank's holds its heads' part)."""
+    gathered: list[str] = field(default_factory=list)
+    """The prefix's Linears split by output features and gathered (layers.GatheredColumnLinear)."""
 
     def style(self, name: str) -> str:
         """The explicit-plan style of one of this region's Linears."""
@@ -104,6 +119,21 @@ class BlockPlan:
     """Linears no region holds (their output reaches no Linear): whole on every rank."""
     kept_whole: list[KeptWhole] = field(default_factory=list)
     """Regions left whole on every rank because discovery could not split them (the rest is split)."""
+    sequence_bound: str = ""
+    """Why, under SP, the block runs on the whole sequence though it splits every region: code outside
+    the regions reads a region's input (a MoE's router and routed experts beside a shared expert),
+    and its size reads, which no graph records, may mean either length."""
+
+
+def ancestry(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

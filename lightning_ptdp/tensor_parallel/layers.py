@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning_ptdp.tensor_parallel.collectives import (
     TPGroup,
     copy_to_tp_region,
+    gather_features_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
@@ -127,6 +128,18 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.out_features}/{self.layout.size}, tp={self.tp.size}"
+
+
+class GatheredColumnLinear(ColumnParallelLinear):
+    """A Linear inside a region before its columns (MLA's low-rank q_a / kv_a projections): this rank's
+    output features, gathered (Megatron's gather_output=True). The gradient of the gathered output is
+    reduce-scattered, as what reads it inside the region works on this rank's heads only."""
+
+    def forward(self, x: torch.Tensor, shard: SavedInputShard | None = None) -> torch.Tensor:
+        return gather_features_from_tp_region(super().forward(x, shard), self.tp)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", gathered"
 
 
 class RowParallelLinear(nn.Module):

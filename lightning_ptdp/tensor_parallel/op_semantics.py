@@ -104,12 +104,22 @@ def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node
     return found
 
 
-def per_head_operands(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """Whole inputs of an elementwise call (every aten op it runs tagged pointwise) that broadcast
-    against the sharded input with the sharded dim's full size, {node: dim}: ALiBi's per-head bias
-    added to head-sharded scores. Each rank may take their slice: the call on the slices is the
-    slice of the call. (Not other ops: a ``cat`` of an attention sink's logits made with this rank's
-    head count fails before the cut; the plan certificate caught it, so such calls stay refused.)"""
+def is_pointwise(call: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether every aten op ``call`` runs (on meta tensors of its recorded shapes) is tagged pointwise."""
+    trace = AtenOps()
+    try:
+        with trace:
+            _run(call, args, kwargs, _empty)
+    except Exception:  # the user's call on meta tensors may raise anything: not known to be pointwise
+        return False
+    return bool(trace.ops) and all(torch.Tag.pointwise in func.tags for func, *_ in trace.ops)
+
+
+def per_head_operands(args: tuple, kwargs: dict, sharded: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Whole inputs of a call that line up with the sharded input with the sharded dim's full size
+    (counted from the end), {node: dim}: ALiBi's per-head bias added to head-sharded scores, an
+    attention sink's logits concatenated to them. Each rank may take its slice where torch's rule
+    takes them split too (``follow_call`` with them sharded): Replicate -> Shard is a local cut."""
     (source, dim), *_ = sharded.items()
     width, back = _empty(source).shape[dim], dim - _empty(source).dim()
     candidates = {}
@@ -118,16 +128,7 @@ def per_head_operands(call: Callable, args: tuple, kwargs: dict, sharded: dict[f
             shape = node.meta["tensor_meta"].shape
             if len(shape) >= -back and shape[back] == width > 1:
                 candidates[node] = len(shape) + back
-    if not candidates:
-        return {}
-    trace = AtenOps()
-    try:
-        made = {n: _empty(n) for n in tree_flatten((args, kwargs))[0] if isinstance(n, fx.Node)}  # outside the trace
-        with trace:
-            _run(call, args, kwargs, made.__getitem__)
-    except Exception:  # the user's call on meta tensors may raise anything: follow_call says why
-        return {}
-    return candidates if trace.ops and all(torch.Tag.pointwise in func.tags for func, *_ in trace.ops) else {}
+    return candidates
 
 
 def _dim(placement: Placement | None) -> int | None:

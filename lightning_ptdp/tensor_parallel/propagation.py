@@ -22,12 +22,14 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.tensor_parallel.discovery_types import (
+    OperandSlice,
     RegionPlan,
     Sharded,
     TPDiscoveryError,
     _call_name,
     _shape,
     _shape_args,
+    ancestry,
 )
 from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
 from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, per_head_operands
@@ -200,7 +202,7 @@ class ShardPropagation:
         op_semantics.per_head_operands), recorded for the replay; None where there are none, or
         torch's rule does not take them split either."""
         contiguous = not any(self.shard[i].bounds for i in sharded)  # one contiguous share a rank, not fused parts
-        whole = per_head_operands(call, node.args, node.kwargs, sharded) if ratio == self.tp_size and contiguous else {}
+        whole = per_head_operands(node.args, node.kwargs, sharded) if ratio == self.tp_size and contiguous else {}
         if not whole or "site" not in node.meta:
             return None
         try:
@@ -208,7 +210,10 @@ class ShardPropagation:
         except OpRefused:
             return None
         leaves = tree_flatten((node.args, node.kwargs))[0]
-        self.region.operand_slices[node.meta["site"]] = [(leaves.index(n), d) for n, d in whole.items()]
+        source = next(n for n in self.gm.graph.nodes if n.name == self.region.input_node)
+        self.region.operand_slices[node.meta["site"]] = [
+            OperandSlice(leaves.index(n), d, _shape(n)[d], source in ancestry(n)) for n, d in whole.items()
+        ]
         return dims
 
     def _mark(self, node: fx.Node, dim: int, info: Sharded) -> None:
@@ -260,6 +265,21 @@ class ShardPropagation:
         self.shard[node] = Sharded(dim, ratio)
 
     _op_broadcast_to = _op_expand
+
+    def _op_new_empty(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """A new tensor shaped like the sharded one (``x.new_empty(*x.shape[:-1], d)``, filled in place
+        later): sharded where its size names the sharded dim's, at 1/ratio of it."""
+        full = node.target == "new_full"
+        args, packed = (list(node.args[1]), True) if full else _shape_args(node)
+        shape_in, shape_out = _shape(src), _shape(node)
+        if len(shape_out) != len(shape_in) or shape_out[info.dim] != shape_in[info.dim] or len(args) != len(shape_out):
+            raise self.fail(node, f"makes a new tensor of shape {shape_out} from a tensor sharded along dim {info.dim}")
+        args[info.dim] = self._divide(node, args[info.dim], info.ratio)
+        rest = node.args[2:] if full else ()
+        node.args = (node.args[0], tuple(args), *rest) if packed else (node.args[0], *args)
+        self._mark(node, info.dim, info)
+
+    _op_new_zeros = _op_new_ones = _op_new_full = _op_new_empty
 
     def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         """Splits of the sharded dim cut at a fused projection's part boundaries are each rank's share

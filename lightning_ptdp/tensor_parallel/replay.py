@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_ptdp.core.sites import CallSite, SiteCounter
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
-from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, TPDiscoveryError
+from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, OperandSlice, TPDiscoveryError, ancestry
 from lightning_ptdp.tensor_parallel.extra_outputs import HeadShardedOutput, wrap_extra_outputs
 from lightning_ptdp.tensor_parallel.recording import is_leaf
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
@@ -98,7 +98,8 @@ class BlockProgram:
     by_ordinal: dict[tuple, CallSite] = field(default_factory=dict)  # (func, n-th call) -> its site
     sites: frozenset = frozenset()  # every call site the replay acts on
     sharded_outputs: dict[int, int] = field(default_factory=dict)  # extra outputs gathered where read
-    slices: dict[CallSite, list[tuple[int, int]]] = field(default_factory=dict)  # whole per-head operands
+    slices: dict[CallSite, list[OperandSlice]] = field(default_factory=dict)  # whole per-head operands
+    entering: dict[int, list[str]] = field(default_factory=dict)  # region -> its prefix's leaves reading its input
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -118,10 +119,16 @@ class BlockProgram:
             program.sources.append(_source_of(source, placeholders))
             if program.sources[-1].kind == "site":
                 program.source_sites.setdefault(program.sources[-1].key, []).append(k)
-            inside = _ancestors(calls[region.row])
+            inside = ancestry(calls[region.row])
             for user in source.users:
                 if user not in inside and "site" in user.meta:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
+            if region.prefix or region.gathered:
+                program.entering[k] = [
+                    u.target
+                    for u in source.users
+                    if u in inside and u.op == "call_module" and u.target not in region.columns
+                ]
         sites = {*program.rewrites, *program.outside, *program.source_sites, *program.slices}
         program.funcs = frozenset(site.func for site in sites)
         program.by_ordinal = {n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in sites}
@@ -140,16 +147,6 @@ def _source_of(node: fx.Node, placeholders: list[fx.Node]) -> Source:
     if parent.op == "call_module":
         return Source("module", parent.target, index)
     return Source("site", parent.meta["site"], index)
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for parent in stack.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
 
 
 class RegionEntry:
@@ -189,6 +186,7 @@ class BlockRuntime:
     def __init__(self, block: nn.Module, program: BlockProgram, tp: TPGroup, sequence_parallel: bool) -> None:
         self.program, self.tp = program, tp
         self.entries = [RegionEntry(tp, sequence_parallel) for _ in program.sources]
+        self.on_shards = sequence_parallel  # replicated parameters' gradients are summed after backward
         self.sites = SiteCounter()
         self.calls: dict[Any, int] = {}  # func -> calls so far in this forward
         self.mismatch: CallSite | None = None  # an eager call whose order differs from the recording
@@ -312,7 +310,7 @@ class _ReplayMode(TorchFunctionMode):
         if site is not None and site in program.rewrites:
             args, kwargs = program.rewrites[site].apply(args, kwargs)
         if site is not None and site in program.slices:
-            args, kwargs = _own_heads(args, kwargs, program.slices[site], rt.tp)
+            args, kwargs = _own_heads(args, kwargs, program.slices[site], rt.tp, rt.on_shards)
         result = func(*args, **kwargs)
         if site is not None and site in program.source_sites:
             for k in program.source_sites[site]:
@@ -323,21 +321,28 @@ class _ReplayMode(TorchFunctionMode):
         return result
 
 
-def _own_heads(args: tuple, kwargs: dict, slices: list[tuple[int, int]], tp: TPGroup) -> tuple[tuple, dict]:
-    """Each whole per-head operand cut to this rank's heads; one that needs a gradient enters the
-    region first (its gradient, this rank's heads only, summed over tp: every rank gets all heads')."""
+def _own_heads(
+    args: tuple, kwargs: dict, slices: list[OperandSlice], tp: TPGroup, on_shards: bool
+) -> tuple[tuple, dict]:
+    """Each whole per-head operand cut to this rank's heads; one that needs a gradient and is not made
+    from the region's input enters the region first (its gradient, this rank's heads only, summed over
+    tp: every rank gets all heads'), unless the block runs on 1/t of the sequence, where every
+    replicated parameter's gradient is summed over tp after backward. One made from a local size
+    already (a key head expanded to this rank's head count) is kept."""
     leaves, spec = tree_flatten((args, kwargs))
-    for index, dim in slices:
-        whole = leaves[index]
+    for cut in slices:
+        whole = leaves[cut.index]
         if isinstance(whole, HeadShardedOutput):  # another block's sharded output: its local part is the slice
-            if (whole._dim, whole._tp) == (dim, tp):
-                leaves[index] = whole.local()
+            if (whole._dim, whole._tp) == (cut.dim, tp):
+                leaves[cut.index] = whole.local()
                 continue
             whole = whole.whole()
-        if whole.requires_grad:
+        if whole.shape[cut.dim] == cut.width // tp.size:
+            continue
+        if whole.requires_grad and not (cut.made_inside or on_shards):
             whole = C.copy_to_tp_region(whole, tp)
-        size = whole.shape[dim] // tp.size
-        leaves[index] = whole.narrow(dim, tp.rank * size, size)
+        size = whole.shape[cut.dim] // tp.size
+        leaves[cut.index] = whole.narrow(cut.dim, tp.rank * size, size)
     return tree_unflatten(leaves, spec)
 
 

@@ -1,0 +1,297 @@
+"""Pair a block's Linears into column -> row regions from its recorded dataflow alone.
+
+A Linear fed by no other Linear, or only by whole outputs (rows after their reduction, the residual
+stream), opens a region as a column; one fed only by columns closes it as its row. A chain of
+Linears (MLA's q_a -> q_b -> o) pairs wrongly in graph order, so its openers are also tried as the
+region's prefix: run on the region's input before the columns (``_region_input``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from lightning_ptdp.core.blocks import is_linear_like
+from lightning_ptdp.tensor_parallel.discovery_types import KeptWhole, RegionPlan, _call_name, ancestry
+from lightning_ptdp.tensor_parallel.recording import RecordedBlock
+
+
+def _linear_nodes(gm: RecordedBlock) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and is_linear_like(gm.get_submodule(n.target))]
+
+
+_INDEXING = {"getitem", "__getitem__", "index_select", "gather", "take_along_dim", "masked_select"}
+
+
+def _integer(node: fx.Node) -> bool:
+    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _from_values(node: fx.Node) -> bool:
+    """An integer tensor computed from float values in the block (top-k indices, a routing mask),
+    not from positions or the block's own integer inputs."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        meta = n.meta.get("tensor_meta")
+        if n is not node and getattr(meta, "dtype", None) is not None and meta.dtype.is_floating_point:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _picks_rows(node: fx.Node) -> bool:
+    """Rows of a tensor picked by an index computed from values: a routed expert's ``x[token_idx]``."""
+    if _call_name(node) not in _INDEXING:
+        return False
+    return any(_integer(n) and _from_values(n) for n in node.all_input_nodes[1:])
+
+
+def _upstream_linears(node: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], bool]:
+    """The Linears feeding ``node`` (through anything but another Linear), and whether its input
+    rows are picked by the routing on the way; the routing's index is not followed (it picks rows,
+    carrying no Linear's values: a router does not feed the experts it routes to)."""
+    found, seen, stack, picked = set(), set(), list(node.all_input_nodes), False
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in linears:
+            found.add(n)
+        elif _picks_rows(n):
+            picked = True
+            stack.append(n.all_input_nodes[0])
+        else:
+            stack.extend(n.all_input_nodes)
+    return found, picked
+
+
+def find_regions(gm: RecordedBlock, name: str) -> list[Assignment]:
+    """Group the block's Linears into column -> row regions from the dataflow alone.
+
+    In graph order: a Linear fed by no other Linear, or only by whole outputs (rows, after their
+    reduction, e.g. through the residual stream), opens a region as a column; a Linear fed only by
+    columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``): a column
+    no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear), and the
+    experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert tensor
+    parallel size 1; expert parallelism splits them). Linears joined through column outputs form one
+    group; a group that is no single column -> row pair (a Linear fed by a column and by the residual,
+    a column feeding two rows) is kept whole (``KeptWhole``), with the reason.
+
+    A chain of Linears (MLA's q_a -> q_b -> o, a low-rank bottleneck) pairs wrongly in graph order:
+    q_a would close on q_b and leave o with no row. So the Linears opening such a chain are also
+    tried as the region's prefix (run on its input before the columns): the assignment in graph order
+    comes first, then the one that splits more of the block's weights, if any (``plan_block`` keeps
+    the one that splits more once propagated).
+    """
+    everything = _linear_nodes(gm)
+    found = {n: _upstream_linears(n, set(everything)) for n in everything}
+    routed: set[fx.Node] = set()  # a routed expert's Linears, and what they feed: whole on every rank
+    for node in everything:
+        if found[node][1] or found[node][0] & routed:
+            routed.add(node)
+    linears = [n for n in everything if n not in routed]
+    upstream = {n: found[n][0] for n in linears}
+    base = best = _assign(gm, everything, linears, upstream, frozenset(), name)
+    tried = {frozenset()}
+    for _ in range(len(linears)):  # each round adds the openers of the chains still pairing wrongly
+        whole = best.whole | _chain_openers(best, linears, upstream, set(everything))
+        if whole in tried:
+            break
+        tried.add(whole)
+        trial = _assign(gm, everything, linears, upstream, whole, name)
+        if trial.split <= best.split:
+            break
+        best = trial
+    return [base] if best is base else [base, best]
+
+
+@dataclass
+class Assignment:
+    """One way to pair the block's Linears: regions, the Linears left whole and why, and how many
+    weights the regions split."""
+
+    whole: frozenset
+    regions: list[RegionPlan]
+    replicated: list[str]
+    kept: list[KeptWhole]
+    roles: dict
+    split: int
+
+
+def _assign(
+    gm: RecordedBlock, everything: list, linears: list, upstream: dict, whole: frozenset, name: str
+) -> Assignment:
+    """Roles in graph order, given the Linears ``whole`` that run on their region's input before its
+    columns (their outputs are whole on every rank, like the residual stream's)."""
+    role: dict[fx.Node, str] = {}
+    mixed: dict[fx.Node, str] = {}
+    group = {n: n for n in linears}  # union-find over Linears joined by a column's (sharded) output
+
+    def root(n: fx.Node) -> fx.Node:
+        while group[n] is not n:
+            n = group[n]
+        return n
+
+    for node in linears:
+        feeders = {role[u] for u in upstream[node]} - {"prefix"}
+        if node in whole:
+            role[node] = "prefix"
+            if "column" in feeders:
+                mixed[node] = f"block '{name}': linear '{node.target}' reads a column-parallel linear's output"
+            continue
+        role[node] = "column" if "column" not in feeders else "row" if feeders == {"column"} else "whole"
+        if role[node] == "whole":
+            mixed[node] = (
+                f"block '{name}': linear '{node.target}' is fed both by a column-parallel linear and by the "
+                "residual stream; only column -> row pairs (attention, MLP) are discovered automatically"
+            )
+        for u in upstream[node]:
+            if role[u] == "column":
+                group[root(u)] = root(node)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for node in linears:
+        if role[node] != "prefix":
+            members.setdefault(root(node), []).append(node)
+    regions, kept = [], []
+    for nodes in members.values():
+        rows = [n for n in nodes if role[n] == "row"]
+        if len(nodes) == 1 and not rows:
+            continue  # a column no Linear reads: replicated below
+        reason = _unsplittable(nodes, rows, mixed, name, set(everything))
+        entry = None
+        if reason is None:
+            columns = [c for c in nodes if c is not rows[0]]
+            entry = _region_input(gm, columns, rows[0], upstream, whole, set(everything))
+            if entry is None:
+                reason = (
+                    f"block '{name}': the column-parallel linears {sorted(c.target for c in columns)} of "
+                    f"'{rows[0].target}' read different inputs, not all made from one input of the region"
+                )
+        if reason is not None:
+            kept.append(KeptWhole([n.target for n in nodes], reason))
+            continue
+        source, prefix = entry
+        row = rows[0]
+        region = RegionPlan([c.target for c in nodes if c is not row], row.target, source.name)
+        region.prefix = prefix
+        regions.append(region)
+    if whole and any(n in mixed for n in whole):
+        kept.append(KeptWhole([n.target for n in whole if n in mixed], mixed[next(n for n in whole if n in mixed)]))
+    grouped = {t for r in regions for t in (*r.columns, r.row, *r.prefix)} | {t for k in kept for t in k.linears}
+    order = {n.target: i for i, n in enumerate(everything)}
+    regions.sort(key=lambda r: order[r.row])
+    split = sum(weight_count(gm, t) for r in regions for t in (*r.columns, r.row))
+    replicated = [n.target for n in everything if n.target not in grouped]
+    return Assignment(whole, regions, replicated, kept, role, split)
+
+
+def weight_count(gm: RecordedBlock, target: str) -> int:
+    return sum(p.numel() for p in gm.get_submodule(target).parameters())
+
+
+def _chain_openers(best: Assignment, linears: list, upstream: dict, everything: set) -> set[fx.Node]:
+    """The columns of the rows that are no region's end, for the first Linear reading such rows (MLA's
+    o, reading q_b and kv_b before the block returns anything): tried as their regions' prefix. One
+    chain a round, in graph order: fixing it re-pairs the Linears after it."""
+    role = best.roles
+    for node in linears:
+        rows = [u for u in upstream[node] if role[u] == "row" and not _returned(u, everything)]
+        if rows:
+            return {c for r in rows for c in upstream[r] if role[c] == "column"}
+    return set()
+
+
+def _region_input(
+    gm: RecordedBlock, columns: list[fx.Node], row: fx.Node, upstream: dict, whole: frozenset, linears: set[fx.Node]
+) -> tuple[fx.Node, list[str]] | None:
+    """The one input the region enters (f, or the all-gather under SP) and its prefix: the latest
+    tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (MLA's
+    q_a, and kv_a, whose rotary key joins the heads) are all made from, when every path from them
+    back to the block's inputs passes through it, meeting no Linear of another region. The prefix
+    lists the parameters (module or parameter paths) used between it and the columns, and only
+    there: they run whole on every rank. None when there is no such input."""
+    feeding, stack = set(), [u for n in (*columns, row) for u in upstream[n]]
+    while stack:
+        node = stack.pop()
+        if node in whole and node not in feeding:
+            feeding.add(node)
+            stack.extend(upstream[node])
+    inputs = list(dict.fromkeys([c.args[0] for c in columns] + [w.args[0] for w in feeding]))
+    if len(inputs) == 1 and not feeding:
+        return inputs[0], []
+    common = set.intersection(*(ancestry(i) for i in inputs))
+    if not common:
+        return None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    source = max(common, key=order.__getitem__)
+    before = ancestry(source)
+    between, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if node is source or node in between:
+            continue
+        if node in before or node in linears and node not in feeding:
+            return None  # the residual stream around the input, or another region's Linear
+        between.add(node)
+        stack.extend(node.all_input_nodes)
+    between |= feeding
+    called = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            called.setdefault(n.target, []).append(n)
+    prefix = []
+    for node in sorted(between, key=order.__getitem__):
+        if node.op == "get_attr" or node.op == "call_module" and weight_count(gm, node.target) > 0:
+            used_outside = any(u not in between and u not in columns for u in node.users) and node not in feeding
+            if used_outside or any(n not in between for n in called[node.target]):
+                return None  # also used outside the prefix: its gradient cannot be summed over tp alone
+            prefix.append(node.target)
+    return source, list(dict.fromkeys(prefix))
+
+
+def _unsplittable(
+    nodes: list[fx.Node], rows: list[fx.Node], mixed: dict, name: str, linears: set[fx.Node]
+) -> str | None:
+    """Why one group of Linears is no column -> row region, or None when it is one."""
+    if any(n in mixed for n in nodes):
+        return mixed[next(n for n in nodes if n in mixed)]
+    leaving = next((c for c in nodes if c not in rows and _returned(c, linears)), None)
+    if leaving is not None:
+        return (
+            f"block '{name}': the output of column-parallel linear '{leaving.target}' is returned by the block "
+            "before a row-parallel linear sums it (a value handed to the next block besides the hidden states): "
+            "each rank would return 1/t of its features"
+        )
+    if len(rows) != 1:
+        return (
+            f"block '{name}': a column-parallel linear feeds two row-parallel linears "
+            f"({' and '.join(repr(r.target) for r in rows)})"
+        )
+    return None
+
+
+def _returned(node: fx.Node, linears: set[fx.Node]) -> bool:
+    """Whether ``node``'s value, before any other Linear reads it, reaches the block's hidden-state
+    output (an extra output, eager attention's weights, is gathered where read: extra_outputs.py)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "output" and _first_output(user) is n:
+                return True
+            if user not in seen and user not in linears:
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
+def _first_output(output: fx.Node) -> object:
+    value = output.args[0]
+    return value[0] if isinstance(value, (tuple, list)) and value else value
