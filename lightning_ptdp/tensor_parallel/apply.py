@@ -236,7 +236,7 @@ def plan_block_lists(
             recorded = trace_block(first, args, kwargs, name)
             before = snapshot_args(recorded.graph)
             plan = plan_block(recorded, name, tp_size, strict=strict)
-            linears = [m for r in plan.regions for m in (*r.columns, r.row)]
+            linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)]
             take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in indices for m in linears])
             planned_groups.append(PlannedGroup(indices, plan, args, BlockProgram.build(recorded.graph, plan, before)))
         planned.append((path, blocks, planned_groups))
@@ -294,7 +294,7 @@ def _shard_planned_block(
         for linear in (*region.columns, region.row):
             report.entries.append((_join(name, linear), region.style(linear), _layout_text(block, linear)))
         for linear in region.gathered:
-            report.entries.append((_join(name, linear), "colwise_gathered", _layout_text(block, linear)))
+            report.entries.append((_join(name, linear), GATHERED, _layout_text(block, linear)))
     report.entries += _replicated_entries(name, plan)
 
 
@@ -314,6 +314,7 @@ def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, st
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
 KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
 HEADS = "per-head parameters: whole on every rank, each rank applies its heads' slice, gradients summed over tp"
+GATHERED = "colwise_gathered"  # a prefix's Linear: this rank's output features, all-gathered
 PREFIX = "before a region's columns, on its input: whole on every rank, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
@@ -401,6 +402,9 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                     what = "heads" if unit_size > 1 else "units"
                     detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
                     report.entries.append((_join(where, name), region.style(name), detail))
+                for name in region.gathered:
+                    features = blocks[group.indices[0]].get_submodule(name).out_features
+                    report.entries.append((_join(where, name), GATHERED, f"{features // tp_size}/{features} features"))
             report.entries += _replicated_entries(where, plan)
     report.entries = cross_check(model, report.entries)
     return report

@@ -169,18 +169,20 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
     pair the Linears (``find_regions``), the one that splits the most weights once propagated wins."""
     recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
     best: tuple[int, BlockPlan, dict] | None = None
-    for k, assignment in enumerate(find_regions(gm, name)):
+    errors = []
+    for assignment in find_regions(gm, name):
         for node, (args, kwargs) in recorded.items():
             node.args, node.kwargs = args, kwargs
         try:
             plan = _propagate(gm, assignment, name, tp_size, recorded)
-        except ValueError:
-            if k == 0:
-                raise
-            continue  # an alternative pairing t does not divide: the first one's error is the user's
+        except ValueError as error:  # t does not divide this pairing's heads: another pairing may do
+            errors.append(error)
+            continue
         split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered))
         if best is None or split > best[0]:
             best = (split, plan, {n: (n.args, n.kwargs) for n in gm.graph.nodes})
+    if best is None:
+        raise errors[0]
     _, plan, rewritten = best
     for node, (args, kwargs) in rewritten.items():
         node.args, node.kwargs = args, kwargs

@@ -104,12 +104,23 @@ def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node
     return found
 
 
+def on_meta(module: torch.nn.Module) -> Callable:
+    """``module``'s forward with its parameters and buffers as meta tensors (no copy of the module)."""
+    tensors = {n: torch.empty_like(t, device=_META) for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(module, tensors, args, kwargs)
+
+    return call
+
+
 def is_pointwise(call: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether every aten op ``call`` runs (on meta tensors of its recorded shapes) is tagged pointwise."""
     trace = AtenOps()
     try:
+        made = {n: _empty(n) for n in tree_flatten((args, kwargs))[0] if isinstance(n, fx.Node)}  # outside the trace
         with trace:
-            _run(call, args, kwargs, _empty)
+            _run(call, args, kwargs, made.__getitem__)
     except Exception:  # the user's call on meta tensors may raise anything: not known to be pointwise
         return False
     return bool(trace.ops) and all(torch.Tag.pointwise in func.tags for func, *_ in trace.ops)

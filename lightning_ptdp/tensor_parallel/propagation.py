@@ -32,7 +32,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     ancestry,
 )
 from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
-from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, per_head_operands
+from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, on_meta, per_head_operands
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,14 @@ class ShardPropagation:
         module = self.gm.get_submodule(node.target)
         if isinstance(module, nn.Linear):
             raise self.fail(node, "is a second linear reading the sharded activations")
+        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         if any(True for _ in module.parameters()):
             if info.ratio != self.tp_size:
                 raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
-            if info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
+            width = _shape(src)[info.dim]
+            if tensors == [src] and not any(width in p.shape for p in module.parameters()):
+                self._parameterless(node, module, src, info, known=True)  # scalars (xIELU's): by its aten ops
+            elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
                 norm = feature_norm_of(module, _shape(src)[-1])
                 if norm is None or info.bounds:
                     raise self.fail(
@@ -113,20 +117,22 @@ class ShardPropagation:
             return
         if _shape(node) != _shape(src):
             raise self.fail(node, "changes the shape of a sharded tensor")
-        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
             self._parameterless(node, module, src, info)
         self.shard[node] = Sharded(info.dim, info.ratio)
 
-    def _parameterless(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
-        """A module without parameters on the sharded tensor alone (an L2 norm, an activation) is followed
-        like any call, by the aten ops its forward runs: one that reduces over the sharded dim (nGPT's L2
+    def _parameterless(
+        self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded, known: bool = False
+    ) -> None:
+        """A module on the sharded tensor alone, without parameters along the sharded dim (an L2 norm, an
+        activation, one with learned scalars), is followed like any call, by the aten ops its forward
+        runs (its parameters and buffers on meta): one that reduces over the sharded dim (nGPT's L2
         norm over all heads' features) is refused. One that cannot run on meta tensors keeps the old
         rule, elementwise (it keeps the shape); modules of several tensors (attention) keep their handlers."""
         try:
-            dims = follow_call(module, node.args, node.kwargs, {src: info.dim}, info.ratio)
+            dims = follow_call(on_meta(module), node.args, node.kwargs, {src: info.dim}, info.ratio)
         except OpRefused as refusal:
-            if str(refusal).startswith("which discovery does not know"):
+            if str(refusal).startswith("which discovery does not know") and not known:
                 return
             raise self.fail(node, f"runs {type(module).__name__} on a head-sharded tensor, {refusal}") from None
         if dims[:1] != [info.dim]:

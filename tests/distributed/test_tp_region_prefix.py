@@ -1,0 +1,171 @@
+"""Tensor parallelism through idioms of chained and side inputs, in plain torch, trained by the
+Trainer at t=2 (with and without SP) against one process:
+
+- a low-rank chain before the heads (MLA: x -> q_a -> norm -> q_b -> heads, x -> kv_a -> kv_b), whose
+  columns read different tensors made from one input, with one key head shared by all heads expanded
+  to the local head count and written into a ``new_empty`` key in place;
+- attention sinks: a per-head parameter concatenated to the head-sharded scores;
+- a block whose MLP input is also read outside the MLP, by a routed branch reading its shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEQ, VOCAB, HIDDEN, HEADS = 8, 16, 16, 4
+RANK, ROPE, HEAD = 8, 3, 4  # kv_a makes RANK + ROPE = 11 features: t=2 cannot split it, so it stays whole
+TOL = 1e-5  # fp32: the same arithmetic up to summation order (t=2 splits each row's sum in two)
+
+
+class LowRankBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.norm2 = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        self.q_a, self.q_norm = nn.Linear(HIDDEN, RANK, bias=False), nn.RMSNorm(RANK)
+        self.q_b = nn.Linear(RANK, HEADS * (HEAD + ROPE), bias=False)
+        self.kv_a, self.kv_norm = nn.Linear(HIDDEN, RANK + ROPE, bias=False), nn.RMSNorm(RANK)
+        self.kv_b = nn.Linear(RANK, HEADS * 2 * HEAD, bias=False)
+        self.o = nn.Linear(HEADS * HEAD, HIDDEN)
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+        self.register_buffer("angle", torch.linspace(0.5, 1.5, SEQ).view(SEQ, 1))  # a position's own factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        B, T, _ = h.shape
+        q = self.q_b(self.q_norm(self.q_a(h))).view(B, T, -1, HEAD + ROPE).transpose(1, 2)  # (B, nh, T, hs + r)
+        q_pass, q_rot = torch.split(q, [HEAD, ROPE], dim=-1)
+        latent, k_rot = torch.split(self.kv_a(h), [RANK, ROPE], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(B, T, -1, 2 * HEAD).transpose(1, 2)  # (B, nh, T, 2 hs)
+        k_pass, v = torch.split(kv, [HEAD, HEAD], dim=-1)
+        k_rot = (k_rot * torch.cos(self.angle[:T])).view(B, 1, T, ROPE)  # one key head for all heads
+        k_rot = k_rot.expand(-1, k_pass.shape[1], -1, -1)
+        k = k_pass.new_empty(*k_pass.shape[:-1], HEAD + ROPE)
+        k[..., :HEAD].copy_(k_pass)
+        k[..., HEAD:].copy_(k_rot)
+        q = torch.cat([q_pass, q_rot * torch.cos(self.angle[:T])], dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class SinkBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))  # one logit per head
+        self.register_buffer("mask", torch.full((SEQ, SEQ), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        B, T, C = h.shape
+        q, k, v = (p(h).view(B, T, HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + self.mask[:T, :T]  # (B, nh, T, T)
+        sink = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return x + self.o((probs @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class RoutedBlock(nn.Module):
+    """The MLP's input is also read by a branch outside it, which reads its shape to view its rows back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.router = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 1)
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        shape = h.shape
+        rows = h.reshape(-1, shape[-1])
+        routed = (rows * torch.sigmoid(self.router(rows))).view(*shape)
+        return x + routed + self.down(F.gelu(self.up(h)))
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.low_rank = nn.ModuleList([LowRankBlock(), LowRankBlock()])
+        self.sinks = nn.ModuleList([SinkBlock(), SinkBlock()])
+        self.routed = nn.ModuleList([RoutedBlock(), RoutedBlock()])
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch[0])
+        for block in (*self.low_rank, *self.sinks, *self.routed):
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def fit(t: int, sequence_parallel: bool) -> dict:
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.tensor_parallel.consolidate import full_state_dict
+    from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
+    from lightning_ptdp.testing import quiet_trainer
+
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    strategy = PTDPStrategy(tensor_parallel_size=t, sequence_parallel=sequence_parallel) if t > 1 else "auto"
+    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False)
+    torch.manual_seed(0)
+    model = TinyLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialSplitWarning)  # every region splits
+        trainer.fit(model, data)
+    state = full_state_dict(model) if t > 1 else model.state_dict()
+    block = model.low_rank[0]
+    return {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "layers": {n: type(getattr(block, n)).__name__ for n in ("q_a", "kv_a", "q_b", "kv_b", "o")},
+        "sink_q": tuple(model.sinks[0].q.weight.shape),
+    }
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
+def test_chained_and_side_inputs_split_equal_to_one_process(dist_pool, sequence_parallel):
+    whole = fit(1, False)
+    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+        assert split["layers"] == {
+            "q_a": "GatheredColumnLinear",  # the chain's opener: split by output features, gathered
+            "kv_a": "Linear",  # 11 outputs: whole on every rank, its gradient summed over tp
+            "q_b": "ColumnParallelLinear",
+            "kv_b": "ColumnParallelLinear",
+            "o": "RowParallelLinear",
+        }
+        assert split["sink_q"] == (HIDDEN // 2, HIDDEN)
+        for name, value in whole["state"].items():
+            torch.testing.assert_close(split["state"][name], value, rtol=TOL, atol=TOL * 1e-1, msg=name)
+
+
+def test_a_low_rank_chain_is_one_region_with_its_openers_before_the_columns():
+    """The plan alone (no process group): q_a and kv_a would pair with q_b and kv_b in graph order and
+    leave o with no row; as the region's prefix they let q_b, kv_b -> o split by heads."""
+    from lightning_ptdp.tensor_parallel import tensor_parallel_plan
+
+    net = nn.Sequential(LowRankBlock(), LowRankBlock())
+    report = tensor_parallel_plan(net, 2, probe=lambda: net(torch.randn(2, SEQ, HIDDEN)))
+    styles = {path.removeprefix("*."): style for path, style, _ in report.entries}
+    assert {k: styles[k] for k in ("q_a", "kv_a", "q_norm", "kv_norm", "q_b", "kv_b", "o")} == {
+        "q_a": "colwise_gathered",
+        "kv_a": "replicated",
+        "q_norm": "replicated",
+        "kv_norm": "replicated",
+        "q_b": "colwise",
+        "kv_b": "colwise",
+        "o": "rowwise",
+    }
