@@ -166,21 +166,31 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
     """Regions, layouts (validated against t) and the rewritten graph for one block. A region the
     propagation cannot split is kept whole (its rewrites undone) and the others are split; with
     ``strict`` it is refused instead, naming the op and the explicit plan that works. Of the ways to
-    pair the Linears (``find_regions``), the one that splits the most weights once propagated wins."""
+    pair the Linears (``find_regions``, and each with the columns feeding an op that failed kept
+    whole, while others remain), the one that splits the most weights once propagated wins."""
     recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
+    queue = find_regions(gm, name)
+    tried = {a.whole for a in queue}
     best: tuple[int, BlockPlan, dict] | None = None
     errors = []
-    for assignment in find_regions(gm, name):
+    for _ in range(MAX_PAIRINGS):
+        if not queue:
+            break
+        assignment = queue.pop(0)
         for node, (args, kwargs) in recorded.items():
             node.args, node.kwargs = args, kwargs
         try:
-            plan = _propagate(gm, assignment, name, tp_size, recorded)
+            plan, failures = _propagate(gm, assignment, name, tp_size, recorded)
         except ValueError as error:  # t does not divide this pairing's heads: another pairing may do
             errors.append(error)
             continue
         split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered))
         if best is None or split > best[0]:
             best = (split, plan, {n: (n.args, n.kwargs) for n in gm.graph.nodes})
+        for trial in _without_failing_columns(gm, assignment, failures):
+            if trial.whole not in tried:
+                tried.add(trial.whole)
+                queue.append(trial)
     if best is None:
         raise errors[0]
     _, plan, rewritten = best
@@ -193,7 +203,30 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
     return plan
 
 
-def _propagate(gm: RecordedBlock, assignment: Assignment, name: str, tp_size: int, recorded: dict) -> BlockPlan:
+MAX_PAIRINGS = 6
+"""Pairings propagated per block structure at most (each costs one propagation of the block)."""
+
+
+def _without_failing_columns(gm: RecordedBlock, assignment: Assignment, failures: list) -> list[Assignment]:
+    """For each region that failed at an op, the pairing with the columns feeding that op kept whole,
+    when others remain to split (a sparse-attention indexer's q and k beside the attention's)."""
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    trials = []
+    for region, error in failures:
+        failed = getattr(error, "node", None)
+        if failed is None:
+            continue
+        feeding = ancestry(failed)
+        culprits = {c for c in region.columns if calls[c] in feeding}
+        if culprits and len(culprits) < len(region.columns):
+            trials.append(assignment.with_whole(culprits))
+    return trials
+
+
+def _propagate(
+    gm: RecordedBlock, assignment: Assignment, name: str, tp_size: int, recorded: dict
+) -> tuple[BlockPlan, list]:
+    """The plan of one pairing, and the regions propagation could not split, with their errors."""
     regions, replicated, kept = assignment.regions, list(assignment.replicated), list(assignment.kept)
     for region in regions:
         detect_layouts(gm, region)
@@ -205,6 +238,7 @@ def _propagate(gm: RecordedBlock, assignment: Assignment, name: str, tp_size: in
     for region in regions:
         validate_layouts(region, name, tp_size)
     ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
+    failed_regions = []
     while True:
         failures = []
         for region in regions:
@@ -219,13 +253,14 @@ def _propagate(gm: RecordedBlock, assignment: Assignment, name: str, tp_size: in
         failed = {id(region) for region, _ in failures}
         regions = [r for r in regions if id(r) not in failed]
         kept += [KeptWhole(_all_linears(gm, r), str(error)) for r, error in failures]
+        failed_regions += failures
         for region in regions:
             region.feature_norms.clear()
             region.partial.clear()
             region.operand_slices.clear()
             region.sharded_outputs.clear()
             region.rewrites_shapes = False
-    return BlockPlan(gm.graph, regions, replicated, kept)
+    return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
 
 
 def _all_linears(gm: RecordedBlock, region: RegionPlan) -> list[str]:

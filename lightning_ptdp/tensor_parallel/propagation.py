@@ -50,10 +50,12 @@ class ShardPropagation:
     def fail(self, node: fx.Node, why: str) -> TPDiscoveryError:
         site = node.meta.get("site")
         where = f" (called at {site.where()})" if site is not None else ""
-        return TPDiscoveryError(
+        error = TPDiscoveryError(
             f"block '{self.name}': '{node.format_node()}'{where} {why}, so the region ending in '{self.region.row}' "
             "cannot be split by heads automatically"
         )
+        error.node = node  # the op that failed: discovery may keep the columns feeding it whole
+        return error
 
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -206,21 +208,41 @@ class ShardPropagation:
     def _with_whole_operands(self, node: fx.Node, call: Any, sharded: dict, ratio: int) -> list | None:
         """The call's dims with its whole per-head operands cut to each rank's heads (ALiBi's bias:
         op_semantics.per_head_operands), recorded for the replay; None where there are none, or
-        torch's rule does not take them split either."""
+        torch's rule does not take them split either. An operand expanded from a smaller whole tensor
+        (a sink's logit per head, expanded to this rank's head count read from q) is cut before it."""
         contiguous = not any(self.shard[i].bounds for i in sharded)  # one contiguous share a rank, not fused parts
         whole = per_head_operands(node.args, node.kwargs, sharded) if ratio == self.tp_size and contiguous else {}
         if not whole or "site" not in node.meta:
             return None
+        cut = {n: d for n, d in whole.items() if self._cut_before_expand(n, d, ratio)}
+        whole = {n: d for n, d in whole.items() if n not in cut}
         try:
-            dims = follow_call(call, node.args, node.kwargs, {**sharded, **whole}, ratio)
+            dims = follow_call(call, node.args, node.kwargs, {**sharded, **cut, **whole}, ratio)
         except OpRefused:
             return None
+        if whole:
+            self._slice(node, whole)
+        return dims
+
+    def _slice(self, node: fx.Node, whole: dict[fx.Node, int]) -> None:
         leaves = tree_flatten((node.args, node.kwargs))[0]
         source = next(n for n in self.gm.graph.nodes if n.name == self.region.input_node)
         self.region.operand_slices[node.meta["site"]] = [
             OperandSlice(leaves.index(n), d, _shape(n)[d], source in ancestry(n)) for n, d in whole.items()
         ]
-        return dims
+
+    def _cut_before_expand(self, node: fx.Node, dim: int, ratio: int) -> bool:
+        """``node`` = expand(whole, ...) with the sharded dim's full size already in ``whole``: cut
+        ``whole`` at the expand's call and follow the expand as sharded (its size argument rewritten)."""
+        if _call_name(node) not in ("expand", "broadcast_to") or "site" not in node.meta:
+            return False
+        src = node.args[0]
+        src_dim = dim - (len(_shape(node)) - len(_shape(src))) if isinstance(src, fx.Node) and _shape(src) else -1
+        if src_dim < 0 or _shape(src)[src_dim] != _shape(node)[dim]:
+            return False
+        self._slice(node, {src: src_dim})
+        self._op_expand(node, src, Sharded(src_dim, ratio))
+        return True
 
     def _mark(self, node: fx.Node, dim: int, info: Sharded) -> None:
         """``node`` is sharded along ``dim``; a fused column's part boundaries carry over while that

@@ -8,7 +8,7 @@ region's prefix: run on the region's input before the columns (``_region_input``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
@@ -123,6 +123,14 @@ class Assignment:
     kept: list[KeptWhole]
     roles: dict
     split: int
+    context: tuple = field(repr=False, default=())  # what _assign read, to pair again
+
+    def with_whole(self, more: set[str]) -> Assignment:
+        """The pairing with the Linears named ``more`` also whole (a column whose sharded output an op
+        cannot take: a sparse-attention indexer's scores over all its heads)."""
+        gm, everything, linears, upstream, name = self.context
+        extra = {n for n in linears if n.target in more}
+        return _assign(gm, everything, linears, upstream, self.whole | extra, name)
 
 
 def _assign(
@@ -189,7 +197,7 @@ def _assign(
     regions.sort(key=lambda r: order[r.row])
     split = sum(weight_count(gm, t) for r in regions for t in (*r.columns, r.row))
     replicated = [n.target for n in everything if n.target not in grouped]
-    return Assignment(whole, regions, replicated, kept, role, split)
+    return Assignment(whole, regions, replicated, kept, role, split, (gm, everything, linears, upstream, name))
 
 
 def weight_count(gm: RecordedBlock, target: str) -> int:
