@@ -133,11 +133,12 @@ def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, t
     whole_sequence = sp and runs_whole_sequence(plan)
     runtime = BlockRuntime(block, program, tp, sp and not whole_sequence)
     for region, entry in zip(plan.regions, runtime.entries):
-        # behind a prefix the columns read what it made of the entered input: only the row takes the entry
+        # with a prefix, leaves reading the input (columns too) enter it by a hook (``entering``), the others
+        # read what the prefix made of it: only the row takes the entry
         inside = region.prefix or region.gathered
         for name in (region.row,) if inside else (*region.columns, region.row):
             block.get_submodule(name).region = entry
-    for k, names in program.entering.items():  # a prefix's leaf modules reading the region's input
+    for k, names in program.entering.items():  # leaf modules reading the input of a region with a prefix
         for name in names:
             block.get_submodule(name).register_forward_pre_hook(functools.partial(_enter_input, runtime.entries[k]))
     runtime.watch_leaves(block)

@@ -54,6 +54,7 @@ class Sharded:
     dim: int
     ratio: int  # global size / local size along ``dim``
     bounds: tuple[int, ...] = ()  # a fused column's part boundaries (global), where slicing may cut
+    outer: int = 1  # heads folded into the batch, (B*nh, T, hs): ``dim`` holds B blocks, each split over t
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class OperandSlice:
     dim: int
     width: int  # its global size along ``dim``; already 1/t of it at run time (made from a local size): kept
     made_inside: bool  # computed from the region's input: its gradient already reaches f, no second sum
+    of_parameters: bool  # computed from the block's parameters alone (summed over tp after backward under SP)
+    outer: int = 1  # ``dim`` holds this many blocks, each cut to this rank's heads (ALiBi's (B*nh, 1, T))
 
 
 @dataclass

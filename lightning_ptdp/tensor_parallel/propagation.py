@@ -80,7 +80,7 @@ class ShardPropagation:
             info = self.shard.get(value)
             if info is None:
                 continue
-            if info.ratio != self.tp_size or info.bounds:
+            if info.ratio != self.tp_size or info.bounds or info.outer > 1:
                 raise self.fail(node, "returns a tensor sharded unevenly (replicated KV heads or fused parts)")
             self.region.sharded_outputs[index] = info.dim
             log.info("block '%s' also returns %s, head-sharded: gathered over tp where read", self.name, value.name)
@@ -91,10 +91,15 @@ class ShardPropagation:
             if info.dim != len(_shape(src)) - 1:
                 raise self.fail(node, "receives a tensor sharded along a dim other than its features")
             return
+        if info.outer > 1:
+            raise self.fail(node, "gets heads folded into another dim")
         module = self.gm.get_submodule(node.target)
         if isinstance(module, nn.Linear):
             raise self.fail(node, "is a second linear reading the sharded activations")
         tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        sharded = {src: info.dim, **{t: self.shard[t].dim for t in tensors if t in self.shard}}
+        if per_head_operands(node.args, node.kwargs, sharded):  # a module call is cut nowhere
+            raise self.fail(node, "reads a whole tensor of all heads beside the head-sharded one")
         if any(True for _ in module.parameters()):
             if info.ratio != self.tp_size:
                 raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
@@ -167,6 +172,12 @@ class ShardPropagation:
 
     def _function(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         handler = getattr(self, f"_op_{_call_name(node)}", None)
+        if any(self.shard[i].outer > 1 for i in inputs) and _call_name(node) not in _FOLDED_OK:
+            if handler is not None or len({self.shard[i].outer for i in inputs}) > 1:
+                raise self.fail(
+                    node, "gets heads folded into another dim, which only views, bmm and torch's rules follow"
+                )
+            handler = None
         if handler is not None:
             handler(node, inputs[0], self.shard[inputs[0]])
         else:
@@ -196,10 +207,16 @@ class ShardPropagation:
             dims = self._with_whole_operands(node, call, sharded, ratio)
             if dims is None:
                 raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
+        first = self.shard[inputs[0]]
+        if first.outer > 1:  # folded heads stay folded only where the op keeps that dim in place
+            same = _shape(node) is not None and dims[0] is not None
+            if not same or dims[0] - len(_shape(node)) != first.dim - len(_shape(inputs[0])):
+                raise self.fail(node, f"moves heads folded into another dim with '{name}'")
         if _shape(node) is not None:  # one tensor
             if dims[0] is not None:
                 bounds = {self.shard[i].bounds for i in inputs}
-                self._mark(node, dims[0], Sharded(dims[0], ratio, bounds.pop() if len(bounds) == 1 else ()))
+                kept = bounds.pop() if len(bounds) == 1 else ()
+                self._mark(node, dims[0], Sharded(dims[0], ratio, kept, first.outer))
         elif any(d is not None for d in dims):  # a tuple, read through getitem (_op_getitem)
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
@@ -227,14 +244,18 @@ class ShardPropagation:
     def _slice(self, node: fx.Node, whole: dict[fx.Node, int]) -> None:
         leaves = tree_flatten((node.args, node.kwargs))[0]
         source = next(n for n in self.gm.graph.nodes if n.name == self.region.input_node)
-        self.region.operand_slices[node.meta["site"]] = [
-            OperandSlice(leaves.index(n), d, _shape(n)[d], source in ancestry(n)) for n, d in whole.items()
-        ]
+        outer = max((self.shard[i].outer for i in node.all_input_nodes if i in self.shard), default=1)
+        slices = []
+        for n, d in whole.items():
+            made_from = ancestry(n)
+            of_parameters = not any(m.op == "placeholder" for m in made_from)
+            slices.append(OperandSlice(leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer))
+        self.region.operand_slices[node.meta["site"]] = slices
 
     def _cut_before_expand(self, node: fx.Node, dim: int, ratio: int) -> bool:
         """``node`` = expand(whole, ...) with the sharded dim's full size already in ``whole``: cut
         ``whole`` at the expand's call and follow the expand as sharded (its size argument rewritten)."""
-        if _call_name(node) not in ("expand", "broadcast_to") or "site" not in node.meta:
+        if _call_name(node) not in ("expand", "broadcast_to") or "site" not in node.meta or ratio != self.tp_size:
             return False
         src = node.args[0]
         src_dim = dim - (len(_shape(node)) - len(_shape(src))) if isinstance(src, fx.Node) and _shape(src) else -1
@@ -248,7 +269,7 @@ class ShardPropagation:
         """``node`` is sharded along ``dim``; a fused column's part boundaries carry over while that
         dim keeps their global size (through an unsqueeze, a transpose, an elementwise op)."""
         keep = bool(info.bounds) and _shape(node) is not None and _shape(node)[dim] == info.bounds[-1]
-        self.shard[node] = Sharded(dim, info.ratio, info.bounds if keep else ())
+        self.shard[node] = Sharded(dim, info.ratio, info.bounds if keep else (), info.outer)
 
     def _divide(self, node: fx.Node, arg: Any, ratio: int) -> Any:
         if arg == -1:
@@ -259,21 +280,27 @@ class ShardPropagation:
         return arg // ratio
 
     def _op_view(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """The sharded dim kept whole by the view (heads split off the features, or back), or merged as
+        the last of a group of dims (heads folded into the batch: (B, nh, T, hs) -> (B*nh, T, hs),
+        each rank's B blocks of its heads, ``Sharded.outer``): its size argument at 1/ratio."""
         shape_in, shape_out = _shape(src), _shape(node)
-        prefix = math.prod(shape_in[: info.dim])
-        cumulative, target = 1, None
+        prefix = math.prod(shape_in[: info.dim]) * info.outer  # elements before the sharded units
+        cumulative, target, outer = 1, None, 1
         for j, size in enumerate(shape_out):
             if cumulative == prefix and size % info.ratio == 0:
                 target = j
                 break
+            if prefix % cumulative == 0 and size == prefix // cumulative * shape_in[info.dim] // info.outer:
+                target, outer = j, prefix // cumulative  # merged with the dims before it
+                break
             cumulative *= size
-        if target is None:
+        if target is None or (outer > 1 and info.bounds):
             raise self.fail(node, f"reshapes {shape_in} to {shape_out} across the sharded dim")
         args, packed = _shape_args(node)
         args[target] = self._divide(node, args[target], info.ratio)
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
-        self._mark(node, target, info)
+        self._mark(node, target, Sharded(info.dim, info.ratio, info.bounds, outer))
 
     _op_reshape = _op_view
 
@@ -408,7 +435,9 @@ class ShardPropagation:
         both = all(isinstance(t, fx.Node) and t in self.shard for t in (a, b))
         if not both or len(dims) != 1 or next(iter(dims)) >= -2 or self.shard[a].ratio != self.shard[b].ratio:
             raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
-        self.shard[node] = Sharded(out_dim + next(iter(dims)), info.ratio)
+        if self.shard[a].outer != self.shard[b].outer:
+            raise self.fail(node, "multiplies tensors whose heads are folded differently")
+        self.shard[node] = Sharded(out_dim + next(iter(dims)), info.ratio, (), info.outer)
 
     _op___matmul__ = _op_matmul
     _op_bmm = _op_matmul
@@ -417,7 +446,7 @@ class ShardPropagation:
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
         if dim is None or dim % len(_shape(src)) == info.dim:
             raise self.fail(node, "normalises over the sharded dim")
-        self.shard[node] = Sharded(info.dim, info.ratio)
+        self.shard[node] = Sharded(info.dim, info.ratio, (), info.outer)
 
     _op_log_softmax = _op_softmax
 
@@ -433,6 +462,10 @@ class ShardPropagation:
         if self.shard[k].ratio != self.shard[q].ratio and not node.kwargs.get("enable_gqa", False):
             raise self.fail(node, "gets different numbers of local query and key heads")
         self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
+
+
+_FOLDED_OK = {"view", "reshape", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}
+"""The handlers that follow heads folded into the batch (``Sharded.outer``); other ops go by torch's rules."""
 
 
 def _part_bounds(region: RegionPlan, col: str) -> tuple[int, ...]:

@@ -43,6 +43,12 @@ def _meta(t: torch.Tensor) -> SimpleNamespace:
     return SimpleNamespace(shape=tuple(t.shape), dtype=t.dtype)
 
 
+def written_through(base: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+    """A tensor after an in-place write into a view of it (``key[..., :d].copy_(k)``): ``base`` itself.
+    A graph node only, so what the write read is among what later reads of ``base`` are made from."""
+    return base
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -103,7 +109,10 @@ class _Recorder(TorchFunctionMode):
         self.ordinals[func] = count + 1
         if in_place and args and isinstance(args[0], torch.Tensor):
             self.note(args[0], node)  # the mutated tensor now comes from this node
-        else:
+            base = args[0]._base
+            if base is not None and id(base) in self.nodes:  # written through a view: so is its base
+                self.note(base, self.graph.call_function(written_through, (self.nodes[id(base)], node)))
+        elif not any(result is a for a in tree_flatten((args, kwargs))[0]):  # not x.to(x.dtype): x itself
             self.outputs(result, node)
         return result
 
@@ -125,8 +134,7 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
     for value in tree_flatten((args, kwargs))[0]:
         recorder.node_of(value)
     names = {m: n for n, m in block.named_modules() if n}
-    leaf_paths = {n for m, n in names.items() if is_leaf(m)}
-    leaves = [m for m, n in names.items() if n in leaf_paths and not _inside(n, leaf_paths)]
+    leaves = outermost_leaves(block)
     handles = []
 
     def enter(module: nn.Module, m_args: tuple, m_kwargs: dict) -> None:
@@ -160,6 +168,14 @@ def record_block(block: nn.Module, args: tuple, kwargs: dict) -> RecordedBlock:
     ]
     recorder.graph.output(tuple(out_nodes))
     return RecordedBlock(block, recorder.graph)
+
+
+def outermost_leaves(block: nn.Module) -> list[nn.Module]:
+    """The leaf modules recorded as one node each: those inside no other leaf (a norm in a ModuleList
+    of norms, a leaf container never called itself, is not one: its calls are recorded one by one)."""
+    names = {m: n for n, m in block.named_modules() if n}
+    leaf_paths = {n for m, n in names.items() if is_leaf(m)}
+    return [m for m, n in names.items() if n in leaf_paths and not _inside(n, leaf_paths)]
 
 
 def _inside(path: str, paths: set[str]) -> bool:

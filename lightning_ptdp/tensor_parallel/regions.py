@@ -223,8 +223,9 @@ def _region_input(
     tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (MLA's
     q_a, and kv_a, whose rotary key joins the heads) are all made from, when every path from them
     back to the block's inputs passes through it, meeting no Linear of another region. The prefix
-    lists the parameters (module or parameter paths) used between it and the columns, and only
-    there: they run whole on every rank. None when there is no such input."""
+    lists the parameters (module or parameter paths) of what the region computes whole from that
+    input (``_whole_side``), used only there: each rank's gradient of them holds its heads' part. None
+    when there is no such input."""
     feeding, stack = set(), [u for n in (*columns, row) for u in upstream[n]]
     while stack:
         node = stack.pop()
@@ -232,36 +233,53 @@ def _region_input(
             feeding.add(node)
             stack.extend(upstream[node])
     inputs = list(dict.fromkeys([c.args[0] for c in columns] + [w.args[0] for w in feeding]))
-    if len(inputs) == 1 and not feeding:
-        return inputs[0], []
     common = set.intersection(*(ancestry(i) for i in inputs))
     if not common:
         return None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     source = max(common, key=order.__getitem__)
-    before = ancestry(source)
-    between, stack = set(), list(inputs)
+    before, stack, seen = ancestry(source), list(inputs), set()
     while stack:
         node = stack.pop()
-        if node is source or node in between:
+        if node is source or node in seen:
             continue
         if node in before or node in linears and node not in feeding:
             return None  # the residual stream around the input, or another region's Linear
-        between.add(node)
+        seen.add(node)
         stack.extend(node.all_input_nodes)
-    between |= feeding
-    called = {}
+    prefix = _whole_side(gm, source, columns, row, order)
+    return None if prefix is None else (source, prefix)
+
+
+def _whole_side(gm: RecordedBlock, source: fx.Node, columns: list[fx.Node], row: fx.Node, order: dict) -> list | None:
+    """The parameters of what the region computes whole from its input: made from it, read by the
+    row, made from no column's output (the prefix's Linears and norms, a gate or recurrence beside
+    the heads); None when one is also used outside that side (its gradient would be summed twice)."""
+    sharded, stack = set(columns), list(columns)
+    while stack:
+        for user in stack.pop().users:
+            if user not in sharded:
+                sharded.add(user)
+                stack.append(user)
+    made, stack = {source}, [source]
+    while stack:
+        for user in stack.pop().users:
+            if user not in made:
+                made.add(user)
+                stack.append(user)
+    side = (made & ancestry(row)) - sharded - {source}
+    owners = {n for n in side if n.op == "call_module" and weight_count(gm, n.target) > 0}
+    owners |= {i for n in side for i in n.all_input_nodes if i.op == "get_attr"}
+    calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_module", "get_attr"):
-            called.setdefault(n.target, []).append(n)
-    prefix = []
-    for node in sorted(between, key=order.__getitem__):
-        if node.op == "get_attr" or node.op == "call_module" and weight_count(gm, node.target) > 0:
-            used_outside = any(u not in between and u not in columns for u in node.users) and node not in feeding
-            if used_outside or any(n not in between for n in called[node.target]):
-                return None  # also used outside the prefix: its gradient cannot be summed over tp alone
-            prefix.append(node.target)
-    return source, list(dict.fromkeys(prefix))
+            calls.setdefault(n.target, []).append(n)
+    for node in owners:
+        if any(n not in side for n in calls[node.target] if n.op == "call_module"):
+            return None  # the module also runs outside the side
+        if node.op == "get_attr" and any(u not in side for u in node.users):
+            return None  # the parameter is also read outside the side
+    return [n.target for n in sorted(owners, key=order.__getitem__)]
 
 
 def _unsplittable(

@@ -25,7 +25,7 @@ from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, OperandSlice, TPDiscoveryError, ancestry
 from lightning_ptdp.tensor_parallel.extra_outputs import HeadShardedOutput, wrap_extra_outputs
-from lightning_ptdp.tensor_parallel.recording import is_leaf
+from lightning_ptdp.tensor_parallel.recording import outermost_leaves
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
 
@@ -99,7 +99,7 @@ class BlockProgram:
     sites: frozenset = frozenset()  # every call site the replay acts on
     sharded_outputs: dict[int, int] = field(default_factory=dict)  # extra outputs gathered where read
     slices: dict[CallSite, list[OperandSlice]] = field(default_factory=dict)  # whole per-head operands
-    entering: dict[int, list[str]] = field(default_factory=dict)  # region -> its prefix's leaves reading its input
+    entering: dict[int, list[str]] = field(default_factory=dict)  # region -> its leaves reading its input
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -123,12 +123,8 @@ class BlockProgram:
             for user in source.users:
                 if user not in inside and "site" in user.meta:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
-            if region.prefix or region.gathered:
-                program.entering[k] = [
-                    u.target
-                    for u in source.users
-                    if u in inside and u.op == "call_module" and u.target not in region.columns
-                ]
+            if region.prefix or region.gathered:  # its leaves reading the input, columns too, enter it by a hook
+                program.entering[k] = [u.target for u in source.users if u in inside and u.op == "call_module"]
         sites = {*program.rewrites, *program.outside, *program.source_sites, *program.slices}
         program.funcs = frozenset(site.func for site in sites)
         program.by_ordinal = {n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in sites}
@@ -228,12 +224,10 @@ class BlockRuntime:
 
     def watch_leaves(self, block: nn.Module) -> None:
         """Count leaf-module depth, so calls inside Linears, norms, etc. are not matched."""
-        names = {m: n for n, m in block.named_modules() if n}
         enter, leave = _depth_hooks(self)
-        for module in names:
-            if is_leaf(module):
-                module.register_forward_pre_hook(enter)
-                module.register_forward_hook(leave, prepend=True)
+        for module in outermost_leaves(block):  # as recorded: a norm in a list of norms is not one
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave, prepend=True)
 
     def site(self, func: Any) -> CallSite | None:
         """The recorded call this one is. Eager: by call site (code, instruction, occurrence), and
@@ -326,8 +320,9 @@ def _own_heads(
 ) -> tuple[tuple, dict]:
     """Each whole per-head operand cut to this rank's heads; one that needs a gradient and is not made
     from the region's input enters the region first (its gradient, this rank's heads only, summed over
-    tp: every rank gets all heads'), unless the block runs on 1/t of the sequence, where every
-    replicated parameter's gradient is summed over tp after backward. One made from a local size
+    tp: every rank gets all heads'), unless it is made of the block's parameters alone and the block
+    runs on 1/t of the sequence, where every replicated parameter's gradient is summed over tp after
+    backward. One made from a local size
     already (a key head expanded to this rank's head count) is kept."""
     leaves, spec = tree_flatten((args, kwargs))
     for cut in slices:
@@ -339,10 +334,11 @@ def _own_heads(
             whole = whole.whole()
         if whole.shape[cut.dim] == cut.width // tp.size:
             continue
-        if whole.requires_grad and not (cut.made_inside or on_shards):
+        if whole.requires_grad and not (cut.made_inside or (on_shards and cut.of_parameters)):
             whole = C.copy_to_tp_region(whole, tp)
-        size = whole.shape[cut.dim] // tp.size
-        leaves[cut.index] = whole.narrow(cut.dim, tp.rank * size, size)
+        blocks = whole.unflatten(cut.dim, (cut.outer, cut.width // cut.outer))  # heads folded into the batch
+        size = blocks.shape[cut.dim + 1] // tp.size
+        leaves[cut.index] = blocks.narrow(cut.dim + 1, tp.rank * size, size).flatten(cut.dim, cut.dim + 1)
     return tree_unflatten(leaves, spec)
 
 
