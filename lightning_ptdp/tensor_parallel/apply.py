@@ -55,6 +55,7 @@ from lightning_ptdp.tensor_parallel.replay import (
     snapshot_args,
 )
 from lightning_ptdp.tensor_parallel.state_dict_hooks import take_state_dict_hooks
+from lightning_ptdp.tensor_parallel.trial import regions_that_fail, runs_on_meta, trial_error
 from lightning_ptdp.tensor_parallel.whole_regions import warn_whole_regions
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def plan_block_lists(
             args, kwargs = captured[id(first)]
             recorded = trace_block(first, args, kwargs, name)
             before = snapshot_args(recorded.graph)
-            plan = plan_block(recorded, name, tp_size, strict=strict)
+            plan = _tried_plan(recorded, name, tp_size, strict, (first, args, kwargs), before)
             linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)]
             take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in indices for m in linears])
             planned_groups.append(PlannedGroup(indices, plan, args, BlockProgram.build(recorded.graph, plan, before)))
@@ -409,6 +410,36 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
             report.entries += _replicated_entries(where, plan)
     report.entries = cross_check(model, report.entries)
     return report
+
+
+def _tried_plan(recorded: Any, name: str, tp_size: int, strict: bool, call: tuple, before: dict) -> BlockPlan:
+    """The block's plan, with each region whose split fails a trial run on meta kept whole (trial.py)."""
+    pristine = {n: (n.args, n.kwargs) for n in recorded.graph.nodes}
+    plan = plan_block(recorded, name, tp_size, strict=strict)
+    if not plan.regions or not runs_on_meta(*call):
+        return plan
+
+    def replan(keep: dict[str, str], strict: bool = False) -> BlockPlan:
+        for node, (args, kwargs) in pristine.items():
+            node.args, node.kwargs = args, kwargs
+        return plan_block(recorded, name, tp_size, strict=strict, keep_whole=keep)
+
+    def fails(tried: BlockPlan) -> BaseException | None:
+        program = BlockProgram.build(recorded.graph, tried, before)
+        return trial_error(lambda block: _split_copy(block, tried, program, tp_size), *call)
+
+    failing = regions_that_fail(plan, fails, replan, name)
+    return replan(failing, strict) if failing else plan
+
+
+def _split_copy(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp_size: int) -> None:
+    """Rank 0's split of a meta copy of a block, collectives skipped (meta tensors pass through them)."""
+    tp = TPGroup(None, tp_size, 0)
+    _shard_block(block, plan.regions, tp)
+    for region in plan.regions:
+        for target, norm in region.feature_norms.items():
+            shard_feature_norm(block.get_submodule(target), norm, tp)
+    _install_program(block, plan, program, tp, False)
 
 
 def _index_glob(indices: list[int]) -> str:

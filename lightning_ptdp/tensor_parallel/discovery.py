@@ -162,12 +162,15 @@ def _feature_split(shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> tup
     return None
 
 
-def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = False) -> BlockPlan:
+def plan_block(
+    gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = False, keep_whole: dict[str, str] | None = None
+) -> BlockPlan:
     """Regions, layouts (validated against t) and the rewritten graph for one block. A region the
     propagation cannot split is kept whole (its rewrites undone) and the others are split; with
     ``strict`` it is refused instead, naming the op and the explicit plan that works. Of the ways to
     pair the Linears (``find_regions``, and each with the columns feeding an op that failed kept
-    whole, while others remain), the one that splits the most weights once propagated wins."""
+    whole, while others remain), the one that splits the most weights once propagated wins.
+    ``keep_whole``: row Linear -> why its region stays whole (a trial run of the split failed: trial.py)."""
     recorded = {n: (n.args, n.kwargs) for n in gm.graph.nodes}
     queue = find_regions(gm, name)
     tried = {a.whole for a in queue}
@@ -180,7 +183,7 @@ def plan_block(gm: RecordedBlock, name: str, tp_size: int, *, strict: bool = Fal
         for node, (args, kwargs) in recorded.items():
             node.args, node.kwargs = args, kwargs
         try:
-            plan, failures = _propagate(gm, assignment, name, tp_size, recorded)
+            plan, failures = _propagate(gm, assignment, name, tp_size, recorded, keep_whole or {})
         except ValueError as error:  # t does not divide this pairing's heads: another pairing may do
             errors.append(error)
             continue
@@ -224,14 +227,15 @@ def _without_failing_columns(gm: RecordedBlock, assignment: Assignment, failures
 
 
 def _propagate(
-    gm: RecordedBlock, assignment: Assignment, name: str, tp_size: int, recorded: dict
+    gm: RecordedBlock, assignment: Assignment, name: str, tp_size: int, recorded: dict, keep_whole: dict
 ) -> tuple[BlockPlan, list]:
     """The plan of one pairing, and the regions propagation could not split, with their errors."""
     regions, replicated, kept = assignment.regions, list(assignment.replicated), list(assignment.kept)
     for region in regions:
         detect_layouts(gm, region)
         _gather_prefix(gm, region, tp_size)
-    single = {id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None}
+    single = {id(r): keep_whole[r.row] for r in regions if r.row in keep_whole}
+    single.update({id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None})
     single.update({id(r): reason for r in regions if (reason := _own_forward(gm, r, name)) is not None})
     kept += [KeptWhole(_all_linears(gm, r), single[id(r)]) for r in regions if id(r) in single]
     regions = [r for r in regions if id(r) not in single]

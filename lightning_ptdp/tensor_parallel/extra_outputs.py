@@ -23,7 +23,8 @@ class _GatherHeads(Function):
     def forward(ctx: Any, local: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
         ctx.dim, ctx.tp = dim, tp
         parts = [torch.empty_like(local) for _ in range(tp.size)]
-        dist.all_gather(parts, local.contiguous(), group=tp.group)
+        if not local.is_meta:  # a trial run on meta (trial.py): shapes only
+            dist.all_gather(parts, local.contiguous(), group=tp.group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod

@@ -62,6 +62,8 @@ class ShardPropagation:
             sharded_inputs = [a for a in node.all_input_nodes if a in self.shard]
             if not sharded_inputs or node.op == "output" and not sharded_inputs:
                 continue
+            if "tensor_meta" not in node.meta and not node.users and node.op != "output":
+                continue  # returned its input itself (dropout with p=0): recorded as nothing new
             if node.op == "output":
                 self._output(node)
                 continue
@@ -300,6 +302,9 @@ class ShardPropagation:
         args[target] = self._divide(node, args[target], info.ratio)
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
+        # the replay takes any size arguments with the local product: a batch size computed as the folded
+        # size over the global head count (BLOOM's) is 1/t of the real one where heads are 1/t too
+        node.meta["fold"] = tuple(range(len(head), len(head) + len(args)))
         self._mark(node, target, Sharded(info.dim, info.ratio, info.bounds, outer))
 
     _op_reshape = _op_view

@@ -11,6 +11,7 @@ entered input; the row Linear reduces and ends the region. Leaf modules are not 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,13 +55,21 @@ class Rewrite:
     site: CallSite
     global_leaves: tuple
     local_leaves: tuple
+    fold: tuple = ()
+    """A view's size leaves: any values with the local product get the local ones (after heads folded
+    into the batch, BLOOM computes the batch as the folded size over the global head count: 1/t of it)."""
 
     def apply(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         leaves, spec = tree_flatten((args, kwargs))
         if len(leaves) != len(self.global_leaves):
             raise TPDiscoveryError(self._mismatch("takes different arguments than when it was recorded"))
+        settled = ()
+        if self.fold and math.prod(leaves[i] for i in self.fold) == math.prod(self.local_leaves[i] for i in self.fold):
+            settled = self.fold
+            for i in settled:
+                leaves[i] = self.local_leaves[i]
         for i, (glob, loc) in enumerate(zip(self.global_leaves, self.local_leaves)):
-            if glob is loc or glob == loc or isinstance(glob, fx.Node):
+            if glob is loc or glob == loc or isinstance(glob, fx.Node) or i in settled:
                 continue
             if leaves[i] == glob:
                 leaves[i] = loc
@@ -108,7 +117,8 @@ class BlockProgram:
             if node.args is not args or node.kwargs is not kwargs:
                 glob, loc = _ints((args, kwargs)), _ints((node.args, node.kwargs))
                 if len(glob) == len(loc) and any(g != l for g, l in zip(glob, loc) if not isinstance(g, fx.Node)):
-                    program.rewrites[node.meta["site"]] = Rewrite(node.meta["site"], tuple(glob), tuple(loc))
+                    fold = node.meta.get("fold", ())
+                    program.rewrites[node.meta["site"]] = Rewrite(node.meta["site"], tuple(glob), tuple(loc), fold)
         nodes = {n.name: n for n in graph.nodes}
         calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]

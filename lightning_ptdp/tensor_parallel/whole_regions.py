@@ -23,6 +23,12 @@ def _numel(block: nn.Module, names: list[str]) -> int:
     return sum(p.numel() for name in names for p in block.get_submodule(name).parameters())
 
 
+def _tensors_at(block: nn.Module, path: str) -> list:
+    owner, _, leaf = path.rpartition(".")
+    own = dict(block.get_submodule(owner).named_parameters(recurse=False))
+    return [own[leaf]] if leaf in own else list(block.get_submodule(path).parameters())
+
+
 def whole_share(block: nn.Module, plan: BlockPlan) -> float:
     """The share of ``block``'s parameters (before the split) that no region splits."""
     total = sum(p.numel() for p in block.parameters())
@@ -36,10 +42,13 @@ def warn_whole_regions(
     """One warning for the blocks of ``name``'s structure, if any region stays whole or more than
     half of the block's parameters are replicated (under SP such blocks run on the whole sequence)."""
     share = whole_share(block, plan)
-    if not plan.kept_whole and share <= MOSTLY_WHOLE:
+    side = [t for r in plan.regions for t in r.prefix if any(p.dim() >= 2 for p in _tensors_at(block, t))]
+    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]
     what = f"keeps {', '.join(kept)} whole on every rank" if kept else "splits little of it"
+    if side and not kept:
+        what = f"keeps {', '.join(side)} whole on every rank (computed from a region's input beside its heads)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
     split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
     sp = (

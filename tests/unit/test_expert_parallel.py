@@ -209,7 +209,7 @@ def test_tensor_parallel_discovery_keeps_routers_gates_and_routed_experts_whole(
 
 
 class MixedFeed(nn.Module):
-    """A Linear fed both by a column's output and by a row's (whole again): no column -> row pair."""
+    """A Linear fed both by a column's output and by a row's: in graph order no column -> row pair."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -220,18 +220,22 @@ class MixedFeed(nn.Module):
         return x + self.out(up + self.back(up))
 
 
-def test_a_linear_fed_by_a_column_and_the_residual_stream_is_kept_whole_or_refused_under_strict():
-    from lightning_ptdp.tensor_parallel import PartialSplitWarning, TPDiscoveryError, tensor_parallel_plan
+def test_a_linear_fed_by_a_column_and_a_row_splits_with_the_column_before_the_region():
+    """Pairing again with ``up`` in the region's prefix (split by features, gathered) makes ``back`` a
+    column and ``out`` its row; ``up``'s whole output is cut per rank where it meets ``back``'s. The
+    idiom trains equal to one process in tests/distributed/test_tp_region_prefix.py (the same mechanism)."""
+    import warnings
+
+    from lightning_ptdp.tensor_parallel import PartialSplitWarning, tensor_parallel_plan
 
     net = nn.Sequential(nn.Embedding(64, 8), nn.ModuleList([MixedFeed(), MixedFeed()]))
     net.forward = lambda ids: net[1][1](net[1][0](net[0](ids)))  # type: ignore[method-assign]
     probe = lambda: net(torch.randint(0, 64, (2, 8)))  # noqa: E731
-    with pytest.warns(PartialSplitWarning, match=r"keeps up, back, out whole .* linear 'out' is fed both"):
-        report = tensor_parallel_plan(net, 2, probe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialSplitWarning)
+        report = tensor_parallel_plan(net, 2, probe, strict=True)
     styles = {path: style for path, style, _ in report.entries if path.startswith("1.")}
-    assert styles == {"1.*.up": "replicated", "1.*.back": "replicated", "1.*.out": "replicated"}
-    with pytest.raises(TPDiscoveryError, match=r"linear 'out' is fed both by a column-parallel linear and by"):
-        tensor_parallel_plan(net, 2, probe, strict=True)
+    assert styles == {"1.*.up": "colwise_gathered", "1.*.back": "colwise", "1.*.out": "rowwise"}
 
 
 def test_a_norm_over_all_heads_is_recognised_by_what_it_computes():
