@@ -88,10 +88,11 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup) -> None:
+def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, checked: bool = False) -> None:
+    """``checked``: the Linears were found to compute F.linear already (a meta copy cannot say so)."""
     for name in (n for region in regions for n in (*region.columns, region.row)):
         linear = block.get_submodule(name)
-        if not is_conv1d(linear) and not acts_as(linear, nn.Linear):
+        if not checked and not is_conv1d(linear) and not acts_as(linear, nn.Linear):
             raise TPDiscoveryError(  # a shard runs F.linear: whatever else that forward does would be lost
                 f"tensor parallelism: '{name}' is a {type(linear).__name__} whose own forward does not compute "
                 "F.linear(x, weight, bias), which its column/row shard would; keep it an nn.Linear, or pass "
@@ -435,7 +436,7 @@ def _tried_plan(recorded: Any, name: str, tp_size: int, strict: bool, call: tupl
 def _split_copy(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp_size: int) -> None:
     """Rank 0's split of a meta copy of a block, collectives skipped (meta tensors pass through them)."""
     tp = TPGroup(None, tp_size, 0)
-    _shard_block(block, plan.regions, tp)
+    _shard_block(block, plan.regions, tp, checked=True)
     for region in plan.regions:
         for target, norm in region.feature_norms.items():
             shard_feature_norm(block.get_submodule(target), norm, tp)
