@@ -11,7 +11,6 @@ entered input; the row Linear reduces and ends the region. Leaf modules are not 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,7 +63,7 @@ class Rewrite:
         if len(leaves) != len(self.global_leaves):
             raise TPDiscoveryError(self._mismatch("takes different arguments than when it was recorded"))
         settled = ()
-        if self.fold and math.prod(leaves[i] for i in self.fold) == math.prod(self.local_leaves[i] for i in self.fold):
+        if self.fold and self._refolds(leaves):
             settled = self.fold
             for i in settled:
                 leaves[i] = self.local_leaves[i]
@@ -78,6 +77,15 @@ class Rewrite:
                     self._mismatch(f"passes {leaves[i]} where {glob} (global) or {loc} (local) was expected")
                 )
         return tree_unflatten(leaves, spec)
+
+    def _refolds(self, leaves: list) -> bool:
+        """Size leaves neither all global nor all local, whose product is the local one (loops, not
+        generators: dynamo traces this when the block is compiled)."""
+        given, local, glob = 1, 1, True
+        for i in self.fold:
+            given, local = given * leaves[i], local * self.local_leaves[i]
+            glob = glob and leaves[i] == self.global_leaves[i]
+        return not glob and given == local
 
     def _mismatch(self, why: str) -> str:
         return (
