@@ -182,6 +182,7 @@ def plan_block(
         assignment = queue.pop(0)
         for node, (args, kwargs) in recorded.items():
             node.args, node.kwargs = args, kwargs
+            node.meta.pop("fold", None)
         try:
             plan, failures = _propagate(gm, assignment, name, tp_size, recorded, keep_whole or {})
         except ValueError as error:  # t does not divide this pairing's heads: another pairing may do
@@ -189,7 +190,7 @@ def plan_block(
             continue
         split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered))
         if best is None or split > best[0]:
-            best = (split, plan, {n: (n.args, n.kwargs) for n in gm.graph.nodes})
+            best = (split, plan, {n: (n.args, n.kwargs, n.meta.get("fold")) for n in gm.graph.nodes})
         for trial in _without_failing_columns(gm, assignment, failures):
             if trial.whole not in tried:
                 tried.add(trial.whole)
@@ -197,8 +198,11 @@ def plan_block(
     if best is None:
         raise errors[0]
     _, plan, rewritten = best
-    for node, (args, kwargs) in rewritten.items():
+    for node, (args, kwargs, fold) in rewritten.items():
         node.args, node.kwargs = args, kwargs
+        node.meta.pop("fold", None)
+        if fold:
+            node.meta["fold"] = fold
     plan.sequence_bound = _read_outside(gm, plan.regions)
     if strict and plan.kept_whole:
         raise TPDiscoveryError(f"{plan.kept_whole[0].reason}; " + working_plan_hint(name, plan.regions, tp_size))
@@ -254,6 +258,7 @@ def _propagate(
             break
         for node, (args, kwargs) in recorded.items():  # undo every rewrite, then split the rest again
             node.args, node.kwargs = args, kwargs
+            node.meta.pop("fold", None)
         failed = {id(region) for region, _ in failures}
         regions = [r for r in regions if id(r) not in failed]
         kept += [KeptWhole(_all_linears(gm, r), str(error)) for r, error in failures]

@@ -43,6 +43,7 @@ class ShardPropagation:
     def __init__(self, gm: fx.GraphModule, region: RegionPlan, ratios: dict[str, int], tp_size: int, name: str):
         self.gm, self.region, self.tp_size, self.name = gm, region, tp_size, name
         self.shard: dict[fx.Node, Sharded] = {}
+        self.folded = False  # heads were folded into another dim (Sharded.outer) in this region
         for n in gm.graph.nodes:
             if n.op == "call_module" and n.target in region.columns:
                 self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], _part_bounds(region, n.target))
@@ -302,9 +303,11 @@ class ShardPropagation:
         args[target] = self._divide(node, args[target], info.ratio)
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
-        # the replay takes any size arguments with the local product: a batch size computed as the folded
-        # size over the global head count (BLOOM's) is 1/t of the real one where heads are 1/t too
-        node.meta["fold"] = tuple(range(len(head), len(head) + len(args)))
+        # once heads were folded into the batch, the replay takes any size arguments with the local product:
+        # a batch computed as the folded size over the global head count (BLOOM's) is 1/t of the real one
+        self.folded |= info.outer > 1 or outer > 1
+        if self.folded:
+            node.meta["fold"] = tuple(range(len(head), len(head) + len(args)))
         self._mark(node, target, Sharded(info.dim, info.ratio, info.bounds, outer))
 
     _op_reshape = _op_view
