@@ -138,3 +138,31 @@ class AttentionHeads(torch.overrides.TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self.seen.append(args[0].shape[-3])
         return func(*args, **(kwargs or {}))
+
+
+def fit_token_lm(make_model, *, vocab: int, seq: int, t: int, sequence_parallel: bool) -> tuple[Any, dict]:
+    """Two SGD steps of ``make_model()`` (built after seeding 0) on a fixed token batch, by the Trainer at
+    t (one process when 1): the model, and its whole state and the ``PartialSplitWarning`` texts."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.tensor_parallel.consolidate import full_state_dict
+    from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
+    from lightning_ptdp.testing import quiet_trainer
+
+    tokens = torch.randint(0, vocab, (8, seq + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    strategy = PTDPStrategy(tensor_parallel_size=t, sequence_parallel=sequence_parallel) if t > 1 else "auto"
+    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False)
+    torch.manual_seed(0)
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PartialSplitWarning)
+        trainer.fit(model, data)
+    state = full_state_dict(model) if t > 1 else model.state_dict()
+    return model, {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, PartialSplitWarning)],
+    }

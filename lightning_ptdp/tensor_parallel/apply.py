@@ -56,7 +56,7 @@ from lightning_ptdp.tensor_parallel.replay import (
 )
 from lightning_ptdp.tensor_parallel.state_dict_hooks import take_state_dict_hooks
 from lightning_ptdp.tensor_parallel.trial import regions_that_fail, runs_on_meta, trial_error
-from lightning_ptdp.tensor_parallel.whole_regions import warn_whole_regions
+from lightning_ptdp.tensor_parallel.whole_regions import parameters_at, warn_whole_regions
 
 log = logging.getLogger(__name__)
 
@@ -322,19 +322,6 @@ PREFIX = "before a region's columns, on its input: whole on every rank, gradient
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 
 
-def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [(m, n) for m in module.modules() for n, _ in m.named_parameters(recurse=False)]
-
-
-def _parameters_at(block: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
-    """(module, name) of a module's own parameters, or of the one parameter at ``path``."""
-    owner, _, leaf = path.rpartition(".")
-    module = block.get_submodule(owner)
-    if leaf in dict(module.named_parameters(recurse=False)):
-        return [(module, leaf)]
-    return _own_parameters(block.get_submodule(path))
-
-
 def _layout_text(block: nn.Module, name: str) -> str:
     layer = block.get_submodule(name)
     layout = layer.layout
@@ -363,7 +350,7 @@ def _partial_gradients(block: nn.Module, plan: BlockPlan, on_shards: bool) -> li
     only (per-head q/k norms)."""
     if not on_shards:
         partial = [t for region in plan.regions for t in (*region.partial, *region.prefix)]
-        return [p for t in dict.fromkeys(partial) for p in _parameters_at(block, t)]
+        return [p for t in dict.fromkeys(partial) for p in parameters_at(block, t)]
     return [
         (module, name)
         for module in block.modules()

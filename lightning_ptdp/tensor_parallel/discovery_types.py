@@ -90,7 +90,7 @@ class RegionPlan:
     sharded_outputs: dict[int, int] = field(default_factory=dict)
     """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
     prefix: list[str] = field(default_factory=list)
-    """What runs on the entered input before the columns (MLA's q_a, its norm): module or parameter
+    """What runs on the entered input before the columns (a low-rank down-projection and its norm): module or parameter
     paths, whole on every rank, their gradients summed over tp (each rank's holds its heads' part)."""
     gathered: list[str] = field(default_factory=list)
     """The prefix's Linears split by output features and gathered (layers.GatheredColumnLinear)."""

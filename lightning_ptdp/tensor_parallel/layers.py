@@ -131,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class GatheredColumnLinear(ColumnParallelLinear):
-    """A Linear inside a region before its columns (MLA's low-rank q_a / kv_a projections): this rank's
+    """A Linear inside a region before its columns (a low-rank down-projection): this rank's
     output features, gathered (Megatron's gather_output=True). The gradient of the gathered output is
     reduce-scattered, as what reads it inside the region works on this rank's heads only."""
 

@@ -108,7 +108,7 @@ class ShardPropagation:
                 raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
             width = _shape(src)[info.dim]
             if tensors == [src] and not any(width in p.shape for p in module.parameters()):
-                self._parameterless(node, module, src, info, known=True)  # scalars (xIELU's): by its aten ops
+                self._parameterless(node, module, src, info, known=True)  # learned scalars: by its aten ops
             elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
                 norm = feature_norm_of(module, _shape(src)[-1])
                 if norm is None or info.bounds:
@@ -136,7 +136,7 @@ class ShardPropagation:
     ) -> None:
         """A module on the sharded tensor alone, without parameters along the sharded dim (an L2 norm, an
         activation, one with learned scalars), is followed like any call, by the aten ops its forward
-        runs (its parameters and buffers on meta): one that reduces over the sharded dim (nGPT's L2
+        runs (its parameters and buffers on meta): one that reduces over the sharded dim (an L2
         norm over all heads' features) is refused. One that cannot run on meta tensors keeps the old
         rule, elementwise (it keeps the shape); modules of several tensors (attention) keep their handlers."""
         try:
@@ -304,7 +304,7 @@ class ShardPropagation:
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
         # once heads were folded into the batch, the replay takes any size arguments with the local product:
-        # a batch computed as the folded size over the global head count (BLOOM's) is 1/t of the real one
+        # a batch computed as the folded size over the global head count is 1/t of the real one
         self.folded |= info.outer > 1 or outer > 1
         if self.folded:
             node.meta["fold"] = tuple(range(len(head), len(head) + len(args)))

@@ -2,7 +2,7 @@
 
 A Linear fed by no other Linear, or only by whole outputs (rows after their reduction, the residual
 stream), opens a region as a column; one fed only by columns closes it as its row. A chain of
-Linears (MLA's q_a -> q_b -> o) pairs wrongly in graph order, so its openers are also tried as the
+Linears (a low-rank x -> q_a -> q_b -> heads -> o) pairs wrongly in graph order, so its openers are also tried as the
 region's prefix: run on the region's input before the columns (``_region_input``).
 """
 
@@ -78,13 +78,13 @@ def find_regions(gm: RecordedBlock, name: str) -> list[Assignment]:
     In graph order: a Linear fed by no other Linear, or only by whole outputs (rows, after their
     reduction, e.g. through the residual stream), opens a region as a column; a Linear fed only by
     columns closes their region as its row. Whole on every rank (``BlockPlan.replicated``): a column
-    no row closes (a router, Qwen2-MoE's shared-expert gate: its output reaches no Linear), and the
+    no row closes (a router, a shared-expert gate: its output reaches no Linear), and the
     experts of a ModuleList MoE, whose rows are picked by the routing (Megatron's expert tensor
     parallel size 1; expert parallelism splits them). Linears joined through column outputs form one
     group; a group that is no single column -> row pair (a Linear fed by a column and by the residual,
     a column feeding two rows) is kept whole (``KeptWhole``), with the reason.
 
-    A chain of Linears (MLA's q_a -> q_b -> o, a low-rank bottleneck) pairs wrongly in graph order:
+    A chain of Linears (q_a -> q_b -> heads -> o, a low-rank bottleneck) pairs wrongly in graph order:
     q_a would close on q_b and leave o with no row. So the Linears opening such a chain are also
     tried as the region's prefix (run on its input before the columns): the assignment in graph order
     comes first, then the one that splits more of the block's weights, if any (``plan_block`` keeps
@@ -205,8 +205,8 @@ def weight_count(gm: RecordedBlock, target: str) -> int:
 
 
 def _chain_openers(best: Assignment, linears: list, upstream: dict, everything: set) -> set[fx.Node]:
-    """The columns of the rows that are no region's end, for the first Linear reading such rows (MLA's
-    o, reading q_b and kv_b before the block returns anything): tried as their regions' prefix. One
+    """The columns of the rows that are no region's end, for the first Linear reading such rows (o,
+    reading q_b and kv_b before the block returns anything): tried as their regions' prefix. One
     chain a round, in graph order: fixing it re-pairs the Linears after it."""
     role = best.roles
     for node in linears:
@@ -220,8 +220,8 @@ def _region_input(
     gm: RecordedBlock, columns: list[fx.Node], row: fx.Node, upstream: dict, whole: frozenset, linears: set[fx.Node]
 ) -> tuple[fx.Node, list[str]] | None:
     """The one input the region enters (f, or the all-gather under SP) and its prefix: the latest
-    tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (MLA's
-    q_a, and kv_a, whose rotary key joins the heads) are all made from, when every path from them
+    tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (a
+    low-rank q_a, and kv_a, whose rotary key joins the heads) are all made from, when every path from them
     back to the block's inputs passes through it, meeting no Linear of another region. The prefix
     lists the parameters (module or parameter paths) of what the region computes whole from that
     input (``_whole_side``), used only there: each rank's gradient of them holds its heads' part. None

@@ -56,7 +56,7 @@ class Rewrite:
     local_leaves: tuple
     fold: tuple = ()
     """A view's size leaves: any values with the local product get the local ones (after heads folded
-    into the batch, BLOOM computes the batch as the folded size over the global head count: 1/t of it)."""
+    into the batch, a batch computed as the folded size over the global head count is 1/t of it)."""
 
     def apply(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         leaves, spec = tree_flatten((args, kwargs))

@@ -1,7 +1,7 @@
 """A trial run of a block's split forward on meta tensors, before the model is rewritten.
 
-The recorded graph misses Python arithmetic on a size read (BLOOM's batch as the folded size over the
-global head count) and Python shape checks (XGLM's ``attn_weights.size() != (bsz * num_heads, ...)``).
+The recorded graph misses Python arithmetic on a size read (a batch computed as the folded size over the
+global head count) and Python shape checks (``scores.size() != (bsz * num_heads, ...)``).
 So the first block of each structure is copied to meta (no real storage), split at rank 0 of t (meta
 tensors pass the collectives) and run once on meta copies of its inputs: a region whose split raises
 stays whole, the error its warning's reason. A block that fails on meta even whole is not tried.

@@ -23,10 +23,13 @@ def _numel(block: nn.Module, names: list[str]) -> int:
     return sum(p.numel() for name in names for p in block.get_submodule(name).parameters())
 
 
-def _tensors_at(block: nn.Module, path: str) -> list:
+def parameters_at(block: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
+    """(module, name) of the one parameter at ``path``, or of every parameter of the module there."""
     owner, _, leaf = path.rpartition(".")
-    own = dict(block.get_submodule(owner).named_parameters(recurse=False))
-    return [own[leaf]] if leaf in own else list(block.get_submodule(path).parameters())
+    module = block.get_submodule(owner)
+    if leaf in dict(module.named_parameters(recurse=False)):
+        return [(module, leaf)]
+    return [(m, n) for m in block.get_submodule(path).modules() for n, _ in m.named_parameters(recurse=False)]
 
 
 def whole_share(block: nn.Module, plan: BlockPlan) -> float:
@@ -42,7 +45,9 @@ def warn_whole_regions(
     """One warning for the blocks of ``name``'s structure, if any region stays whole or more than
     half of the block's parameters are replicated (under SP such blocks run on the whole sequence)."""
     share = whole_share(block, plan)
-    side = [t for r in plan.regions for t in r.prefix if any(p.dim() >= 2 for p in _tensors_at(block, t))]
+    side = [
+        t for r in plan.regions for t in r.prefix if any(getattr(m, n).dim() >= 2 for m, n in parameters_at(block, t))
+    ]
     if not plan.kept_whole and share <= MOSTLY_WHOLE and not side:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]

@@ -56,31 +56,10 @@ class TinyLM(L.LightningModule):
 
 
 def fit(t: int) -> dict:
-    import warnings
+    from tests.tp_utils import fit_token_lm
 
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_ptdp import PTDPStrategy
-    from lightning_ptdp.tensor_parallel.whole_regions import PartialSplitWarning
-    from lightning_ptdp.testing import quiet_trainer
-
-    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    strategy = PTDPStrategy(tensor_parallel_size=t, sequence_parallel=True) if t > 1 else "auto"
-    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False)
-    torch.manual_seed(0)
-    model = TinyLM()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PartialSplitWarning)
-        trainer.fit(model, data)
-    from lightning_ptdp.tensor_parallel.consolidate import full_state_dict
-
-    state = full_state_dict(model) if t > 1 else model.state_dict()
-    return {
-        "state": {k: v.detach().clone() for k, v in state.items()},
-        "warnings": [str(w.message) for w in caught if issubclass(w.category, PartialSplitWarning)],
-        "shapes": {k: tuple(v.shape) for k, v in model.named_parameters()},
-    }
+    model, result = fit_token_lm(TinyLM, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=True)
+    return {**result, "shapes": {k: tuple(v.shape) for k, v in model.named_parameters()}}
 
 
 @pytest.mark.world_size(2)
