@@ -18,7 +18,7 @@ from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.pipeline import split_microbatches
 
 
-class _MetaScalarsAsZero(TorchFunctionMode):
+class MetaScalarsAsZero(TorchFunctionMode):
     """A value read out of a meta tensor (``.item()``, ``bool(mask.any())``: transformers checks
     for packed sequences so) is 0: the probe needs shapes only, and such checks guard rare paths."""
 
@@ -49,7 +49,7 @@ def side_effects_muted(module: pl.LightningModule) -> Generator[None, None, None
     for metric in metrics:
         metric.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
-        with _MetaScalarsAsZero():
+        with MetaScalarsAsZero():
             yield
     finally:
         del module.log

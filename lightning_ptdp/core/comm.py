@@ -90,7 +90,7 @@ class PendingAllReduce:
         self.params, self.scale = params, scale
         self.started = time.perf_counter()
         self.done: Optional[float] = None
-        had = [p.grad is not None for p in params]
+        self._had = had = [p.grad is not None for p in params]
         device = local_tensor(params[0]).device
         tensors = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in params]
         tensors.append(torch.tensor(had, dtype=torch.float32, device=device))
@@ -120,7 +120,7 @@ class PendingAllReduce:
                 self._tensors[i] = flat[offset : offset + tensor.numel()].view_as(tensor)
                 offset += tensor.numel()
         self.done = self.done or time.perf_counter()
-        flags = self._tensors[-1].tolist()
+        flags = self._had if self._tensors[-1].is_meta else self._tensors[-1].tolist()  # meta: a dry run's own
         for param, reduced, anywhere in zip(self.params, self._tensors, flags):
             if not anywhere:  # no rank has a gradient for it: stays None, as in one process
                 param.grad = None

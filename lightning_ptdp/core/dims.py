@@ -130,6 +130,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the (pp, dp, tp) mesh, or (pp, dp, cp, tp) when c > 1 (a collective: every rank calls it)."""
         names = MESH_DIM_NAMES if self.cp == 1 else CP_MESH_DIM_NAMES
+        device_type = "cpu" if device_type == "meta" else device_type  # a dry run's ranks (planner/meta_run.py)
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=names)
 
     def replica_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -154,6 +155,7 @@ class ParallelDims:
         the d / e ranks that hold the same experts (a collective over the world). With context
         parallelism the experts are carved out of the d x c ranks (cp faster), as Megatron's are."""
         ranks = torch.arange(self.world_size).reshape(self.expert_mesh_shape)
+        device_type = "cpu" if device_type == "meta" else device_type
         return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIM_NAMES)
 
     @property

@@ -246,7 +246,7 @@ def parallelize(
             module.__dict__["_ptdp_pretrained"] = load_pretrained(
                 module, pretrained.path, prefix=pretrained.prefix, aliases=aliases, device=device
             )
-        elif is_on_meta(module):
+        elif is_on_meta(module) and device.type != "meta":  # a dry run (planner/meta_run.py) stays on meta
             # built on the meta device (configure_model): allocate and initialise only what TP and the
             # pipeline split left this rank, before data parallelism wraps or shards it
             materialize_shards(module, device, result.pipeline)
@@ -259,7 +259,7 @@ def parallelize(
         result.module = apply_fsdp(
             module, result.fsdp_mesh, config.zero_stage, dims.pp > 1, experts, edp, called and called.called
         )
-    elif training and dims.pp == 1:
+    elif training and dims.pp == 1 and device.type != "meta":  # torch's DDP cannot wrap meta parameters
         experts = result.ep_report.expert_params if result.ep_report else ()
         result.module = apply_data_parallel(module, replicas, ignore=experts, probe=reached or probe)
     if training and config.expert_balance is not None and result.ep_report is not None:

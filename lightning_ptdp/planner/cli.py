@@ -115,7 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         "default 1.0, balanced",
     )
     parser.add_argument("--top", type=int, default=5, help="layouts to list")
+    parser.add_argument(
+        "--model",
+        dest="factory",
+        metavar="MODULE:FACTORY",
+        help="dry-run your own model: a function returning the LightningModule (or it and its datamodule)",
+    )
     args = parser.parse_args(argv)
+    if args.factory is not None:
+        return _dry_run(parser, args)
     if args.model is None or args.gpus is None or args.global_batch_size is None:
         parser.exit(2, "ptdp plan: MODEL, --gpus and --global-batch-size are required\n")
     try:
@@ -156,6 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(format_plan(layouts, cluster, limit=args.top) + "\n")
     if balanced is not None:
         sys.stdout.write(balancing_line(layouts[0], balanced, args.expert_imbalance) + "\n")
+    return 0
+
+
+def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--model``: ptdp's own setup of the user's model on a fake process group (planner/fit.py)."""
+    from lightning_ptdp.planner.fit import dry_run, format_dry_run
+
+    if args.gpus is None:
+        parser.exit(2, "ptdp plan --model: --gpus is required (the world size to dry-run)\n")
+    devices = min(args.gpus, args.gpus_per_node)
+    try:
+        if args.gpus % devices:
+            raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={devices}")
+        reports = dry_run(
+            args.factory, devices=devices, num_nodes=args.gpus // devices, device_memory_gb=args.gpu_memory_gb
+        )
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"ptdp plan: {err}\n")
+    sys.stdout.write(format_dry_run(reports[: args.top], args.gpu_memory_gb) + "\n")
     return 0
 
 

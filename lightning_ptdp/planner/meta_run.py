@@ -1,0 +1,466 @@
+"""A dry run of the user's own model: ptdp's real setup on a fake process group, on the meta device.
+
+Each candidate layout builds the model on meta, runs the strategy's own setup (census, TP, EP, CP,
+pipeline split, ZeRO) for one rank of each pipeline stage, then two training steps on meta tensors.
+Bytes come from the tensors that setup made and the step allocated (torch's ``MemTracker``), and
+communication from the collectives the step issued: no formula, no real storage, no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.probe import MetaScalarsAsZero, side_effects_muted
+from lightning_ptdp.strategy import PTDPStrategy
+
+Factory = Callable[[], Union[pl.LightningModule, tuple[pl.LightningModule, pl.LightningDataModule]]]
+AXES = ("pp", "dp", "cp", "tp", "ep")
+MEASURED_STEP = 1  # the second step is measured: the optimizer's state exists by then, as in a real run
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds under a layout, in bytes."""
+
+    rank: int
+    like: tuple[int, ...]
+    """The ranks that hold the same (this rank's pipeline stage: tp, cp, dp and ep shards are equal)."""
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int
+    ddp_buckets: int
+    """DDP's own copy of the gradients it all-reduces (torch's DDP cannot wrap meta parameters: counted)."""
+    step_peak: int
+    """The most live at once during a training step: the state above, activations and temporaries."""
+    holders: tuple[tuple[str, int], ...] = ()
+    """The largest parameters (name, bytes of weight, gradient and optimizer state), largest first."""
+
+    @property
+    def state(self) -> int:
+        """Held across steps: weights, gradients, optimizer state and buffers."""
+        return self.parameters + self.gradients + self.optimizer + self.buffers + self.ddp_buckets
+
+    @property
+    def activations(self) -> int:
+        """The step's peak above the weights, optimizer state and buffers it starts with."""
+        return max(self.step_peak - self.parameters - self.optimizer - self.buffers - self.ddp_buckets, 0)
+
+    @property
+    def peak(self) -> int:
+        return max(self.step_peak, self.state)
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """One layout's dry run: each pipeline stage's memory and the step's communication per axis."""
+
+    layout: dict[str, Any]
+    world_size: int
+    ranks: tuple[RankMemory, ...]
+    communication: dict[str, int] = field(default_factory=dict)
+    """Bytes the collectives of one training step carry on this rank, by mesh axis."""
+    seconds: float = 0.0
+    refused: Optional[str] = None
+    """Why ptdp's setup refused this layout for this model (then there are no ranks)."""
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.refused is None and self.largest.peak <= device_bytes
+
+
+class _OneRank(ClusterEnvironment):
+    """The dry run's cluster: one given rank of ``world_size``, started by the dry run itself."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self._rank, self._world_size = rank, world_size
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self._world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return self._rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._rank
+
+    def node_rank(self) -> int:
+        return 0
+
+
+class _MetaAccelerator(CPUAccelerator):
+    """Every rank's device is meta: nothing to set up, no memory to allocate."""
+
+    def setup_device(self, device: torch.device) -> None:
+        pass
+
+
+class DryRunStrategy(PTDPStrategy):
+    """ptdp's strategy with the model left on meta: setup runs unchanged; what moves tensors to a
+    real device or reads another rank's objects (the fake group carries no bytes) does not."""
+
+    def backward_done(self, loss: torch.Tensor, params: list, step: int) -> None:
+        """The step's backward (under PP it ran inside training_step: its gradients are added now),
+        then what ``optimizer_step`` does before the optimizer: the gradients' owner finishes them."""
+        if self.pipeline is None:
+            loss.backward()
+        else:
+            self._parallelized.gradients.apply_pending()
+        self._parallelized.gradients.finish(params, loss, step)
+
+    def dry_run_ddp_gradients(self, module: torch.nn.Module) -> int:
+        """Bytes of the gradient copy DDP's buckets would hold: DDP is left out on meta (``_state``)."""
+        dims, config = self.parallel_dims, self.parallel_config
+        if config.fsdp or dims.pp > 1 or dims.dp * dims.cp == 1:
+            return 0
+        report = self._parallelized.ep_report
+        experts = set(report.expert_params) if report is not None else set()
+        return sum(_bytes(p) for n, p in module.named_parameters() if p.requires_grad and n not in experts)
+
+    def teardown(self) -> None:
+        if self._failures is not None:
+            self._failures.release_sigterm()
+        self.precision_plugin.teardown()
+        self.checkpoint_io.teardown()  # Lightning's own teardown would copy the meta tensors to the CPU
+
+
+class _MetaShapes(TorchDispatchMode):
+    """A data-dependent shape on meta takes its upper bound (``nonzero``: every element counts),
+    so a dry run holds at least what the real step would."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func is torch.ops.aten.nonzero.default and args[0].is_meta:
+            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device="meta")
+        return func(*args, **(kwargs or {}))
+
+
+class _Communication(TorchDispatchMode):
+    """Sums the bytes of every collective issued (c10d's and the functional ones, which DTensor and
+    FSDP2 use), by the mesh axis whose group it ran on."""
+
+    def __init__(self, axes: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.axes, self.bytes = axes, {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        namespace = func.namespace
+        if namespace.startswith(("c10d", "_c10d_functional")) and "wait" not in func.__name__:
+            self._count(namespace, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, namespace: str, args: tuple) -> None:
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        tensors = [t for sub in tensors for t in (sub if isinstance(sub, (list, tuple)) else [sub])]
+        if namespace != "c10d":
+            name = next((a for a in args if isinstance(a, str) and not a.isalpha()), None)
+            group = dist.distributed_c10d._resolve_process_group(name) if name else None
+        else:
+            box = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            group = dist.ProcessGroup.unbox(box) if box is not None else None
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        axis = self.axes.get(ranks, f"{len(ranks)} ranks")
+        largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+        self.bytes[axis] = self.bytes.get(axis, 0) + largest
+
+
+def _axes(dims: ParallelDims) -> dict[tuple[int, ...], str]:
+    """Each mesh axis's groups, by their ranks (a group of one rank is no axis)."""
+    found: dict[tuple[int, ...], str] = {}
+    for axis in AXES:
+        for ranks in dims.group_ranks(axis):
+            if len(ranks) > 1:
+                found.setdefault(tuple(ranks), axis)
+    return found
+
+
+class Broadcasts:
+    """What each source rank broadcast, in order, for the ranks dry-run after it: the pipeline's last
+    stage runs first, so the others read the step's results it shares (pipeline/step_results.py)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int], list] = {}
+
+    def patched(self) -> Callable[..., None]:
+        counts: dict[int, int] = {}
+
+        def broadcast_object_list(objects: list, src: Optional[int] = None, group: Any = None, **kw: Any) -> None:
+            src = kw.get("group_src") if src is None else src
+            if group is not None and kw.get("group_src") is not None:
+                src = dist.get_global_rank(group, src)
+            n = counts[src] = counts.get(src, 0) + 1
+            if src == dist.get_rank():
+                self.sent[(src, n)] = list(objects)
+            elif (src, n) in self.sent:
+                objects[:] = self.sent[(src, n)]
+            # else: the source runs later (or never); each rank keeps its own objects, as all build alike
+
+        return broadcast_object_list
+
+
+@contextlib.contextmanager
+def _fake_group_reads(broadcasts: Broadcasts) -> Iterator[None]:
+    """Object collectives on the fake group would read uninitialised sizes: each rank's own object
+    stands for every rank's (all ranks of a dry run build the same model from the same code), a
+    broadcast gives what its source sent if that rank ran already."""
+
+    def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    def gather_object(obj: Any, out: Optional[list] = None, dst: int = 0, group: Any = None, **_: Any) -> None:
+        if out is not None:
+            out[:] = [obj] * len(out)
+
+    patched = {
+        "all_gather_object": all_gather_object,
+        "gather_object": gather_object,
+        "broadcast_object_list": broadcasts.patched(),
+    }
+    saved = {name: getattr(dist, name) for name in patched}
+    for name, replacement in patched.items():
+        setattr(dist, name, replacement)
+    from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
+
+    vote = PipelineStage._warmup_backward_result
+
+    def own_vote(stage: PipelineStage, received_result: Any = None) -> torch.Tensor:
+        # the pipeline's static-or-dynamic vote: every stage of ptdp's engine votes alike (each has its shapes)
+        return torch.tensor([0 if InferenceMode.needs_dynamic(stage._user_meta, True) else 1], dtype=torch.int32)
+
+    PipelineStage._warmup_backward_result = own_vote
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    check = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda group: None  # meta is the point of a dry run
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+        PipelineStage._warmup_backward_result = vote
+        FSDPParamGroup._validate_no_meta_params = check
+
+
+def _bytes(tensor: Optional[torch.Tensor]) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+class _StepMemory(pl.Callback):
+    """After setup: two training steps on meta, the second under ``MemTracker``; then stop the fit."""
+
+    def __init__(self, communication: _Communication) -> None:
+        self.communication = communication
+        self.measured: Optional[dict[str, Any]] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        strategy = trainer.strategy
+        assert isinstance(strategy, DryRunStrategy)
+        batch = strategy.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
+        optimizers = trainer.optimizers
+        peak = 0
+        for step in range(MEASURED_STEP + 1):
+            tracker = None
+            if step == MEASURED_STEP:
+                tracker = MemTracker()
+                tracker.track_external(pl_module, *optimizers)
+                tracker.__enter__()
+                self.communication.bytes.clear()
+                self.communication.__enter__()
+            with side_effects_muted(pl_module):
+                output = strategy.training_step(batch, step)
+            for optimizer in optimizers:
+                optimizer.zero_grad()  # Lightning's closure: after training_step, before backward
+            loss = output["loss"] if isinstance(output, dict) else output
+            strategy.backward_done(loss, [p for opt in optimizers for g in opt.param_groups for p in g["params"]], step)
+            for optimizer in optimizers:
+                optimizer.step()
+            if tracker is not None:
+                self.communication.__exit__(None, None, None)
+                tracker.__exit__(None, None, None)
+                peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        self.measured = _state(pl_module, optimizers, peak, strategy)
+        trainer.should_stop = True
+
+
+def _state(module: torch.nn.Module, optimizers: list, peak: int, strategy: DryRunStrategy) -> dict[str, Any]:
+    from lightning_ptdp.data_parallel.zero1 import local_optimizer
+
+    states = [state for opt in optimizers for state in local_optimizer(opt).state.items()]
+    held = {id(p): sum(_bytes(v) for v in s.values() if isinstance(v, torch.Tensor)) for p, s in states}
+    params = list(module.named_parameters())
+    grads = sum(_bytes(p.grad) for _, p in params)
+    # torch's DDP cannot wrap meta parameters, so it is left out: it keeps its own copy of the replicated
+    # gradients in its buckets (gradient_as_bucket_view=False, ddp.py's setting) and all-reduces them once
+    replicated = strategy.dry_run_ddp_gradients(module)
+    holders = sorted(((n, _bytes(p) + _bytes(p.grad) + held.get(id(p), 0)) for n, p in params), key=lambda kv: -kv[1])
+    return {
+        "parameters": sum(_bytes(p) for _, p in params),
+        "gradients": grads,
+        "ddp_buckets": replicated,
+        "optimizer": sum(held.values()),
+        "buffers": sum(_bytes(b) for b in module.buffers()),
+        "step_peak": peak + replicated,
+        "holders": tuple(holders[:5]),
+    }
+
+
+@contextlib.contextmanager
+def _process_left_as_found() -> Iterator[None]:
+    """The strategy's run sets the launch environment and catches SIGTERM: a dry run in the user's
+    process puts both back."""
+    import os
+    import signal
+
+    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    saved, handler = {k: os.environ.get(k) for k in keys}, signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def representative_ranks(dims: ParallelDims, zero_stage: int = 0) -> dict[int, tuple[int, ...]]:
+    """The first rank of each pipeline stage, with the ranks it stands for: within a stage the tp,
+    cp, dp and ep shards are equal in size (an uneven split differs by at most one row). Under
+    ZeRO-1 each dp rank too: torch's ZeroRedundancyOptimizer gives each whole parameters, unevenly."""
+    stages: dict[tuple[int, int], list[int]] = {}
+    for rank in range(dims.world_size):
+        where = dims.coordinates(rank)
+        stages.setdefault((where["pp"], where["dp"] if zero_stage else 0), []).append(rank)
+    return {ranks[0]: tuple(ranks) for ranks in stages.values()}
+
+
+def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int) -> LayoutReport:
+    """One layout: ptdp's setup and two meta training steps on a representative rank of each stage."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
+    from lightning_ptdp.config import ParallelConfig
+
+    started = time.perf_counter()
+    dims = ParallelDims.from_config(ParallelConfig(**_config_keys(layout)), world_size)
+    communication = _Communication(_axes(dims))
+    ranks, volume, broadcasts = [], {}, Broadcasts()
+    stand_ins = representative_ranks(dims, layout.get("zero_stage", 0))
+    for rank, like in sorted(stand_ins.items(), reverse=True):  # the last stage first
+        if dist.is_initialized():
+            raise RuntimeError("dry_run needs no process group: call it outside a distributed run")
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+        try:
+            with _process_left_as_found():
+                measured = _one_rank(factory, layout, rank, world_size, communication, broadcasts)
+        finally:
+            dist.destroy_process_group()
+        ddp = measured["ddp_buckets"]
+        if rank == 0:  # the first stage
+            volume = dict(communication.bytes)
+            if ddp:
+                axis = "dp" if dims.cp == 1 else f"{dims.dp * dims.cp} ranks"  # DDP's group: dp, or dp x cp
+                volume[axis] = volume.get(axis, 0) + ddp
+        ranks.append(RankMemory(rank=rank, like=like, **measured))
+    ranks.reverse()
+    return LayoutReport(dict(layout), world_size, tuple(ranks), volume, time.perf_counter() - started)
+
+
+def _config_keys(layout: dict[str, Any]) -> dict[str, Any]:
+    import dataclasses
+
+    from lightning_ptdp.config import ParallelConfig
+
+    names = {f.name for f in dataclasses.fields(ParallelConfig)}
+    return {k: v for k, v in layout.items() if k in names}
+
+
+def _one_rank(
+    factory: Factory,
+    layout: dict[str, Any],
+    rank: int,
+    world_size: int,
+    communication: _Communication,
+    broadcasts: Broadcasts,
+) -> dict[str, Any]:
+    built = factory()
+    module, data = built if isinstance(built, tuple) else (built, None)
+    if not isinstance(module, pl.LightningModule):
+        raise TypeError(
+            f"dry_run: the factory returned {type(module).__name__}; it must return a LightningModule "
+            "(or a (LightningModule, LightningDataModule) pair)"
+        )
+    if type(module).training_step is pl.LightningModule.training_step:
+        raise TypeError(f"dry_run: {type(module).__name__} defines no training_step; the dry run measures one")
+    module = _to_meta(module)
+    measure = _StepMemory(communication)
+    strategy = DryRunStrategy(
+        **layout,
+        cluster_environment=_OneRank(rank, world_size),
+        parallel_devices=[torch.device("meta")] * world_size,
+        accelerator=_MetaAccelerator(),
+        on_nonfinite="ignore",  # meta tensors hold no values to check
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        devices=world_size,
+        max_steps=MEASURED_STEP + 1,
+        callbacks=[measure],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    with MetaScalarsAsZero(), _MetaShapes(), _fake_group_reads(broadcasts):
+        trainer.fit(module, datamodule=data)
+    assert measure.measured is not None
+    return measure.measured
+
+
+def _to_meta(module: pl.LightningModule) -> pl.LightningModule:
+    """A module the factory built with real tensors moves to meta (configure_model's build is on
+    meta already); buffers computed from values become meta too, as the dry run needs shapes only."""
+    real = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if not t.is_meta]
+    if real:
+        module._apply(lambda t: t.to("meta"))
+    return module

@@ -1,0 +1,125 @@
+"""The dry run (planner/meta_run.py) against the real run it predicts: each rank's parameter, gradient
+and optimizer-state bytes after two steps equal what the same layout holds on real gloo ranks, a
+large model is dry-run without real storage, and bad input is refused with the rule and the fix."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+LAYOUTS = [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"zero_stage": 1}]
+
+
+def tiny_gpt(hidden: int = 32, layers: int = 2, vocab: int = 128):
+    """The recipe GPT built in configure_model (on meta under ptdp), with its data."""
+    from recipes.data import MarkovDataModule
+    from recipes.gpt import GPTConfig, GPTLightningModule, OptimConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=vocab, seq_length=16, num_layers=layers, num_heads=4, hidden_size=hidden)
+    model = GPTLightningModule(config, OptimConfig(lr=1e-3, warmup_steps=1, max_steps=4), deferred_init=True)
+    data = MarkovDataModule(vocab_size=vocab, seq_length=16, batch_size=2, train_tokens=400, val_tokens=40)
+    return model, data
+
+
+def _bytes(tensor) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def held_after_two_steps(layout: dict) -> dict:
+    """On a real gloo rank: the bytes of this rank's parameters, gradients and optimizer state
+    after the second optimizer step, as the dry run counts them."""
+    import lightning as L
+
+    from lightning_ptdp import PTDPStrategy
+    from lightning_ptdp.data_parallel.zero1 import local_optimizer
+    from lightning_ptdp.testing import quiet_trainer
+
+    class Held(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                states = [s for o in trainer.optimizers for s in local_optimizer(o).state.values()]
+                self.held = {
+                    "parameters": sum(_bytes(p) for p in pl_module.parameters()),
+                    "gradients": sum(_bytes(p.grad) for p in pl_module.parameters()),
+                    "optimizer": sum(_bytes(v) for s in states for v in s.values() if isinstance(v, torch.Tensor)),
+                }
+
+    model, data = tiny_gpt()
+    held = Held()
+    trainer = quiet_trainer(devices=2, strategy=PTDPStrategy(**layout), max_steps=2, callbacks=[held])
+    trainer.fit(model, data)
+    return held.held
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["d2", "t2", "p2", "d2-zero1"])
+def test_dry_run_holds_what_the_real_ranks_hold(dist_pool, layout):
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    real = dist_pool(2).run(held_after_two_steps, layout)
+    report = dry_run_layout(tiny_gpt, layout, world_size=2)
+    assert report.refused is None
+    for predicted in report.ranks:
+        for rank in predicted.like:
+            # the same tensors, so the same bytes: exact
+            assert (predicted.parameters, predicted.gradients, predicted.optimizer) == (
+                real[rank]["parameters"],
+                real[rank]["gradients"],
+                real[rank]["optimizer"],
+            ), f"rank {rank} under {layout}"
+    assert report.largest.activations > 0
+    if layout.get("pipeline_parallel_size", 1) == 1 and layout.get("tensor_parallel_size", 1) == 1:
+        assert report.ranks[0].ddp_buckets == report.ranks[0].gradients  # DDP's own copy of them
+        assert report.communication.get("dp", 0) > 0
+
+
+def test_a_model_larger_than_memory_is_dry_run_without_storage():
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    hidden, layers = 1024, 8  # ~100M parameters: 1.6 GB of weights, gradients and Adam state if real
+    factory = lambda: tiny_gpt(hidden=hidden, layers=layers, vocab=8192)  # noqa: E731
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = dry_run_layout(factory, {}, world_size=1)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    state = report.ranks[0].state
+    assert state > 1.2e9  # what a real rank would hold
+    assert grown < 0.25 * state, f"the dry run grew the process by {grown / 1e6:.0f} MB for {state / 1e6:.0f} MB"
+
+
+def _no_training_step():
+    import lightning as L
+
+    return L.LightningModule()
+
+
+def test_bad_input_is_refused_with_the_rule():
+    from lightning_ptdp.planner.fit import dry_run, load_factory
+
+    with pytest.raises(TypeError, match="is not callable"):
+        dry_run(42, devices=2)
+    with pytest.raises(ValueError, match="is not MODULE:FACTORY"):
+        load_factory("no_colon")
+    with pytest.raises(ValueError, match="has no 'missing'"):
+        load_factory("tests.distributed.test_dry_run:missing")
+    with pytest.raises(ValueError, match=r"does not tile the world of 4 ranks.*t \* p \* c \* d == 4"):
+        dry_run(tiny_gpt, devices=4, layouts=[{"tensor_parallel_size": 3}])
+    with pytest.raises(ValueError, match="zero_stage=3 is not dry-run"):
+        dry_run(tiny_gpt, devices=2, layouts=[{"zero_stage": 3}])
+    with pytest.raises(TypeError, match="defines no training_step"):
+        dry_run(_no_training_step, devices=2, layouts=[{}])
+
+
+def test_a_layout_setup_refuses_is_listed_with_its_reason():
+    from lightning_ptdp.planner.fit import dry_run, format_dry_run
+
+    reports = dry_run(tiny_gpt, devices=4, layouts=[{"pipeline_parallel_size": 4}, {"tensor_parallel_size": 2}])
+    assert reports[0].refused is None and reports[1].refused is not None
+    assert "pipeline_parallel_size(4)" in reports[1].refused
+    table = format_dry_run(reports)
+    assert "refused: " in table and "best: Trainer(strategy=PTDPStrategy(tensor_parallel_size=2)" in table
