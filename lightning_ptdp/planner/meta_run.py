@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.probe import MetaScalarsAsZero, side_effects_muted
 from lightning_ptdp.strategy import PTDPStrategy
+from lightning_ptdp.testing import QUIET_TRAINER
 
 Factory = Callable[[], Union[pl.LightningModule, tuple[pl.LightningModule, pl.LightningDataModule]]]
 AXES = ("pp", "dp", "cp", "tp", "ep")
@@ -444,12 +445,7 @@ def _one_rank(
         devices=world_size,
         max_steps=MEASURED_STEP + 1,
         callbacks=[measure],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
     with MetaScalarsAsZero(), _MetaShapes(), _fake_group_reads(broadcasts):
         trainer.fit(module, datamodule=data)
