@@ -61,7 +61,7 @@ def all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float = 1.0)
             param.grad = torch.zeros_like(param)
     flags = torch.tensor(had, dtype=torch.float32, device=local_tensor(params[0]).device)
     flat_all_reduce([*(local_tensor(p.grad) for p in params), flags], group, scale)
-    for param, anywhere in zip(params, flags.tolist()):
+    for param, anywhere in zip(params, had if flags.is_meta else flags.tolist()):  # meta: a dry run's own
         if not anywhere:
             param.grad = None
 

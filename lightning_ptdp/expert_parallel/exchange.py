@@ -144,12 +144,16 @@ def exchange(
     per_slot = torch.bincount(slot, minlength=placement.size * local)
     received_per_slot = torch.empty_like(per_slot)
     dist.all_to_all_single(received_per_slot, per_slot, group=ep.group)  # my slots' counts from each rank
-    send = per_slot.view(ep.size, local).sum(1).tolist()
-    received = received_per_slot.view(ep.size, local)
-    receive = received.sum(1).tolist()
+    if per_slot.is_meta:  # a dry run holds no counts: the router is taken as balanced (a hot expert's rank gets more)
+        send = receive = [len(part) for part in torch.arange(chosen.numel()).tensor_split(ep.size)]
+        local_ids = torch.empty(sum(receive), dtype=torch.long, device="meta")
+    else:
+        send = per_slot.view(ep.size, local).sum(1).tolist()
+        received = received_per_slot.view(ep.size, local)
+        receive = received.sum(1).tolist()
+        local_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep.size), received.view(-1))
     all_to_all = stats.timed_all_to_all if stats is not None else AllToAll.apply
     rows = all_to_all(hidden[token], receive, send, ep.group)  # [R, H]
-    local_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep.size), received.reshape(-1))
     ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
     computed = compute(rows, local_ids.unsqueeze(1), ones)  # [R, H]
     if rows.requires_grad and not computed.requires_grad:  # no rows came (experts skip empty calls): both

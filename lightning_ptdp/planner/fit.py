@@ -2,8 +2,7 @@
 and ``ptdp plan --model pkg.module:factory`` on the command line (planner/meta_run.py runs each one).
 
 Layouts are ranked by whether the largest rank fits the device, then by the bytes one step's
-collectives carry, then by that rank's peak. ZeRO 2/3 are not dry-run: FSDP2 allocates its gathered
-parameters on the mesh's device, which a meta run cannot give it.
+collectives carry, then by that rank's peak.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any, Optional, Sequence
 GIB = 1024**3
 
 
-def candidate_layouts(world_size: int, *, devices_per_node: int, zero_stages: Sequence[int] = (0, 1)) -> list[dict]:
+def candidate_layouts(world_size: int, *, devices_per_node: int, zero_stages: Sequence[int] = (0, 1, 3)) -> list[dict]:
     """Every (t, p) that tiles the world, t within a node, d what is left; ZeRO stages as given;
     sequence parallelism whenever t > 1 (it only takes activation memory away)."""
     layouts = []
@@ -33,12 +32,6 @@ def candidate_layouts(world_size: int, *, devices_per_node: int, zero_stages: Se
 
 def check_layout(layout: dict, world_size: int) -> None:
     """Setup-time refusals the dry run adds to the strategy's own (which it runs next)."""
-    if layout.get("zero_stage", 0) >= 2:
-        raise ValueError(
-            f"dry_run: zero_stage={layout['zero_stage']} is not dry-run: FSDP2 allocates its gathered parameters "
-            "on the mesh's device, which a meta run cannot give it; dry-run zero_stage=1 (the same optimizer "
-            "state per rank; ZeRO-2/3 hold less: gradients and parameters divided by d) or run it for real"
-        )
     t, p = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
     c, d = layout.get("context_parallel_size", 1), layout.get("data_parallel_size", "auto")
     tiles = world_size % (t * p * c) == 0 and (d == "auto" or d * t * p * c == world_size)

@@ -18,15 +18,21 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.planner.meta_device import (
+    Broadcasts,
+    Communication,
+    MetaShapes,
+    fake_group_reads,
+    mesh_axes,
+    step_peak_tracker,
+)
 from lightning_ptdp.probe import MetaScalarsAsZero, side_effects_muted
 from lightning_ptdp.strategy import PTDPStrategy
 from lightning_ptdp.testing import QUIET_TRAINER
 
 Factory = Callable[[], Union[pl.LightningModule, tuple[pl.LightningModule, pl.LightningDataModule]]]
-AXES = ("pp", "dp", "cp", "tp", "ep")
 MEASURED_STEP = 1  # the second step is measured: the optimizer's state exists by then, as in a real run
 
 
@@ -43,6 +49,8 @@ class RankMemory:
     buffers: int
     ddp_buckets: int
     """DDP's own copy of the gradients it all-reduces (torch's DDP cannot wrap meta parameters: counted)."""
+    other: int
+    """Other tensors the steps left alive (a pipeline stage's receive buffers, a loss's saved state)."""
     step_peak: int
     """The most live at once during a training step: the state above, activations and temporaries."""
     holders: tuple[tuple[str, int], ...] = ()
@@ -51,12 +59,13 @@ class RankMemory:
     @property
     def state(self) -> int:
         """Held across steps: weights, gradients, optimizer state and buffers."""
-        return self.parameters + self.gradients + self.optimizer + self.buffers + self.ddp_buckets
+        return self.parameters + self.gradients + self.optimizer + self.buffers + self.ddp_buckets + self.other
 
     @property
     def activations(self) -> int:
-        """The step's peak above the weights, optimizer state and buffers it starts with."""
-        return max(self.step_peak - self.parameters - self.optimizer - self.buffers - self.ddp_buckets, 0)
+        """The step's peak above the state it starts with (the last step's gradients are freed only
+        after the forward, in Lightning's order: zero_grad comes after training_step)."""
+        return max(self.step_peak - self.state, 0)
 
     @property
     def peak(self) -> int:
@@ -144,6 +153,11 @@ class DryRunStrategy(PTDPStrategy):
             loss.backward()
         else:
             self._parallelized.gradients.apply_pending()
+        for param in params:
+            if param.requires_grad and param.grad is None:
+                # routing reads values meta tensors lack (which experts a batch hits): a real step's batch
+                # reaches every expert, so each trainable parameter holds a gradient and optimizer state
+                param.grad = torch.empty_like(param)
         self._parallelized.gradients.finish(params, loss, step)
 
     def dry_run_ddp_gradients(self, module: torch.nn.Module) -> int:
@@ -162,122 +176,6 @@ class DryRunStrategy(PTDPStrategy):
         self.checkpoint_io.teardown()  # Lightning's own teardown would copy the meta tensors to the CPU
 
 
-class _MetaShapes(TorchDispatchMode):
-    """A data-dependent shape on meta takes its upper bound (``nonzero``: every element counts),
-    so a dry run holds at least what the real step would."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        if func is torch.ops.aten.nonzero.default and args[0].is_meta:
-            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device="meta")
-        return func(*args, **(kwargs or {}))
-
-
-class _Communication(TorchDispatchMode):
-    """Sums the bytes of every collective issued (c10d's and the functional ones, which DTensor and
-    FSDP2 use), by the mesh axis whose group it ran on."""
-
-    def __init__(self, axes: dict[tuple[int, ...], str]) -> None:
-        super().__init__()
-        self.axes, self.bytes = axes, {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        namespace = func.namespace
-        if namespace.startswith(("c10d", "_c10d_functional")) and "wait" not in func.__name__:
-            self._count(namespace, args)
-        return func(*args, **(kwargs or {}))
-
-    def _count(self, namespace: str, args: tuple) -> None:
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        tensors = [t for sub in tensors for t in (sub if isinstance(sub, (list, tuple)) else [sub])]
-        if namespace != "c10d":
-            name = next((a for a in args if isinstance(a, str) and not a.isalpha()), None)
-            group = dist.distributed_c10d._resolve_process_group(name) if name else None
-        else:
-            box = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
-            group = dist.ProcessGroup.unbox(box) if box is not None else None
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-        axis = self.axes.get(ranks, f"{len(ranks)} ranks")
-        largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-        self.bytes[axis] = self.bytes.get(axis, 0) + largest
-
-
-def _axes(dims: ParallelDims) -> dict[tuple[int, ...], str]:
-    """Each mesh axis's groups, by their ranks (a group of one rank is no axis)."""
-    found: dict[tuple[int, ...], str] = {}
-    for axis in AXES:
-        for ranks in dims.group_ranks(axis):
-            if len(ranks) > 1:
-                found.setdefault(tuple(ranks), axis)
-    return found
-
-
-class Broadcasts:
-    """What each source rank broadcast, in order, for the ranks dry-run after it: the pipeline's last
-    stage runs first, so the others read the step's results it shares (pipeline/step_results.py)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple[int, int], list] = {}
-
-    def patched(self) -> Callable[..., None]:
-        counts: dict[int, int] = {}
-
-        def broadcast_object_list(objects: list, src: Optional[int] = None, group: Any = None, **kw: Any) -> None:
-            src = kw.get("group_src") if src is None else src
-            if group is not None and kw.get("group_src") is not None:
-                src = dist.get_global_rank(group, src)
-            n = counts[src] = counts.get(src, 0) + 1
-            if src == dist.get_rank():
-                self.sent[(src, n)] = list(objects)
-            elif (src, n) in self.sent:
-                objects[:] = self.sent[(src, n)]
-            # else: the source runs later (or never); each rank keeps its own objects, as all build alike
-
-        return broadcast_object_list
-
-
-@contextlib.contextmanager
-def _fake_group_reads(broadcasts: Broadcasts) -> Iterator[None]:
-    """Object collectives on the fake group would read uninitialised sizes: each rank's own object
-    stands for every rank's (all ranks of a dry run build the same model from the same code), a
-    broadcast gives what its source sent if that rank ran already."""
-
-    def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
-        out[:] = [obj] * len(out)
-
-    def gather_object(obj: Any, out: Optional[list] = None, dst: int = 0, group: Any = None, **_: Any) -> None:
-        if out is not None:
-            out[:] = [obj] * len(out)
-
-    patched = {
-        "all_gather_object": all_gather_object,
-        "gather_object": gather_object,
-        "broadcast_object_list": broadcasts.patched(),
-    }
-    saved = {name: getattr(dist, name) for name in patched}
-    for name, replacement in patched.items():
-        setattr(dist, name, replacement)
-    from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
-
-    vote = PipelineStage._warmup_backward_result
-
-    def own_vote(stage: PipelineStage, received_result: Any = None) -> torch.Tensor:
-        # the pipeline's static-or-dynamic vote: every stage of ptdp's engine votes alike (each has its shapes)
-        return torch.tensor([0 if InferenceMode.needs_dynamic(stage._user_meta, True) else 1], dtype=torch.int32)
-
-    PipelineStage._warmup_backward_result = own_vote
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    check = FSDPParamGroup._validate_no_meta_params
-    FSDPParamGroup._validate_no_meta_params = lambda group: None  # meta is the point of a dry run
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
-        PipelineStage._warmup_backward_result = vote
-        FSDPParamGroup._validate_no_meta_params = check
-
-
 def _bytes(tensor: Optional[torch.Tensor]) -> int:
     if tensor is None:
         return 0
@@ -286,61 +184,68 @@ def _bytes(tensor: Optional[torch.Tensor]) -> int:
 
 
 class _StepMemory(pl.Callback):
-    """After setup: two training steps on meta, the second under ``MemTracker``; then stop the fit."""
+    """After setup: two training steps on meta under ``MemTracker`` (the second's peak is the larger:
+    the optimizer state exists by then, as in a real run); then stop the fit."""
 
-    def __init__(self, communication: _Communication) -> None:
+    def __init__(self, communication: Communication) -> None:
         self.communication = communication
         self.measured: Optional[dict[str, Any]] = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
+        import gc
+
+        from lightning_ptdp.data_parallel.zero1 import local_optimizer
 
         strategy = trainer.strategy
         assert isinstance(strategy, DryRunStrategy)
         batch = strategy.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
         optimizers = trainer.optimizers
-        peak = 0
-        for step in range(MEASURED_STEP + 1):
-            tracker = None
-            if step == MEASURED_STEP:
-                tracker = MemTracker()
-                tracker.track_external(pl_module, *optimizers)
-                tracker.__enter__()
-                self.communication.bytes.clear()
-                self.communication.__enter__()
-            with side_effects_muted(pl_module):
-                output = strategy.training_step(batch, step)
-            for optimizer in optimizers:
-                optimizer.zero_grad()  # Lightning's closure: after training_step, before backward
-            loss = output["loss"] if isinstance(output, dict) else output
-            strategy.backward_done(loss, [p for opt in optimizers for g in opt.param_groups for p in g["params"]], step)
-            for optimizer in optimizers:
-                optimizer.step()
-            if tracker is not None:
-                self.communication.__exit__(None, None, None)
-                tracker.__exit__(None, None, None)
-                peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-        self.measured = _state(pl_module, optimizers, peak, strategy)
+        # both steps tracked: what the first allocates and keeps (a pipeline stage's buffers) is held
+        tracker = step_peak_tracker()
+        tracker.track_external(pl_module, *(local_optimizer(o) for o in optimizers))  # ZeRO-1: the shard's
+        with tracker:
+            for step in range(MEASURED_STEP + 1):
+                if step == MEASURED_STEP:
+                    self.communication.bytes.clear()
+                    self.communication.__enter__()
+                with side_effects_muted(pl_module):
+                    output = strategy.training_step(batch, step)
+                for optimizer in optimizers:
+                    optimizer.zero_grad()  # Lightning's closure: after training_step, before backward
+                loss = output["loss"] if isinstance(output, dict) else output
+                params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+                strategy.backward_done(loss, params, step)
+                for optimizer in optimizers:
+                    optimizer.step()
+                del output, loss
+            self.communication.__exit__(None, None, None)
+            gc.collect()
+            live = sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
+        peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        self.measured = _state(pl_module, optimizers, peak, live, strategy)
         trainer.should_stop = True
 
 
-def _state(module: torch.nn.Module, optimizers: list, peak: int, strategy: DryRunStrategy) -> dict[str, Any]:
+def _state(module: torch.nn.Module, optimizers: list, peak: int, live: int, strategy: DryRunStrategy) -> dict[str, Any]:
     from lightning_ptdp.data_parallel.zero1 import local_optimizer
 
     states = [state for opt in optimizers for state in local_optimizer(opt).state.items()]
     held = {id(p): sum(_bytes(v) for v in s.values() if isinstance(v, torch.Tensor)) for p, s in states}
     params = list(module.named_parameters())
-    grads = sum(_bytes(p.grad) for _, p in params)
     # torch's DDP cannot wrap meta parameters, so it is left out: it keeps its own copy of the replicated
     # gradients in its buckets (gradient_as_bucket_view=False, ddp.py's setting) and all-reduces them once
     replicated = strategy.dry_run_ddp_gradients(module)
     holders = sorted(((n, _bytes(p) + _bytes(p.grad) + held.get(id(p), 0)) for n, p in params), key=lambda kv: -kv[1])
-    return {
+    counted = {
         "parameters": sum(_bytes(p) for _, p in params),
-        "gradients": grads,
-        "ddp_buckets": replicated,
+        "gradients": sum(_bytes(p.grad) for _, p in params),
         "optimizer": sum(held.values()),
         "buffers": sum(_bytes(b) for b in module.buffers()),
+    }
+    return {
+        **counted,
+        "ddp_buckets": replicated,
+        "other": max(live - sum(counted.values()), 0),
         "step_peak": peak + replicated,
         "holders": tuple(holders[:5]),
     }
@@ -382,7 +287,7 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
 
     started = time.perf_counter()
     dims = ParallelDims.from_config(ParallelConfig(**_config_keys(layout)), world_size)
-    communication = _Communication(_axes(dims))
+    communication = Communication(mesh_axes(dims))
     ranks, volume, broadcasts = [], {}, Broadcasts()
     stand_ins = representative_ranks(dims, layout.get("zero_stage", 0))
     for rank, like in sorted(stand_ins.items(), reverse=True):  # the last stage first
@@ -419,7 +324,7 @@ def _one_rank(
     layout: dict[str, Any],
     rank: int,
     world_size: int,
-    communication: _Communication,
+    communication: Communication,
     broadcasts: Broadcasts,
 ) -> dict[str, Any]:
     built = factory()
@@ -447,7 +352,7 @@ def _one_rank(
         callbacks=[measure],
         **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
-    with MetaScalarsAsZero(), _MetaShapes(), _fake_group_reads(broadcasts):
+    with MetaScalarsAsZero(), MetaShapes(), fake_group_reads(broadcasts):
         trainer.fit(module, datamodule=data)
     assert measure.measured is not None
     return measure.measured

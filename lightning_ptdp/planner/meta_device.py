@@ -1,0 +1,216 @@
+"""What the meta device and the fake process group cannot give a dry run (planner/meta_run.py), supplied.
+
+Shapes where a meta kernel has none, the bytes each collective carries by mesh axis, object
+collectives and broadcasts read from the ranks that ran, FSDP2's and autocast's device, and a
+peak-only ``MemTracker``. Each lives only inside one dry-run rank's ``fit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_ptdp.core.dims import ParallelDims
+
+AXES = ("pp", "dp", "cp", "tp", "ep")
+
+
+class MetaShapes(TorchDispatchMode):
+    """Shapes on meta where torch's meta kernels give none: a data-dependent shape takes its upper
+    bound (``nonzero``: every element counts), so a dry run holds at least what the real step would;
+    an op with no meta kernel runs on zeros on the CPU, as a meta value reads as 0 (``MetaScalarsAsZero``);
+    a meta kernel that demands bf16 where the CPU kernel takes the dtype given (``_grouped_mm``)
+    runs in bf16 and returns the dtype given."""
+
+    ZEROS_LIMIT = 64 * 2**20  # bytes of CPU zeros an op without a meta kernel may take
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        metas = [t for t in _tensors(args, kwargs) if t.is_meta]
+        if not metas:
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.nonzero.default:
+            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device="meta")
+        try:
+            return func(*args, **kwargs)
+        except NotImplementedError:
+            if sum(t.numel() * t.element_size() for t in metas) > self.ZEROS_LIMIT:
+                raise
+            zeros, zeros_kwargs = _mapped((args, kwargs), _zeros_on_cpu)
+            return _mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor)
+        except RuntimeError as error:
+            if "BF16" not in str(error):
+                raise
+            dtype = next(t.dtype for t in metas if t.is_floating_point())
+            bf16 = _mapped((args, kwargs), lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+            return _mapped(func(*bf16[0], **bf16[1]), lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
+
+
+def _mapped(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
+
+
+def _zeros_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(tensor.shape, dtype=tensor.dtype) if tensor.is_meta else tensor
+
+
+def _to_meta_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("meta")
+
+
+class Communication(TorchDispatchMode):
+    """Sums the bytes of every collective issued (c10d's and the functional ones, which DTensor and
+    FSDP2 use), by the mesh axis whose group it ran on."""
+
+    def __init__(self, axes: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.axes, self.bytes = axes, {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        namespace = func.namespace
+        if namespace.startswith(("c10d", "_c10d_functional")) and "wait" not in func.__name__:
+            self._count(namespace, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, namespace: str, args: tuple) -> None:
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        tensors = [t for sub in tensors for t in (sub if isinstance(sub, (list, tuple)) else [sub])]
+        if namespace != "c10d":
+            name = next((a for a in args if isinstance(a, str) and not a.isalpha()), None)
+            group = dist.distributed_c10d._resolve_process_group(name) if name else None
+        else:
+            box = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            group = dist.ProcessGroup.unbox(box) if box is not None else None
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        axis = self.axes.get(ranks, f"{len(ranks)} ranks")
+        largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+        self.bytes[axis] = self.bytes.get(axis, 0) + largest
+
+
+def mesh_axes(dims: ParallelDims) -> dict[tuple[int, ...], str]:
+    """Each mesh axis's groups, by their ranks (a group of one rank is no axis)."""
+    found: dict[tuple[int, ...], str] = {}
+    for axis in AXES:
+        for ranks in dims.group_ranks(axis):
+            if len(ranks) > 1:
+                found.setdefault(tuple(ranks), axis)
+    return found
+
+
+class Broadcasts:
+    """What each source rank broadcast, in order, for the ranks dry-run after it: the pipeline's last
+    stage runs first, so the others read the step's results it shares (pipeline/step_results.py)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int], list] = {}
+
+    def patched(self) -> Callable[..., None]:
+        counts: dict[int, int] = {}
+
+        def broadcast_object_list(objects: list, src: Optional[int] = None, group: Any = None, **kw: Any) -> None:
+            src = kw.get("group_src") if src is None else src
+            if group is not None and kw.get("group_src") is not None:
+                src = dist.get_global_rank(group, src)
+            n = counts[src] = counts.get(src, 0) + 1
+            if src == dist.get_rank():
+                self.sent[(src, n)] = list(objects)
+            elif (src, n) in self.sent:
+                objects[:] = self.sent[(src, n)]
+            # else: the source runs later (or never); each rank keeps its own objects, as all build alike
+
+        return broadcast_object_list
+
+
+@contextlib.contextmanager
+def fake_group_reads(broadcasts: Broadcasts) -> Iterator[None]:
+    """What reads values the fake group or the meta device cannot give, replaced for the dry run:
+    object collectives (each rank's own object stands for every rank's: all ranks build the same
+    model from the same code; a broadcast gives what its source sent if that rank ran already), the
+    pipeline's static-or-dynamic vote, FSDP2's device (meta: its gathered parameters hold no bytes)
+    and autocast on meta tensors (the CPU's)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group, _fsdp_state, _fully_shard
+    from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
+
+    def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    def gather_object(obj: Any, out: Optional[list] = None, dst: int = 0, group: Any = None, **_: Any) -> None:
+        if out is not None:
+            out[:] = [obj] * len(out)
+
+    def own_vote(stage: PipelineStage, received_result: Any = None) -> torch.Tensor:
+        # every stage of ptdp's engine votes alike (each has its shapes)
+        return torch.tensor([0 if InferenceMode.needs_dynamic(stage._user_meta, True) else 1], dtype=torch.int32)
+
+    def batch_isend_irecv(
+        ops: list,
+    ) -> list:  # coalescing asks the group's backend for the tensors' device: meta has none
+        return [
+            dist.isend(o.tensor, o.peer, o.group, o.tag)
+            if o.op is dist.isend
+            else dist.irecv(o.tensor, o.peer, o.group, o.tag)
+            for o in ops
+        ]
+
+    device_handle = _fsdp_param_group._get_device_handle  # FSDP2's streams and events: the CPU's no-ops on meta
+
+    def handle(device_type: str) -> Any:
+        return device_handle("cpu" if device_type == "meta" else device_type)
+
+    class autocast(torch.amp.autocast):  # a model's autocast on its tensors' device: the CPU's rules on meta
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    patches = [
+        (torch, "autocast", autocast),
+        (torch.amp, "autocast", autocast),
+        (dist, "all_gather_object", all_gather_object),
+        (dist, "gather_object", gather_object),
+        (dist, "broadcast_object_list", broadcasts.patched()),
+        (dist, "batch_isend_irecv", batch_isend_irecv),
+        (PipelineStage, "_warmup_backward_result", own_vote),
+        (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params", lambda group: None),
+        (_fully_shard, "_get_device_from_mesh", lambda mesh: torch.device("meta")),
+        *((module, "_get_device_handle", handle) for module in (_fsdp_param_group, _fsdp_collectives, _fsdp_state)),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def step_peak_tracker() -> Any:
+    """torch's ``MemTracker`` for its peak alone: its per-module statistics refuse a module called
+    twice before its backward (a pipeline stage's microbatches), and the dry run reads no module's."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepPeak(MemTracker):
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            pass
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            pass
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+    return StepPeak()
