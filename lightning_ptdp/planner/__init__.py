@@ -11,7 +11,7 @@ No process group and no torch at import. docs/architecture.md ("The planner") ha
 from lightning_ptdp.planner.cli import main
 from lightning_ptdp.planner.cost import GEMM_EFFICIENCY, Cluster
 from lightning_ptdp.planner.estimate import Layout, estimate
-from lightning_ptdp.planner.fit import dry_run, format_dry_run
+from lightning_ptdp.planner.fit import check_fits, dry_run, format_dry_run
 from lightning_ptdp.planner.models import GPT3_175B, MODELS, TABLE_1, ModelSize, PaperConfiguration, model_size
 from lightning_ptdp.planner.render import LayoutArguments, format_layout, format_plan, layout_arguments
 from lightning_ptdp.planner.search import FIT_ROWS, fit_gemm_efficiency, paper_layout, plan
@@ -27,6 +27,7 @@ __all__ = [
     "LayoutArguments",
     "ModelSize",
     "PaperConfiguration",
+    "check_fits",
     "dry_run",
     "estimate",
     "fit_gemm_efficiency",

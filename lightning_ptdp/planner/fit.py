@@ -130,3 +130,100 @@ def format_dry_run(reports: Sequence[Any], device_memory_gb: Optional[float] = N
         lines.append("CLI: " + " ".join(f"--trainer.strategy.{k}={v}" for k, v in best.layout.items()))
         lines.append("hydra: " + " ".join(f"parallel.{k}={v}" for k, v in best.layout.items()))
     return "\n".join(lines)
+
+
+def check_fits(factory: Any, layout: dict, *, devices: int, num_nodes: int = 1, device_memory_gb: float) -> Any:
+    """Dry-run ``layout``; if its largest rank would not fit ``device_memory_gb``, raise with that rank,
+    its largest holders and a layout of the same devices that fits (the best ``dry_run`` finds).
+    Returns the layout's ``LayoutReport`` when it fits."""
+    world_size = devices * num_nodes
+    check_layout(layout, world_size)
+    try:
+        report = _attempt(factory, layout, world_size)
+    except Exception as error:
+        raise RuntimeError(
+            f"dry_run: this model could not be dry-run on the meta device ({type(error).__name__}: {error}); "
+            "pass dry_run=False to launch without the check"
+        ) from error
+    limit = device_memory_gb * GIB
+    if report.refused is not None or report.fits(limit):
+        return report  # a layout setup refuses is refused again, with the same message, by the real setup
+    rank = report.largest
+    holders = ", ".join(f"{name} ({_gib(n)})" for name, n in rank.holders[:3])
+    parts = zip(
+        ("parameters", "gradients", "optimizer", "activations"),
+        (rank.parameters, rank.gradients, rank.optimizer, rank.activations),
+    )
+    others = [
+        r
+        for r in dry_run(factory, devices=devices, num_nodes=num_nodes, device_memory_gb=device_memory_gb)
+        if r.refused is None
+    ]
+    fitting = [r for r in others if r.fits(limit)]
+    if fitting:
+        best = fitting[0]
+        args = ", ".join(f"{k}={v!r}" for k, v in best.layout.items())
+        fix = f"a layout that fits: {layout_name(best.layout)} ({_gib(best.largest.peak)} at most per rank): PTDPStrategy({args})"
+    else:
+        least = min(others, key=lambda r: r.largest.peak, default=report)
+        fix = (
+            f"no layout of {world_size} devices fits; the least is {layout_name(least.layout)} at "
+            f"{_gib(least.largest.peak)} per rank: more devices, a smaller model or micro batch"
+        )
+    raise ValueError(
+        f"dry_run: rank {rank.rank} (and ranks {list(rank.like)}) would hold {_gib(rank.peak)} at its step's peak "
+        f"under {layout_name(layout)}, more than the device's {device_memory_gb:.3g} GiB ("
+        + ", ".join(f"{k} {_gib(v)}" for k, v in parts)
+        + f"; largest holders: {holders}); {fix}; or dry_run=False to launch anyway"
+    )
+
+
+def check_fits_before_fit(trainer: Any, model: Any, data: Any, memory: Any) -> Any:
+    """``ptdp fit --dry-run``: the configured layout dry-run before ``trainer.fit`` starts any process
+    group, on a meta copy of ``model`` (no storage shared, no Trainer copied). Every launched rank
+    reaches the same verdict, so a layout that does not fit stops them all here. ``memory``: True for
+    the device's own, or GiB."""
+    import dataclasses
+
+    from lightning_ptdp.strategy import PTDPStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, PTDPStrategy):
+        raise ValueError(
+            f"--dry-run checks a PTDPStrategy layout; this Trainer's strategy is {type(strategy).__name__}"
+        )
+    layout = {**dataclasses.asdict(strategy.parallel_config), "compile": False}  # compiled or not: the same tensors
+    layout.update(tp_plan=strategy.tp_plan, ep_plan=strategy.ep_plan)
+    devices = len(strategy.parallel_devices)
+    gib = device_memory_gib(strategy.root_device, devices) if memory is True else float(memory)
+
+    def factory() -> Any:
+        return meta_copy(model) if data is None else (meta_copy(model), data)
+
+    return check_fits(factory, layout, devices=devices, num_nodes=strategy.num_nodes, device_memory_gb=gib)
+
+
+def device_memory_gib(device: Any, ranks_per_node: int) -> float:
+    """A GPU's total memory; on the CPU, the machine's memory shared by the node's ranks."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_per_node / GIB
+
+
+def meta_copy(module: Any) -> Any:
+    """A copy of ``module`` whose parameters and buffers are meta tensors of the same shapes (deepcopy
+    takes them from its memo, so no storage is copied), detached from its Trainer."""
+    import copy
+
+    import torch
+
+    memo: dict[int, Any] = {id(module._trainer): None} if module._trainer is not None else {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        is_param = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
+    return copy.deepcopy(module, memo)

@@ -353,7 +353,10 @@ def _one_rank(
         **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
     with MetaScalarsAsZero(), MetaShapes(), fake_group_reads(broadcasts):
-        trainer.fit(module, datamodule=data)
+        if data is None or isinstance(data, pl.LightningDataModule):
+            trainer.fit(module, datamodule=data)
+        else:  # the dataloader(s) the user's fit was given
+            trainer.fit(module, train_dataloaders=data)
     assert measure.measured is not None
     return measure.measured
 

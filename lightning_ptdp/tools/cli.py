@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 STRATEGY_CLASS_PATH = "lightning_ptdp.PTDPStrategy"
 
@@ -76,6 +76,19 @@ def build_cli(
         def add_arguments_to_parser(self, parser) -> None:
             if defaults:
                 parser.set_defaults({key: {"class_path": path} for key, path in defaults.items()})
+            parser.add_argument(
+                "--dry-run",
+                type=Union[bool, float],
+                default=False,
+                help="dry-run the layout first (true: against the device's memory, or a number of GiB); stop if a rank would not fit",
+            )
+
+        def before_fit(self) -> None:
+            memory = self.config[self.subcommand].get("dry_run")
+            if memory:
+                from lightning_ptdp.planner.fit import check_fits_before_fit
+
+                check_fits_before_fit(self.trainer, self.model, self.datamodule, memory)
 
     if args is None:  # the command line: rewritten in place, so launched ranks re-run the same one
         sys.argv[1:] = expand_strategy_name(sys.argv[1:])

@@ -121,3 +121,18 @@ def test_a_layout_setup_refuses_is_listed_with_its_reason():
     assert "pipeline_parallel_size(4)" in reports[1].refused
     table = format_dry_run(reports)
     assert "refused: " in table and "best: Trainer(strategy=PTDPStrategy(tensor_parallel_size=2)" in table
+
+
+def test_a_layout_that_does_not_fit_names_the_rank_its_holders_and_one_that_fits():
+    from lightning_ptdp.planner.fit import GIB, check_fits
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    whole = dry_run_layout(tiny_gpt, {}, world_size=2).largest.peak
+    split = dry_run_layout(tiny_gpt, {"zero_stage": 3}, world_size=2).largest.peak
+    assert split < whole  # ZeRO-3 divides the state over d: a limit between the two fits only the split ones
+    limit = (whole + split) / 2 / GIB
+    with pytest.raises(
+        ValueError, match=r"rank 0 \(and ranks \[0, 1\]\) would hold .* largest holders: gpt\..*a layout that fits: "
+    ):
+        check_fits(tiny_gpt, {}, devices=2, device_memory_gb=limit)
+    assert check_fits(tiny_gpt, {"zero_stage": 3}, devices=2, device_memory_gb=limit).fits(limit * GIB)

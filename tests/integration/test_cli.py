@@ -332,3 +332,14 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
     torch.testing.assert_close(losses[3], losses[2])
     synced = torch.tensor([r["metrics"]["train_loss"] for r in ranks])
     assert torch.allclose(synced, synced[0])  # logged with sync_dist: the dp mean, same on every rank
+
+
+def test_fit_dry_run_stops_a_layout_that_would_not_fit_before_any_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(sys, "argv", ["ptdp"])
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    args = ["fit", "--trainer.accelerator=cpu", "--trainer.devices=1", "--dry-run=1e-6", "--model.model.num_layers=2"]
+    with pytest.raises(ValueError, match=r"would hold .* more than the device's 1e-06 GiB.*no layout of 1 devices"):
+        recipes_cli.build_cli(args)
+    assert not dist.is_initialized()
