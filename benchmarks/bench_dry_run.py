@@ -215,8 +215,8 @@ def render(record: dict, command: str) -> str:
         f"step {STEPS} measured; the conformance families at hidden {SCALE['hidden']}, ffn {SCALE['ffn']}.",
         "- Predicted: `lightning_ptdp.planner.dry_run` (meta tensors, fake process group). Measured: glibc's "
         "in-use bytes (`mallinfo2`, benchmarks/bench_memory.py) in each rank's process, minus the figure before "
-        "the model is built: at rest after step 2 (state), and the peak sampled every 1 ms and at the step's hooks "
-        "during step 2 above its start (activations). Error = predicted / measured - 1, worst rank of the cell.",
+        "the model is built: at rest after step 2 (state), and the peak during step 2 above its start, read every 1 ms, "
+        "at the step's hooks and after every op (activations). Error = predicted / measured - 1, worst rank of the cell.",
         f"- **State within {STATE_TARGET:.0%}: {sum(e <= STATE_TARGET for e in state)} of {len(state)} ranks** "
         f"(median |error| {_pct(statistics.median(state) if state else None)}); "
         f"**activations within {ACTIVATION_TARGET:.0%}: {sum(e <= ACTIVATION_TARGET for e in act)} of {len(act)} ranks** "

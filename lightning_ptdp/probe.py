@@ -30,8 +30,14 @@ class MetaScalarsAsZero(TorchFunctionMode):
         torch.Tensor.__float__,
     }
 
+    def on_read(self, func: Any, tensor: torch.Tensor) -> None:
+        """Told of each read, by this mode or one nested inside it (the dry run records them)."""
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func in self._READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            for mode in (self, *torch.overrides._get_current_function_mode_stack()):
+                if isinstance(mode, MetaScalarsAsZero):
+                    mode.on_read(func, args[0])
             zeros = torch.zeros(args[0].shape, dtype=args[0].dtype)
             return func(zeros, *args[1:], **(kwargs or {}))
         return func(*args, **(kwargs or {}))

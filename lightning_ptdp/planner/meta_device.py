@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.probe import MetaScalarsAsZero
 
 AXES = ("pp", "dp", "cp", "tp", "ep")
 
@@ -28,6 +29,10 @@ class MetaShapes(TorchDispatchMode):
 
     ZEROS_LIMIT = 64 * 2**20  # bytes of CPU zeros an op without a meta kernel may take
 
+    def __init__(self, reads: "ValueReads") -> None:
+        super().__init__()
+        self.reads = reads
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         metas = [t for t in _tensors(args, kwargs) if t.is_meta]
@@ -40,6 +45,7 @@ class MetaShapes(TorchDispatchMode):
         except NotImplementedError:
             if sum(t.numel() * t.element_size() for t in metas) > self.ZEROS_LIMIT:
                 raise
+            self.reads.record(str(func.overloadpacket.__name__), metas)
             zeros, zeros_kwargs = _mapped((args, kwargs), _zeros_on_cpu)
             return _mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor)
         except RuntimeError as error:
@@ -48,6 +54,41 @@ class MetaShapes(TorchDispatchMode):
             dtype = next(t.dtype for t in metas if t.is_floating_point())
             bf16 = _mapped((args, kwargs), lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
             return _mapped(func(*bf16[0], **bf16[1]), lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+class ValueReads(MetaScalarsAsZero):
+    """``MetaScalarsAsZero`` that remembers each read (what, of which parameter or buffer, where in the
+    user's code), so a step that fails on meta says which value it needed."""
+
+    _OURS = ("/torch/", "/lightning/", "/lightning_fabric/", "/lightning_utilities/", "/lightning_ptdp/")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[int, str] = {}
+        self.seen: list[str] = []
+
+    def name(self, module: torch.nn.Module) -> None:
+        """The module's parameters and buffers by name (read again as setup replaces them)."""
+        self.names.update(
+            {
+                id(t): f"{kind} '{n}'"
+                for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+                for n, t in items
+            }
+        )
+
+    def on_read(self, func: Any, tensor: torch.Tensor) -> None:
+        self.record(getattr(func, "__name__", str(func)), [tensor])
+
+    def record(self, what: str, tensors: list[torch.Tensor]) -> None:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-2] if not any(part in f.filename for part in self._OURS)]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        of = next((self.names[id(t)] for t in tensors if id(t) in self.names), "a tensor of the step")
+        read = f"{what} of {of}{where}"
+        if read not in self.seen:
+            self.seen.append(read)
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:

@@ -24,11 +24,12 @@ from lightning_ptdp.planner.meta_device import (
     Broadcasts,
     Communication,
     MetaShapes,
+    ValueReads,
     fake_group_reads,
     mesh_axes,
     step_peak_tracker,
 )
-from lightning_ptdp.probe import MetaScalarsAsZero, side_effects_muted
+from lightning_ptdp.probe import side_effects_muted
 from lightning_ptdp.strategy import PTDPStrategy
 from lightning_ptdp.testing import QUIET_TRAINER
 
@@ -270,12 +271,13 @@ def _process_left_as_found() -> Iterator[None]:
 
 def representative_ranks(dims: ParallelDims, zero_stage: int = 0) -> dict[int, tuple[int, ...]]:
     """The first rank of each pipeline stage, with the ranks it stands for: within a stage the tp,
-    cp, dp and ep shards are equal in size (an uneven split differs by at most one row). Under
-    ZeRO-1 each dp rank too: torch's ZeroRedundancyOptimizer gives each whole parameters, unevenly."""
+    cp, dp and ep shards are equal in size (an uneven split differs by at most one row; FSDP2 pads
+    its shards). Under ZeRO-1 each dp rank too: torch's ZeroRedundancyOptimizer gives each whole
+    parameters, unevenly."""
     stages: dict[tuple[int, int], list[int]] = {}
     for rank in range(dims.world_size):
         where = dims.coordinates(rank)
-        stages.setdefault((where["pp"], where["dp"] if zero_stage else 0), []).append(rank)
+        stages.setdefault((where["pp"], where["dp"] if zero_stage == 1 else 0), []).append(rank)
     return {ranks[0]: tuple(ranks) for ranks in stages.values()}
 
 
@@ -327,7 +329,13 @@ def _one_rank(
     communication: Communication,
     broadcasts: Broadcasts,
 ) -> dict[str, Any]:
-    built = factory()
+    try:
+        built = factory()
+    except Exception as error:
+        raise ValueError(
+            f"dry_run: the factory {getattr(factory, '__qualname__', factory)} raised {type(error).__name__}: {error}; "
+            "it must build the LightningModule with no arguments (on any device: the dry run moves it to meta)"
+        ) from error
     module, data = built if isinstance(built, tuple) else (built, None)
     if not isinstance(module, pl.LightningModule):
         raise TypeError(
@@ -352,13 +360,35 @@ def _one_rank(
         callbacks=[measure],
         **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
-    with MetaScalarsAsZero(), MetaShapes(), fake_group_reads(broadcasts):
+    reads = ValueReads()
+    reads.name(module)
+    with reads, MetaShapes(reads), fake_group_reads(broadcasts), _failure_names_the_reads(module, reads):
         if data is None or isinstance(data, pl.LightningDataModule):
             trainer.fit(module, datamodule=data)
         else:  # the dataloader(s) the user's fit was given
             trainer.fit(module, train_dataloaders=data)
     assert measure.measured is not None
     return measure.measured
+
+
+@contextlib.contextmanager
+def _failure_names_the_reads(module: pl.LightningModule, reads: ValueReads) -> Iterator[None]:
+    """A step that fails on meta (not a refusal of ptdp's) says which values it read: they read as 0."""
+    try:
+        yield
+    except (RuntimeError, IndexError) as error:
+        if not reads.seen:
+            raise
+        raise MetaRunError(
+            f"dry_run: {type(module).__name__} failed on the meta device ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}) after reading values a dry run does not have, each taken as 0: "
+            + "; ".join(reads.seen[:4])
+            + ". Compute such sizes from shapes or Python constants, or build that value as a plain Python number"
+        ) from error
+
+
+class MetaRunError(RuntimeError):
+    """The user's model cannot run its step on the meta device: the message names the values it read."""
 
 
 def _to_meta(module: pl.LightningModule) -> pl.LightningModule:

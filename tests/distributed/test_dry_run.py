@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import resource
 
+import lightning as L
 import pytest
 import torch
 
@@ -34,7 +35,6 @@ def _bytes(tensor) -> int:
 def held_after_two_steps(layout: dict) -> dict:
     """On a real gloo rank: the bytes of this rank's parameters, gradients and optimizer state
     after the second optimizer step, as the dry run counts them."""
-    import lightning as L
 
     from lightning_ptdp import PTDPStrategy
     from lightning_ptdp.data_parallel.zero1 import local_optimizer
@@ -93,7 +93,6 @@ def test_a_model_larger_than_memory_is_dry_run_without_storage():
 
 
 def _no_training_step():
-    import lightning as L
 
     return L.LightningModule()
 
@@ -111,6 +110,38 @@ def test_bad_input_is_refused_with_the_rule():
         dry_run(tiny_gpt, devices=4, layouts=[{"tensor_parallel_size": 3}])
     with pytest.raises(TypeError, match="defines no training_step"):
         dry_run(_no_training_step, devices=2, layouts=[{}])
+    with pytest.raises(ValueError, match=r"the factory _failing_factory raised OSError: no such file; it must build"):
+        dry_run(_failing_factory, devices=2, layouts=[{}])
+
+
+def _failing_factory():
+    raise OSError("no such file")
+
+
+class _SizedByABuffer(L.LightningModule):
+    """A step whose slice length is a buffer's value: on meta it reads 0, and the step fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("keep", torch.tensor(4))
+
+    def training_step(self, batch, batch_idx):
+        kept = batch[0][:, : int(self.keep)]
+        return self.proj(kept.repeat(1, 2)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+def test_a_step_that_needs_values_names_the_buffer_it_read():
+    from lightning_ptdp.planner.meta_run import MetaRunError, dry_run_layout
+
+    with pytest.raises(MetaRunError, match=r"__int__ of buffer 'keep' at .*test_dry_run.py:\d+ \(kept = batch"):
+        dry_run_layout(_SizedByABuffer, {}, world_size=2)
 
 
 def test_a_layout_setup_refuses_is_listed_with_its_reason():

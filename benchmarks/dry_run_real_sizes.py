@@ -1,0 +1,174 @@
+"""Llama-3-8B and Mixtral-8x7B, built from their configs on meta (no weights), dry-run for 64 H100s
+(8 nodes of 8), beside the formula planner's choice for the same model, cluster and batch.
+
+    python -m benchmarks.dry_run_real_sizes [--models llama3_8b,mixtral_8x7b] [--write-results]
+
+Each model is transformers' own class (LlamaForCausalLM, MixtralForCausalLM) at the published
+config, in an ordinary LightningModule that builds it in ``configure_model``; sequences of
+``SEQ`` tokens, micro batch 1, ``MICROBATCHES`` per replica step under PP. Layouts: t in 1, 2, 4, 8
+(sequence parallel when t > 1), p in 1, 2, 4, ZeRO 0 and 3 (and e = 8 for Mixtral). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+SECTION = "dry_run_real_sizes"
+GPUS, PER_NODE, H100_GIB, SEQ, MICROBATCHES = 64, 8, 80, 4096, 8
+CONFIGS = {
+    # meta-llama/Meta-Llama-3-8B and mistralai/Mixtral-8x7B-v0.1 config.json values
+    "llama3_8b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128_256,
+            hidden_size=4096,
+            intermediate_size=14_336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500_000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral_8x7b": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            vocab_size=32_000,
+            hidden_size=4096,
+            intermediate_size=14_336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=32_768,
+            tie_word_embeddings=False,
+            router_jitter_noise=0.0,
+        ),
+    ),
+}
+
+
+def factory(name: str, batch: int):
+    """A (LightningModule, DataLoader) pair: the model built in configure_model, token batches of SEQ."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    config_cls, model_cls, values = CONFIGS[name]
+
+    class Deferred(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                config = getattr(transformers, config_cls)(**values)
+                config._attn_implementation = "sdpa"
+                self.net = getattr(transformers, model_cls)(config)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            logits = self.net(input_ids=inputs, use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    ids = torch.randint(0, values["vocab_size"], (batch, SEQ + 1))
+    loader = torch.utils.data.DataLoader(list(zip(ids[:, :-1], ids[:, 1:])), batch_size=batch)
+    return Deferred(), loader
+
+
+def layouts(name: str) -> list[dict]:
+    found = []
+    for t in (1, 2, 4, 8):
+        for p in (1, 2, 4):
+            d = GPUS // (t * p)
+            for zero in (0, 3) if d > 1 else (0,):
+                layout = {"tensor_parallel_size": t, "pipeline_parallel_size": p}
+                if t > 1:
+                    layout["sequence_parallel"] = True
+                if p > 1:
+                    layout.update(micro_batch_size=1, pipeline_schedule="1f1b")
+                if zero:
+                    layout["zero_stage"] = zero
+                if name == "mixtral_8x7b" and d >= 8:
+                    layout["expert_parallel_size"] = 8
+                found.append(layout)
+    return found
+
+
+def formula_choice(name: str) -> dict:
+    """The formula planner's fastest layout for the same model, 64 H100s and global batch, with the
+    dry run's options (micro batch 1, sequence parallel, no recompute)."""
+    from lightning_ptdp.planner import Cluster, plan
+    from lightning_ptdp.planner.models import MIXTRAL_8X7B, ModelSize
+
+    model = MIXTRAL_8X7B if name == "mixtral_8x7b" else ModelSize.from_hf_config(CONFIGS[name][2], seq_length=SEQ)
+    ranked = plan(
+        model,
+        Cluster.h100(GPUS),
+        MICROBATCHES * GPUS,
+        sequence_parallel=True,
+        max_micro_batch_size=1,
+        recompute_modes=(None,),
+    )
+    best = ranked[0]
+    keys = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size")
+    return {
+        **{key: getattr(best, key) for key in keys},
+        "zero_stage": best.zero_stage,
+        "memory_gib": best.memory_bytes_per_gpu / 2**30,
+        "step_time_s": best.step_time_s,
+    }
+
+
+def run(names: list[str]) -> dict:
+    from lightning_ptdp.planner.fit import GIB, layout_name
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    record = {"gpus": GPUS, "device_gib": H100_GIB, "seq": SEQ, "models": {}}
+    for name in names:
+        rows = []
+        for layout in layouts(name):
+            batch = MICROBATCHES if layout.get("pipeline_parallel_size", 1) > 1 else 1
+            started = time.perf_counter()
+            try:
+                report = dry_run_layout(lambda: factory(name, batch), layout, world_size=GPUS)
+            except Exception as error:  # a layout the dry run cannot do: listed with its reason
+                rows.append({"layout": layout_name(layout), "error": f"{type(error).__name__}: {str(error)[:200]}"})
+                continue
+            row = {
+                "layout": layout_name(layout),
+                "peak_gib": report.largest.peak / GIB if report.refused is None else None,
+                "fits": report.fits(H100_GIB * GIB),
+                "communication_gib": {k: v / GIB for k, v in report.communication.items()},
+                "refused": report.refused,
+                "seconds": time.perf_counter() - started,
+            }
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        record["models"][name] = {"dry_run": rows, "formula": formula_choice(name)}
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CONFIGS))
+    args = parser.parse_args(argv)
+    record = run(args.models.split(","))
+    print(json.dumps(record, indent=1))
+    return record
+
+
+if __name__ == "__main__":
+    main()
