@@ -161,12 +161,55 @@ def run(names: list[str]) -> dict:
     return record
 
 
+def render(record: dict, command: str) -> str:
+    from benchmarks.results import cpu_description, today
+
+    lines = [
+        "## Dry run at real sizes: Llama-3-8B and Mixtral-8x7B on 64 H100s, beside the formula planner",
+        "",
+        f"- {today()}, {cpu_description()} (the dry run needs no GPU).",
+        f"- `{command}`: transformers' classes at the published configs, built on meta; {SEQ} tokens per "
+        f"sequence, micro batch 1 ({MICROBATCHES} per step under PP, 1F1B), fp32 weights and AdamW as the Trainer's "
+        f"default precision (16 bytes of state per parameter, as bf16 mixed precision's 2 + 4 + 4 + 8 less the bf16 "
+        f"copy; activations in fp32, twice bf16's); {H100_GIB} GiB per GPU, 8 per node.",
+        "- The formula planner (`lightning_ptdp.planner.plan`, `Cluster.h100(64)`) with the same batch, micro batch 1, "
+        "sequence parallelism and no recompute; it models bf16 activations.",
+        "",
+    ]
+    for name, result in record["models"].items():
+        f = result["formula"]
+        lines += [
+            f"**{name}**: the formula planner's fastest: t={f['tensor_parallel_size']} p={f['pipeline_parallel_size']} "
+            f"d={f['data_parallel_size']} e={f['expert_parallel_size']} ZeRO-{f['zero_stage']}, "
+            f"{f['memory_gib']:.1f} GiB per GPU (its estimate).",
+            "",
+            "| layout | largest rank's peak (GiB) | fits 80 GiB | communication per step (GiB) | dry-run seconds |",
+            "|---|---|---|---|---|",
+        ]
+        for row in result["dry_run"]:
+            if "error" in row or row.get("refused"):
+                lines.append(f"| {row['layout']} | {row.get('error') or 'refused: ' + row['refused'][:150]} | | | |")
+                continue
+            comm = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["communication_gib"].items()))
+            fits = "yes" if row["fits"] else "no"
+            lines.append(f"| {row['layout']} | {row['peak_gib']:.1f} | {fits} | {comm} | {row['seconds']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    from benchmarks.results import code_version, write_section
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CONFIGS))
+    parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args(argv)
+    commit = code_version()
     record = run(args.models.split(","))
     print(json.dumps(record, indent=1))
+    if args.write_results:
+        command = "python -m benchmarks.dry_run_real_sizes " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_section(SECTION, render(record, command.strip()), commit=commit)
     return record
 
 
