@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ptdp.core.dims import ParallelDims
@@ -40,6 +41,9 @@ class MetaShapes(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
             return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device="meta")
+        if func is torch.ops.aten._local_scalar_dense.default:  # a value read below Python (an index by a 0-d tensor)
+            self.reads.record("a read", metas)
+            return torch.zeros((), dtype=args[0].dtype).item()
         try:
             return func(*args, **kwargs)
         except NotImplementedError:
@@ -89,6 +93,30 @@ class ValueReads(MetaScalarsAsZero):
         read = f"{what} of {of}{where}"
         if read not in self.seen:
             self.seen.append(read)
+
+
+class FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta runs the fused kernel a real device runs (its output and
+    log-sum-exp, no s x s scores): on meta, torch would pick the math path, which keeps the scores."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention or not args[0].is_meta:
+            return func(*args, **kwargs)
+        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
+        query, key, value = named["query"], named["key"], named["value"]
+        if named.get("enable_gqa") and key.shape[-3] != query.shape[-3]:  # the kernel reads each kv head per group
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query,
+            key,
+            value,
+            named.get("dropout_p", 0.0),
+            named.get("is_causal", False),
+            attn_mask=named.get("attn_mask"),
+            scale=named.get("scale"),
+        )[0]
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:

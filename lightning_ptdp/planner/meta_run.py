@@ -23,6 +23,7 @@ from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.planner.meta_device import (
     Broadcasts,
     Communication,
+    FusedAttention,
     MetaShapes,
     ValueReads,
     fake_group_reads,
@@ -81,7 +82,7 @@ class LayoutReport:
     world_size: int
     ranks: tuple[RankMemory, ...]
     communication: dict[str, int] = field(default_factory=dict)
-    """Bytes the collectives of one training step carry on this rank, by mesh axis."""
+    """Bytes the collectives of one training step carry, by mesh axis: the most any stage's rank carries."""
     seconds: float = 0.0
     refused: Optional[str] = None
     """Why ptdp's setup refused this layout for this model (then there are no ranks)."""
@@ -301,12 +302,12 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
                 measured = _one_rank(factory, layout, rank, world_size, communication, broadcasts)
         finally:
             dist.destroy_process_group()
-        ddp = measured["ddp_buckets"]
-        if rank == 0:  # the first stage
-            volume = dict(communication.bytes)
-            if ddp:
-                axis = "dp" if dims.cp == 1 else f"{dims.dp * dims.cp} ranks"  # DDP's group: dp, or dp x cp
-                volume[axis] = volume.get(axis, 0) + ddp
+        carried = dict(communication.bytes)
+        if measured["ddp_buckets"]:
+            axis = "dp" if dims.cp == 1 else f"{dims.dp * dims.cp} ranks"  # DDP's group: dp, or dp x cp
+            carried[axis] = carried.get(axis, 0) + measured["ddp_buckets"]
+        for axis, count in carried.items():  # the busiest stage's bytes on each axis bound the step
+            volume[axis] = max(volume.get(axis, 0), count)
         ranks.append(RankMemory(rank=rank, like=like, **measured))
     ranks.reverse()
     return LayoutReport(dict(layout), world_size, tuple(ranks), volume, time.perf_counter() - started)
@@ -362,7 +363,13 @@ def _one_rank(
     )
     reads = ValueReads()
     reads.name(module)
-    with reads, MetaShapes(reads), fake_group_reads(broadcasts), _failure_names_the_reads(module, reads):
+    with (
+        reads,
+        FusedAttention(),
+        MetaShapes(reads),
+        fake_group_reads(broadcasts),
+        _failure_names_the_reads(module, reads),
+    ):
         if data is None or isinstance(data, pl.LightningDataModule):
             trainer.fit(module, datamodule=data)
         else:  # the dataloader(s) the user's fit was given
