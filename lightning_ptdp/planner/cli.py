@@ -182,7 +182,10 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")
-    sys.stdout.write(format_dry_run(reports[: args.top], args.gpu_memory_gb) + "\n")
+    from lightning_ptdp.planner.cost import Cluster
+
+    cluster = Cluster.h100(args.gpus, gpus_per_node=devices)
+    sys.stdout.write(format_dry_run(reports[: args.top], args.gpu_memory_gb, cluster) + "\n")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Will my model fit: ``dry_run(factory, devices=...)`` over candidate layouts, ranked and rendered,
 and ``ptdp plan --model pkg.module:factory`` on the command line (planner/meta_run.py runs each one).
 
-Layouts are ranked by whether the largest rank fits the device, then by the bytes one step's
-collectives carry, then by that rank's peak.
+Layouts are ranked by whether the largest rank fits the device, then by the cost model's time for
+the step's FLOPs and collectives (``step_seconds``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def dry_run(
     num_nodes: int = 1,
     layouts: Optional[Sequence[dict]] = None,
     device_memory_gb: Optional[float] = None,
+    cluster: Any = None,
 ) -> list:
     """Dry-run ``factory`` (a callable returning a LightningModule, or a (module, datamodule) pair; or
     "pkg.module:factory") on ``devices x num_nodes`` ranks, for ``layouts`` (strategy keyword
-    dicts; default: ``candidate_layouts``). Returns the ``LayoutReport``s, best first."""
+    dicts; default: ``candidate_layouts``). Returns the ``LayoutReport``s, best first: those that
+    fit, fastest by ``step_seconds`` on ``cluster`` (a ``planner.Cluster``; default H100 nodes)."""
 
     factory = load_factory(factory) if isinstance(factory, str) else factory
     if not callable(factory):
@@ -63,7 +65,15 @@ def dry_run(
         check_layout(layout, world_size)
     reports = [_attempt(factory, layout, world_size) for layout in layouts]
     limit = device_memory_gb * GIB if device_memory_gb else None
-    return sorted(reports, key=lambda r: (r.refused is not None, limit is not None and not r.fits(limit), _order(r)))
+    cluster = cluster or _cluster(world_size, devices)
+    return sorted(
+        reports,
+        key=lambda r: (
+            r.refused is not None,
+            limit is not None and not r.fits(limit),
+            step_seconds(r, cluster) if r.refused is None else 0.0,
+        ),
+    )
 
 
 def _attempt(factory: Any, layout: dict, world_size: int) -> Any:
@@ -78,10 +88,38 @@ def _attempt(factory: Any, layout: dict, world_size: int) -> Any:
         return LayoutReport(dict(layout), world_size, (), refused=f"{type(error).__name__}: {error}")
 
 
-def _order(report: Any) -> tuple[int, int]:
-    if report.refused is not None:
-        return (0, 0)
-    return (sum(report.communication.values()), report.largest.peak)
+def _cluster(world_size: int, devices_per_node: int) -> Any:
+    from lightning_ptdp.planner.cost import Cluster
+
+    return Cluster.h100(world_size, gpus_per_node=min(devices_per_node, world_size))
+
+
+def step_seconds(report: Any, cluster: Any) -> float:
+    """The cost model's step time for the layout's busiest dry-run rank: its step's FLOPs (counted on
+    meta) at the GPU's GEMM rate, stretched by the pipeline bubble, plus each collective it issued
+    timed by ``planner/cost.py`` for its kind, bytes and group (summed: no overlap, an upper bound)."""
+    from lightning_ptdp.planner import cost
+
+    sizes = {key: report.layout.get(key, 1) for key in ("tensor_parallel_size", "context_parallel_size")}
+    t, c = sizes["tensor_parallel_size"], sizes["context_parallel_size"]
+    p, v = report.layout.get("pipeline_parallel_size", 1), report.layout.get("virtual_pipeline_size", 1)
+    inner = {"tp": 1, "cp": t, "ep": t, "dp": t * c}  # ranks between two members of the axis (tp innermost)
+    timed = {"all_reduce": cost.all_reduce_seconds, "all_gather": cost.all_gather_seconds}
+    timed["all_to_all"] = cost.all_to_all_seconds
+    slowest = 0.0
+    for rank in report.ranks:
+        seconds = rank.flops / (cluster.peak_flops * cluster.gemm_efficiency)
+        seconds *= 1 + (p - 1) / (v * rank.microbatches)  # 1F1B's bubble (interleaved: over v)
+        for axis, kind, size, nbytes, calls in rank.collectives:
+            if kind == "send":  # neighbouring stages: across nodes once a stage fills one
+                across = report.world_size // p >= cluster.gpus_per_node
+                seconds += calls * cost.send_seconds(nbytes / calls, across, cluster)
+                continue
+            per_node = max(1, min(size, cluster.gpus_per_node // inner.get(axis, t)))
+            timing = timed[kind]
+            seconds += timing(nbytes, size, per_node, cluster) + (calls - 1) * timing(0, size, per_node, cluster)
+        slowest = max(slowest, seconds)
+    return slowest
 
 
 def load_factory(text: str) -> Any:
@@ -109,20 +147,24 @@ def layout_name(layout: dict) -> str:
     return " ".join(parts + (["sp"] if layout.get("sequence_parallel") else [])) or "d only"
 
 
-def format_dry_run(reports: Sequence[Any], device_memory_gb: Optional[float] = None) -> str:
-    """A table, one row per layout: its largest rank's bytes, and one step's communication by axis."""
-    header = "| layout | params | grads | optimizer | activations | peak | fits | communication per step |"
-    lines = [header, "|" + "---|" * 8]
+def format_dry_run(reports: Sequence[Any], device_memory_gb: Optional[float] = None, cluster: Any = None) -> str:
+    """A table, one row per layout: its largest rank's bytes, the cost model's step time on ``cluster``
+    (``step_seconds``; default H100 nodes of 8), and one step's communication by axis."""
+    header = "| layout | params | grads | optimizer | activations | peak | fits | step (s) | communication per step |"
+    lines = [header, "|" + "---|" * 9]
     limit = device_memory_gb * GIB if device_memory_gb else None
+    if reports and cluster is None:
+        cluster = _cluster(reports[0].world_size, 8)
     for report in reports:
         if report.refused is not None:
-            lines.append(f"| {layout_name(report.layout)} | refused: {report.refused[:200]} |" + " |" * 6)
+            lines.append(f"| {layout_name(report.layout)} | refused: {report.refused[:200]} |" + " |" * 7)
             continue
         rank = report.largest
         fits = "-" if limit is None else ("yes" if report.fits(limit) else "no")
         comm = ", ".join(f"{axis} {_gib(n)}" for axis, n in sorted(report.communication.items())) or "none"
-        cells = (rank.parameters, rank.gradients, rank.optimizer, rank.activations, rank.peak)
-        lines.append(f"| {layout_name(report.layout)} | " + " | ".join(map(_gib, cells)) + f" | {fits} | {comm} |")
+        cells = " | ".join(map(_gib, (rank.parameters, rank.gradients, rank.optimizer, rank.activations, rank.peak)))
+        seconds = step_seconds(report, cluster)
+        lines.append(f"| {layout_name(report.layout)} | {cells} | {fits} | {seconds:.3g} | {comm} |")
     if reports and reports[0].refused is None:
         best = reports[0]
         args = ", ".join(f"{k}={v!r}" for k, v in best.layout.items())

@@ -143,17 +143,23 @@ class Communication(TorchDispatchMode):
     """Sums the bytes of every collective issued (c10d's and the functional ones, which DTensor and
     FSDP2 use), by the mesh axis whose group it ran on."""
 
+    KINDS = (("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("all_gather", "all_gather"))
+    KINDS += (("allgather", "all_gather"), ("reduce_scatter", "all_gather"), ("broadcast", "all_gather"))
+    KINDS += (("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("send", "send"))
+
     def __init__(self, axes: dict[tuple[int, ...], str]) -> None:
         super().__init__()
         self.axes, self.bytes = axes, {}
+        self.calls: dict[tuple[str, str, int], list[int]] = {}
+        """(axis, kind, group size) -> [bytes, calls]: what the cost model times (``planner/fit.py``)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         namespace = func.namespace
         if namespace.startswith(("c10d", "_c10d_functional")) and "wait" not in func.__name__:
-            self._count(namespace, args)
+            self._count(namespace, func.__name__, args)
         return func(*args, **(kwargs or {}))
 
-    def _count(self, namespace: str, args: tuple) -> None:
+    def _count(self, namespace: str, name_of_op: str, args: tuple) -> None:
         tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
         tensors = [t for sub in tensors for t in (sub if isinstance(sub, (list, tuple)) else [sub])]
         if namespace != "c10d":
@@ -166,6 +172,10 @@ class Communication(TorchDispatchMode):
         axis = self.axes.get(ranks, f"{len(ranks)} ranks")
         largest = max((t.numel() * t.element_size() for t in tensors), default=0)
         self.bytes[axis] = self.bytes.get(axis, 0) + largest
+        kind = next((kind for part, kind in self.KINDS if part in name_of_op), None)  # recv: the sender's time
+        if kind is not None:
+            entry = self.calls.setdefault((axis, kind, len(ranks)), [0, 0])
+            entry[0], entry[1] = entry[0] + largest, entry[1] + 1
 
 
 def mesh_axes(dims: ParallelDims) -> dict[tuple[int, ...], str]:
@@ -209,7 +219,13 @@ def fake_group_reads(broadcasts: Broadcasts) -> Iterator[None]:
     model from the same code; a broadcast gives what its source sent if that rank ran already), the
     pipeline's static-or-dynamic vote, FSDP2's device (meta: its gathered parameters hold no bytes)
     and autocast on meta tensors (the CPU's)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group, _fsdp_state, _fully_shard
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives,
+        _fsdp_init,
+        _fsdp_param_group,
+        _fsdp_state,
+        _fully_shard,
+    )
     from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
 
     def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
@@ -252,6 +268,11 @@ def fake_group_reads(broadcasts: Broadcasts) -> Iterator[None]:
         (PipelineStage, "_warmup_backward_result", own_vote),
         (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params", lambda group: None),
         (_fully_shard, "_get_device_from_mesh", lambda mesh: torch.device("meta")),
+        (
+            _fsdp_init,
+            "_move_states_to_device",
+            lambda params, buffers, device: None,
+        ),  # they stay: meta, or a small buffer
         *((module, "_get_device_handle", handle) for module in (_fsdp_param_group, _fsdp_collectives, _fsdp_state)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.planner.meta_device import (
@@ -57,6 +58,11 @@ class RankMemory:
     """The most live at once during a training step: the state above, activations and temporaries."""
     holders: tuple[tuple[str, int], ...] = ()
     """The largest parameters (name, bytes of weight, gradient and optimizer state), largest first."""
+    flops: int = 0
+    """Floating-point operations of this rank's step (torch's FlopCounterMode: matmuls, convolutions, attention)."""
+    microbatches: int = 1
+    collectives: tuple[tuple[str, str, int, int, int], ...] = ()
+    """(axis, kind, group size, bytes, calls) of the step's collectives: what the cost model times."""
 
     @property
     def state(self) -> int:
@@ -205,11 +211,14 @@ class _StepMemory(pl.Callback):
         # both steps tracked: what the first allocates and keeps (a pipeline stage's buffers) is held
         tracker = step_peak_tracker()
         tracker.track_external(pl_module, *(local_optimizer(o) for o in optimizers))  # ZeRO-1: the shard's
+        flops = FlopCounterMode(display=False)  # the step's matmul and attention FLOPs, from their shapes
         with tracker:
             for step in range(MEASURED_STEP + 1):
                 if step == MEASURED_STEP:
                     self.communication.bytes.clear()
+                    self.communication.calls.clear()
                     self.communication.__enter__()
+                    flops.__enter__()
                 with side_effects_muted(pl_module):
                     output = strategy.training_step(batch, step)
                 for optimizer in optimizers:
@@ -220,12 +229,26 @@ class _StepMemory(pl.Callback):
                 for optimizer in optimizers:
                     optimizer.step()
                 del output, loss
+            flops.__exit__(None, None, None)
             self.communication.__exit__(None, None, None)
             gc.collect()
             live = sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
         peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
         self.measured = _state(pl_module, optimizers, peak, live, strategy)
+        rows = next((t.shape[0] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), 1)
+        micro = strategy.parallel_config.micro_batch_size or rows
+        self.measured.update(
+            flops=flops.get_total_flops(),
+            microbatches=max(rows // micro, 1),
+            collectives=tuple((*key, *value) for key, value in sorted(self.communication.calls.items())),
+        )
         trainer.should_stop = True
+
+
+def _leaves(tree: Any) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(tree)
 
 
 def _state(module: torch.nn.Module, optimizers: list, peak: int, live: int, strategy: DryRunStrategy) -> dict[str, Any]:
@@ -302,10 +325,12 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
                 measured = _one_rank(factory, layout, rank, world_size, communication, broadcasts)
         finally:
             dist.destroy_process_group()
-        carried = dict(communication.bytes)
-        if measured["ddp_buckets"]:
+        carried, ddp = dict(communication.bytes), measured["ddp_buckets"]
+        if ddp:  # DDP's all-reduce, in buckets of its default 25 MiB
             axis = "dp" if dims.cp == 1 else f"{dims.dp * dims.cp} ranks"  # DDP's group: dp, or dp x cp
-            carried[axis] = carried.get(axis, 0) + measured["ddp_buckets"]
+            carried[axis] = carried.get(axis, 0) + ddp
+            buckets = -(-ddp // (25 * 2**20))
+            measured["collectives"] += ((axis, "all_reduce", dims.dp * dims.cp, ddp, buckets),)
         for axis, count in carried.items():  # the busiest stage's bytes on each axis bound the step
             volume[axis] = max(volume.get(axis, 0), count)
         ranks.append(RankMemory(rank=rank, like=like, **measured))

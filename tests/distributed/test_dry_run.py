@@ -167,3 +167,22 @@ def test_a_layout_that_does_not_fit_names_the_rank_its_holders_and_one_that_fits
     ):
         check_fits(tiny_gpt, {}, devices=2, device_memory_gb=limit)
     assert check_fits(tiny_gpt, {"zero_stage": 3}, devices=2, device_memory_gb=limit).fits(limit * GIB)
+
+
+def test_layouts_rank_by_the_cost_models_step_time_over_the_flops_and_collectives_of_the_step():
+    from lightning_ptdp.planner.cost import Cluster
+    from lightning_ptdp.planner.fit import dry_run, step_seconds
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    one = dry_run_layout(tiny_gpt, {}, world_size=1).ranks[0].flops
+    # the batch is per rank: a d2 rank does one process's step, a t2 rank half of every matmul (the embedding aside)
+    assert dry_run_layout(tiny_gpt, {}, world_size=2).largest.flops == one
+    assert dry_run_layout(tiny_gpt, {"tensor_parallel_size": 2}, world_size=2).largest.flops == pytest.approx(
+        one / 2, rel=0.1
+    )
+    cluster = Cluster.h100(2, gpus_per_node=2)
+    reports = dry_run(tiny_gpt, devices=2, cluster=cluster)
+    times = [step_seconds(r, cluster) for r in reports if r.refused is None]
+    assert times == sorted(times) and times[0] > 0
+    data_parallel = next(r for r in reports if r.layout == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1})
+    assert [c[:3] for c in data_parallel.largest.collectives] == [("dp", "all_reduce", 2)]  # DDP's, timed
