@@ -133,8 +133,11 @@ def formula_choice(name: str) -> dict:
 
 
 def run(names: list[str]) -> dict:
-    from lightning_ptdp.planner.fit import GIB, layout_name
+    from lightning_ptdp.planner import Cluster
+    from lightning_ptdp.planner.fit import GIB, layout_name, step_seconds
     from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    cluster = Cluster.h100(GPUS)
 
     record = {"gpus": GPUS, "device_gib": H100_GIB, "seq": SEQ, "models": {}}
     for name in names:
@@ -149,6 +152,7 @@ def run(names: list[str]) -> dict:
                 continue
             row = {
                 "layout": layout_name(layout),
+                "step_seconds": step_seconds(report, cluster) if report.refused is None else None,
                 "peak_gib": report.largest.peak / GIB if report.refused is None else None,
                 "fits": report.fits(H100_GIB * GIB),
                 "communication_gib": {k: v / GIB for k, v in report.communication.items()},
@@ -157,7 +161,9 @@ def run(names: list[str]) -> dict:
             }
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-        record["models"][name] = {"dry_run": rows, "formula": formula_choice(name)}
+        fitting = [r for r in rows if r.get("fits")]
+        best = min(fitting, key=lambda r: r["step_seconds"], default=None)
+        record["models"][name] = {"dry_run": rows, "formula": formula_choice(name), "dry_run_choice": best}
     return record
 
 
@@ -183,16 +189,28 @@ def render(record: dict, command: str) -> str:
             f"d={f['data_parallel_size']} e={f['expert_parallel_size']} ZeRO-{f['zero_stage']}, "
             f"{f['memory_gib']:.1f} GiB per GPU (its estimate).",
             "",
-            "| layout | largest rank's peak (GiB) | fits 80 GiB | communication per step (GiB) | dry-run seconds |",
-            "|---|---|---|---|---|",
+        ]
+        choice = result["dry_run_choice"]
+        lines += [
+            f"**{name}**: the dry run's fastest that fits: "
+            + (
+                f"{choice['layout']}, {choice['peak_gib']:.1f} GiB, {choice['step_seconds']:.2f} s per step (cost model)."
+                if choice
+                else "none fits."
+            ),
+            "",
+            "| layout | largest rank's peak (GiB) | fits 80 GiB | step (s, cost model) | communication per step (GiB) | dry-run seconds |",
+            "|---|---|---|---|---|---|",
         ]
         for row in result["dry_run"]:
             if "error" in row or row.get("refused"):
-                lines.append(f"| {row['layout']} | {row.get('error') or 'refused: ' + row['refused'][:150]} | | | |")
+                lines.append(f"| {row['layout']} | {row.get('error') or 'refused: ' + row['refused'][:150]} | | | | |")
                 continue
             comm = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["communication_gib"].items()))
             fits = "yes" if row["fits"] else "no"
-            lines.append(f"| {row['layout']} | {row['peak_gib']:.1f} | {fits} | {comm} | {row['seconds']:.0f} |")
+            lines.append(
+                f"| {row['layout']} | {row['peak_gib']:.1f} | {fits} | {row['step_seconds']:.2f} | {comm} | {row['seconds']:.0f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
