@@ -246,6 +246,45 @@ def render(record: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SPEED_MODEL = {"hidden": 1024, "layers": 8, "vocab": 8192}  # the recipe GPT at ~100M parameters (1.6 GB of state)
+
+
+def speed(rounds: int = 3) -> dict:
+    """Every candidate layout of 8 ranks (8 per node) for the largest model the tests dry-run, timed
+    over ``rounds``; with the process's max RSS growth against the state a real rank would hold."""
+    import resource
+    import time
+
+    from benchmarks.results import stats
+    from lightning_ptdp.planner.fit import dry_run
+    from tests.distributed.test_dry_run import tiny_gpt
+
+    seconds, grown, state, count = [], [], 0, 0
+    for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        started = time.perf_counter()
+        reports = dry_run(lambda: tiny_gpt(**SPEED_MODEL), devices=8)
+        seconds.append(time.perf_counter() - started)
+        grown.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+        state = max(r.largest.state for r in reports if r.refused is None and not r.layout.get("zero_stage"))
+        count = len(reports)
+    return {"layouts": count, "seconds": stats(seconds), "max_rss_growth": stats(grown), "unsharded_state": state}
+
+
+def render_speed(record: dict, command: str) -> str:
+    from benchmarks.results import cpu_description, spread, today
+
+    return f"""## Dry run: speed over every 8-rank layout, and no real storage
+
+- {today()}, {cpu_description()}.
+- `{command}`: the recipe GPT at hidden {SPEED_MODEL["hidden"]}, {SPEED_MODEL["layers"]} layers, vocabulary {SPEED_MODEL["vocab"]}
+  (the largest model the tests dry-run), `dry_run(..., devices=8)`: {record["layouts"]} candidate layouts.
+- **Seconds for all layouts: {spread(record["seconds"], "{:.1f}")}** (target: under 60).
+- Max RSS growth of the process: {spread(record["max_rss_growth"], "{:.3g}")} bytes, against
+  {record["unsharded_state"]:.3g} bytes of state a d-only rank would hold (the first round grows it most: imports).
+"""
+
+
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks.results import code_version, write_section
 
@@ -253,13 +292,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--families", default=None, help="comma-separated; default: every conformance family")
     parser.add_argument("--layouts", default=None, help="comma-separated names of LAYOUTS; default: all")
     parser.add_argument("--write-results", action="store_true")
+    parser.add_argument("--speed", action="store_true", help="time every 8-rank layout of the largest test model")
     args = parser.parse_args(argv)
     commit = code_version()
+    command = "python -m benchmarks.bench_dry_run " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.speed:
+        timed = speed()
+        print(json.dumps(timed, indent=1))
+        if args.write_results:
+            write_section("dry_run_speed", render_speed(timed, command.strip()), commit=commit)
+        return timed
     split = lambda text: text.split(",") if text else None  # noqa: E731
     record = run(split(args.families), split(args.layouts))
     print(json.dumps(record, indent=1))
     if args.write_results:
-        command = "python -m benchmarks.bench_dry_run " + " ".join(argv if argv is not None else sys.argv[1:])
         write_section(SECTION, render(record, command.strip()), commit=commit)
     return record
 

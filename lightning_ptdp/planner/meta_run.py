@@ -238,11 +238,34 @@ class _StepMemory(pl.Callback):
         rows = next((t.shape[0] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), 1)
         micro = strategy.parallel_config.micro_batch_size or rows
         self.measured.update(
+            zero1_shards=_zero1_shards(optimizers),
             flops=flops.get_total_flops(),
             microbatches=max(rows // micro, 1),
             collectives=tuple((*key, *value) for key, value in sorted(self.communication.calls.items())),
         )
         trainer.should_stop = True
+
+
+def _zero1_shards(optimizers: list) -> list[int]:
+    """ZeRO-1: the optimizer-state bytes of each dp rank, from torch's own partition of the parameters:
+    each other rank's local optimizer is built over its part and stepped on the meta gradients."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = [o for o in optimizers if isinstance(o, ZeroRedundancyOptimizer)]
+    if not zero:
+        return []
+    held = [0] * zero[0].world_size
+    for optimizer in zero:
+        for index, groups in enumerate(optimizer._partition_parameters()):
+            if index == optimizer.rank:
+                local = optimizer.optim
+            else:
+                local = optimizer._optim_constructor(groups, **optimizer._optim_defaults)
+                local.step()
+            held[index] += sum(
+                _bytes(v) for state in local.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            )
+    return held
 
 
 def _leaves(tree: Any) -> list:
@@ -296,8 +319,8 @@ def _process_left_as_found() -> Iterator[None]:
 def representative_ranks(dims: ParallelDims, zero_stage: int = 0) -> dict[int, tuple[int, ...]]:
     """The first rank of each pipeline stage, with the ranks it stands for: within a stage the tp,
     cp, dp and ep shards are equal in size (an uneven split differs by at most one row; FSDP2 pads
-    its shards). Under ZeRO-1 each dp rank too: torch's ZeroRedundancyOptimizer gives each whole
-    parameters, unevenly."""
+    its shards). Under ZeRO-1 each dp rank apart: torch's ZeroRedundancyOptimizer gives each whole
+    parameters, unevenly (the first dp rank runs; ``_zero1_shards`` builds the others' optimizers)."""
     stages: dict[tuple[int, int], list[int]] = {}
     for rank in range(dims.world_size):
         where = dims.coordinates(rank)
@@ -316,7 +339,8 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
     communication = Communication(mesh_axes(dims))
     ranks, volume, broadcasts = [], {}, Broadcasts()
     stand_ins = representative_ranks(dims, layout.get("zero_stage", 0))
-    for rank, like in sorted(stand_ins.items(), reverse=True):  # the last stage first
+    run = {rank: like for rank, like in stand_ins.items() if dims.coordinates(rank)["dp"] == 0}
+    for rank, like in sorted(run.items(), reverse=True):  # the last stage first
         if dist.is_initialized():
             raise RuntimeError("dry_run needs no process group: call it outside a distributed run")
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
@@ -333,8 +357,16 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
             measured["collectives"] += ((axis, "all_reduce", dims.dp * dims.cp, ddp, buckets),)
         for axis, count in carried.items():  # the busiest stage's bytes on each axis bound the step
             volume[axis] = max(volume.get(axis, 0), count)
+        shards = measured.pop("zero1_shards")
         ranks.append(RankMemory(rank=rank, like=like, **measured))
-    ranks.reverse()
+        for other, other_like in stand_ins.items():  # ZeRO-1: the stage's other dp ranks, their own shards
+            where = dims.coordinates(other)
+            if other != rank and where["pp"] == dims.coordinates(rank)["pp"] and where["dp"] < len(shards):
+                held = shards[where["dp"]]
+                delta = held - measured["optimizer"]
+                changed = dict(measured, optimizer=held, step_peak=measured["step_peak"] + delta)
+                ranks.append(RankMemory(rank=other, like=other_like, **changed))
+    ranks.sort(key=lambda r: r.rank)
     return LayoutReport(dict(layout), world_size, tuple(ranks), volume, time.perf_counter() - started)
 
 
