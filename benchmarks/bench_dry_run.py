@@ -39,7 +39,12 @@ def _scaled() -> dict:
     """The conformance families at ``SCALE`` (tests.real_models' sizes are module constants read at build)."""
     import tests.real_models as real
 
+    tiny_ffn = 64  # tests.real_models.FFN as imported: the families' specs hold it as a value
     real.HIDDEN, real.FFN = SCALE["hidden"], SCALE["ffn"]
+    for _, _, sizes in (*real.MORE_HF.values(), *real.MOE_HF.values()):
+        sizes.update(
+            {key: SCALE["ffn"] for key, value in sizes.items() if key.endswith(("_size", "_dim")) and value == tiny_ffn}
+        )
     return {"hidden_size": SCALE["hidden"]}
 
 
