@@ -6,7 +6,7 @@
 Each model is transformers' own class (LlamaForCausalLM, MixtralForCausalLM) at the published
 config, in an ordinary LightningModule that builds it in ``configure_model``; sequences of
 ``SEQ`` tokens, micro batch 1, ``MICROBATCHES`` per replica step under PP. Layouts: t in 1, 2, 4, 8
-(sequence parallel when t > 1), p in 1, 2, 4, ZeRO 0 and 3 (and e = 8 for Mixtral). Prints JSON.
+(sequence parallel when t > 1), p in 1, 2, 4, ZeRO 0 and 3 (3 alone at t = 1) (and e = 8 for Mixtral). Prints JSON.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def layouts(name: str) -> list[dict]:
     for t in (1, 2, 4, 8):
         for p in (1, 2, 4):
             d = GPUS // (t * p)
-            for zero in (0, 3) if d > 1 else (0,):
+            for zero in ((0, 3) if t > 1 else (3,)) if d > 1 else (0,):  # t=1 without ZeRO-3: far over 80 GiB
                 layout = {"tensor_parallel_size": t, "pipeline_parallel_size": p}
                 if t > 1:
                     layout["sequence_parallel"] = True
