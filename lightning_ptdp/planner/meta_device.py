@@ -8,12 +8,14 @@ peak-only ``MemTracker``. Each lives only inside one dry-run rank's ``fit``.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.probe import MetaScalarsAsZero
@@ -22,17 +24,17 @@ AXES = ("pp", "dp", "cp", "tp", "ep")
 
 
 class MetaShapes(TorchDispatchMode):
-    """Shapes on meta where torch's meta kernels give none: a data-dependent shape takes its upper
-    bound (``nonzero``: every element counts), so a dry run holds at least what the real step would;
-    an op with no meta kernel runs on zeros on the CPU, as a meta value reads as 0 (``MetaScalarsAsZero``);
-    a meta kernel that demands bf16 where the CPU kernel takes the dtype given (``_grouped_mm``)
-    runs in bf16 and returns the dtype given."""
+    """Shapes on meta where torch's meta kernels give none. A data-dependent shape (``nonzero``) takes
+    its upper bound, every element counted, unless the mask compares top-k routing choices: routing is
+    then taken as balanced, as the EP exchange takes it (``RoutingDensity``). An op with no meta kernel
+    runs on zeros on the CPU, as a meta value reads as 0 (``MetaScalarsAsZero``); a meta kernel that
+    demands bf16 where the CPU kernel takes the dtype given (``_grouped_mm``) runs in bf16."""
 
     ZEROS_LIMIT = 64 * 2**20  # bytes of CPU zeros an op without a meta kernel may take
 
     def __init__(self, reads: "ValueReads") -> None:
         super().__init__()
-        self.reads = reads
+        self.reads, self.routing = reads, RoutingDensity()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -40,12 +42,13 @@ class MetaShapes(TorchDispatchMode):
         if not metas:
             return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
-            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device="meta")
+            rows = math.ceil(args[0].numel() * self.routing.density.get(args[0], 1.0))
+            return torch.empty((rows, args[0].dim()), dtype=torch.long, device="meta")
         if func is torch.ops.aten._local_scalar_dense.default:  # a value read below Python (an index by a 0-d tensor)
             self.reads.record("a read", metas)
             return torch.zeros((), dtype=args[0].dtype).item()
         try:
-            return func(*args, **kwargs)
+            return self.routing.follow(func, args, func(*args, **kwargs))
         except NotImplementedError:
             if sum(t.numel() * t.element_size() for t in metas) > self.ZEROS_LIMIT:
                 raise
@@ -137,6 +140,33 @@ def _zeros_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 def _to_meta_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("meta")
+
+
+class RoutingDensity:
+    """Top-k routing on meta: the choices ``topk`` returns, carried through views, and the masks that
+    compare them with expert ids (``==``, ``one_hot``), whose share of true elements under balanced
+    routing is 1 / the number of candidates; ``nonzero`` of such a mask takes that share."""
+
+    def __init__(self) -> None:
+        self.candidates, self.density = WeakIdKeyDictionary(), WeakIdKeyDictionary()  # by identity: no tensor ==
+
+    def follow(self, func: Any, args: tuple, out: Any) -> Any:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.ops.aten.topk.default:
+            self.candidates[out[1]] = args[0].shape[args[2] if len(args) > 2 else -1]
+        elif func in (torch.ops.aten.eq.Tensor, torch.ops.aten.eq.Scalar):
+            n = next((self.candidates[a] for a in args if isinstance(a, torch.Tensor) and a in self.candidates), None)
+            if n is not None:
+                self.density[out] = 1 / n
+        elif first is not None and (func.is_view or func in self._COPIES):
+            outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+            for table in (self.candidates, self.density):  # a view or copy (or unbind's views) carries what it views
+                if first in table:
+                    for view in outs:
+                        table[view] = table[first]
+        return out
+
+    _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
 
 
 class Communication(TorchDispatchMode):

@@ -9,6 +9,7 @@ import resource
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 
 LAYOUTS = [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"zero_stage": 1}, {"zero_stage": 3}]
 
@@ -186,3 +187,18 @@ def test_layouts_rank_by_the_cost_models_step_time_over_the_flops_and_collective
     assert times == sorted(times) and times[0] > 0
     data_parallel = next(r for r in reports if r.layout == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1})
     assert [c[:3] for c in data_parallel.largest.collectives] == [("dp", "all_reduce", 2)]  # DDP's, timed
+
+
+def test_a_mask_of_top_k_routing_choices_takes_the_balanced_share_on_meta():
+    """An expert loop picks each expert's rows by value; on meta a mask comparing top-k choices with
+    expert ids holds 1/n of its elements (balanced routing), any other mask its upper bound."""
+    from lightning_ptdp.planner.meta_device import MetaShapes, ValueReads
+
+    scores = torch.empty(64, 8, device="meta")
+    with MetaShapes(ValueReads()):
+        _, chosen = torch.topk(scores, 2)
+        token, slot = torch.where(chosen == 3)
+        per_expert = [torch.where(mask)[0].shape[0] for mask in F.one_hot(chosen, 8).permute(2, 1, 0)]
+        anything = torch.nonzero(scores > 0)
+    assert token.shape[0] == 64 * 2 // 8 and per_expert == [16] * 8
+    assert anything.shape[0] == 64 * 8
