@@ -132,6 +132,43 @@ def formula_choice(name: str) -> dict:
     }
 
 
+def as_strategy(choice: dict) -> dict:
+    """The formula planner's layout as strategy arguments, with the dry run's options."""
+    t, p, e = choice["tensor_parallel_size"], choice["pipeline_parallel_size"], choice["expert_parallel_size"]
+    layout: dict = {"tensor_parallel_size": t, "pipeline_parallel_size": p}
+    if t > 1:
+        layout["sequence_parallel"] = True
+    if p > 1:
+        layout.update(micro_batch_size=1, pipeline_schedule="1f1b")
+    if choice["zero_stage"]:
+        layout["zero_stage"] = choice["zero_stage"]
+    if e > 1:
+        layout["expert_parallel_size"] = e
+    return layout
+
+
+def formula_view(name: str, layout: dict) -> dict:
+    """The formula planner's estimate of one strategy layout (memory and step time), or why it refuses it."""
+    from lightning_ptdp.planner import Cluster, estimate
+    from lightning_ptdp.planner.models import MIXTRAL_8X7B, ModelSize
+
+    model = MIXTRAL_8X7B if name == "mixtral_8x7b" else ModelSize.from_hf_config(CONFIGS[name][2], seq_length=SEQ)
+    keys = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "zero_stage", "sequence_parallel")
+    try:
+        found = estimate(
+            model,
+            Cluster.h100(GPUS),
+            MICROBATCHES * GPUS,
+            activation_checkpointing=None,
+            micro_batch_size=1,
+            pipeline_schedule="1f1b",
+            **{k: layout[k] for k in keys if k in layout},
+        )
+    except ValueError as error:
+        return {"refused": str(error)[:200]}
+    return {"memory_gib": found.memory_bytes_per_gpu / 2**30, "step_time_s": found.step_time_s}
+
+
 def run(names: list[str]) -> dict:
     from lightning_ptdp.planner import Cluster
     from lightning_ptdp.planner.fit import GIB, layout_name, step_seconds
@@ -142,7 +179,12 @@ def run(names: list[str]) -> dict:
     record = {"gpus": GPUS, "device_gib": H100_GIB, "seq": SEQ, "models": {}}
     for name in names:
         rows = []
-        for layout in layouts(name):
+        formula = formula_choice(name)
+        theirs = as_strategy(formula)
+        candidates = layouts(name)
+        if layout_name(theirs) not in {layout_name(c) for c in candidates}:
+            candidates.append(theirs)  # the formula's choice is dry-run too
+        for layout in candidates:
             batch = MICROBATCHES if layout.get("pipeline_parallel_size", 1) > 1 else 1
             started = time.perf_counter()
             try:
@@ -163,8 +205,33 @@ def run(names: list[str]) -> dict:
             print(json.dumps(row), file=sys.stderr, flush=True)
         fitting = [r for r in rows if r.get("fits")]
         best = min(fitting, key=lambda r: r["step_seconds"], default=None)
-        record["models"][name] = {"dry_run": rows, "formula": formula_choice(name), "dry_run_choice": best}
+        formula["dry_run_of_it"] = next((r for r in rows if r["layout"] == layout_name(theirs)), None)
+        mine = next((c for c in candidates if best is not None and layout_name(c) == best["layout"]), None)
+        formula_of_mine = formula_view(name, mine) if mine is not None else None
+        record["models"][name] = {
+            "dry_run": rows,
+            "formula": formula,
+            "dry_run_choice": best,
+            "formula_of_choice": formula_of_mine,
+        }
     return record
+
+
+def _dry_run_words(row: dict | None) -> str:
+    if not row:
+        return "not run"
+    if "error" in row or row.get("refused"):
+        return f"could not run it ({row.get('error') or row['refused']})"
+    fits = "fits" if row["fits"] else "does not fit"
+    return f"{row['peak_gib']:.1f} GiB at its largest rank ({fits} 80 GiB), {row['step_seconds']:.2f} s per step."
+
+
+def _formula_words(view: dict | None) -> str:
+    if not view:
+        return "none"
+    if "refused" in view:
+        return f"refused ({view['refused']})"
+    return f"{view['memory_gib']:.1f} GiB, {view['step_time_s']:.2f} s"
 
 
 def render(record: dict, command: str) -> str:
@@ -187,14 +254,16 @@ def render(record: dict, command: str) -> str:
         lines += [
             f"**{name}**: the formula planner's fastest: t={f['tensor_parallel_size']} p={f['pipeline_parallel_size']} "
             f"d={f['data_parallel_size']} e={f['expert_parallel_size']} ZeRO-{f['zero_stage']}, "
-            f"{f['memory_gib']:.1f} GiB per GPU (its estimate).",
+            f"{f['memory_gib']:.1f} GiB per GPU and {f['step_time_s']:.2f} s per step (its estimates); dry-run: "
+            + _dry_run_words(f.get("dry_run_of_it")),
             "",
         ]
         choice = result["dry_run_choice"]
         lines += [
             f"**{name}**: the dry run's fastest that fits: "
             + (
-                f"{choice['layout']}, {choice['peak_gib']:.1f} GiB, {choice['step_seconds']:.2f} s per step (cost model)."
+                f"{choice['layout']}, {choice['peak_gib']:.1f} GiB, {choice['step_seconds']:.2f} s per step (cost model); "
+                f"the formula planner's estimate of it: {_formula_words(result.get('formula_of_choice'))}."
                 if choice
                 else "none fits."
             ),
