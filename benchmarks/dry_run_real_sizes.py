@@ -5,7 +5,7 @@
 
 Each model is transformers' own class (LlamaForCausalLM, MixtralForCausalLM) at the published
 config, in an ordinary LightningModule that builds it in ``configure_model``; sequences of
-``SEQ`` tokens, micro batch 1, ``MICROBATCHES`` per replica step under PP. Layouts: t in 1, 2, 4, 8
+``SEQ`` tokens, micro batch 1, ``MICROBATCHES`` per replica step (accumulated when p = 1). Layouts: t in 1, 2, 4, 8
 (sequence parallel when t > 1), p in 1, 2, 4, ZeRO 0 and 3 (3 alone at t = 1) (and e = 8 for Mixtral). Prints JSON.
 """
 
@@ -194,7 +194,10 @@ def run(names: list[str]) -> dict:
                 continue
             row = {
                 "layout": layout_name(layout),
-                "step_seconds": step_seconds(report, cluster) if report.refused is None else None,
+                # p = 1 runs one sequence a step: MICROBATCHES of them accumulated make the same global batch
+                "step_seconds": step_seconds(report, cluster, accumulate=MICROBATCHES // batch)
+                if report.refused is None
+                else None,
                 "peak_gib": report.largest.peak / GIB if report.refused is None else None,
                 "fits": report.fits(H100_GIB * GIB),
                 "communication_gib": {k: v / GIB for k, v in report.communication.items()},
@@ -242,7 +245,7 @@ def render(record: dict, command: str) -> str:
         "",
         f"- {today()}, {cpu_description()} (the dry run needs no GPU).",
         f"- `{command}`: transformers' classes at the published configs, built on meta; {SEQ} tokens per "
-        f"sequence, micro batch 1 ({MICROBATCHES} per step under PP, 1F1B), fp32 weights and AdamW as the Trainer's "
+        f"sequence, micro batch 1 ({MICROBATCHES} per replica step: 1F1B under PP, accumulated when p = 1), fp32 weights and AdamW as the Trainer's "
         f"default precision (16 bytes of state per parameter, as bf16 mixed precision's 2 + 4 + 4 + 8 less the bf16 "
         f"copy; activations in fp32, twice bf16's); {H100_GIB} GiB per GPU, 8 per node.",
         "- The formula planner (`lightning_ptdp.planner.plan`, `Cluster.h100(64)`) with the same batch, micro batch 1, "

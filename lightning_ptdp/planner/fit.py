@@ -94,10 +94,12 @@ def _cluster(world_size: int, devices_per_node: int) -> Any:
     return Cluster.h100(world_size, gpus_per_node=min(devices_per_node, world_size))
 
 
-def step_seconds(report: Any, cluster: Any) -> float:
+def step_seconds(report: Any, cluster: Any, accumulate: int = 1) -> float:
     """The cost model's step time for the layout's busiest dry-run rank: its step's FLOPs (counted on
     meta) at the GPU's GEMM rate, stretched by the pipeline bubble, plus each collective it issued
-    timed by ``planner/cost.py`` for its kind, bytes and group (summed: no overlap, an upper bound)."""
+    timed by ``planner/cost.py`` for its kind, bytes and group (summed: no overlap, an upper bound).
+    ``accumulate``: the dry-run step is one of that many accumulated per optimizer step (its compute
+    and model-parallel collectives repeat; the data-parallel gradient reduction runs once)."""
     from lightning_ptdp.planner import cost
 
     sizes = {key: report.layout.get(key, 1) for key in ("tensor_parallel_size", "context_parallel_size")}
@@ -108,16 +110,18 @@ def step_seconds(report: Any, cluster: Any) -> float:
     timed["all_to_all"] = cost.all_to_all_seconds
     slowest = 0.0
     for rank in report.ranks:
-        seconds = rank.flops / (cluster.peak_flops * cluster.gemm_efficiency)
+        seconds = accumulate * rank.flops / (cluster.peak_flops * cluster.gemm_efficiency)
         seconds *= 1 + (p - 1) / (v * rank.microbatches)  # 1F1B's bubble (interleaved: over v)
         for axis, kind, size, nbytes, calls in rank.collectives:
+            repeats = 1 if axis == "dp" or axis.endswith(" ranks") else accumulate
             if kind == "send":  # neighbouring stages: across nodes once a stage fills one
                 across = report.world_size // p >= cluster.gpus_per_node
-                seconds += calls * cost.send_seconds(nbytes / calls, across, cluster)
+                seconds += repeats * calls * cost.send_seconds(nbytes / calls, across, cluster)
                 continue
             per_node = max(1, min(size, cluster.gpus_per_node // inner.get(axis, t)))
             timing = timed[kind]
-            seconds += timing(nbytes, size, per_node, cluster) + (calls - 1) * timing(0, size, per_node, cluster)
+            once = timing(nbytes, size, per_node, cluster) + (calls - 1) * timing(0, size, per_node, cluster)
+            seconds += repeats * once
         slowest = max(slowest, seconds)
     return slowest
 
