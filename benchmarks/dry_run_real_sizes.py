@@ -5,7 +5,7 @@
 
 Each model is transformers' own class (LlamaForCausalLM, MixtralForCausalLM) at the published
 config, in an ordinary LightningModule that builds it in ``configure_model``; sequences of
-``SEQ`` tokens, micro batch 1, ``MICROBATCHES`` per replica step (accumulated when p = 1). Layouts: t in 1, 2, 4, 8
+``SEQ`` tokens, micro batch 1, MICROBATCHES x GPUS a step (each replica's dry-run step accumulated to its share). Layouts: t in 1, 2, 4, 8
 (sequence parallel when t > 1), p in 1, 2, 4, ZeRO 0 and 3 (3 alone at t = 1) (and e = 8 for Mixtral). Prints JSON.
 """
 
@@ -169,6 +169,13 @@ def formula_view(name: str, layout: dict) -> dict:
     return {"memory_gib": found.memory_bytes_per_gpu / 2**30, "step_time_s": found.step_time_s}
 
 
+def _accumulate(layout: dict, batch: int) -> int:
+    """Dry-run steps (of ``batch`` sequences a replica) per optimizer step at the global batch of
+    MICROBATCHES x GPUS sequences, the formula planner's."""
+    split = layout["tensor_parallel_size"] * layout["pipeline_parallel_size"]
+    return max(MICROBATCHES * GPUS // (GPUS // split) // batch, 1)
+
+
 def run(names: list[str]) -> dict:
     from lightning_ptdp.planner import Cluster
     from lightning_ptdp.planner.fit import GIB, layout_name, step_seconds
@@ -194,8 +201,8 @@ def run(names: list[str]) -> dict:
                 continue
             row = {
                 "layout": layout_name(layout),
-                # p = 1 runs one sequence a step: MICROBATCHES of them accumulated make the same global batch
-                "step_seconds": step_seconds(report, cluster, accumulate=MICROBATCHES // batch)
+                # every layout at the formula's global batch: a replica's dry-run step is accumulated to its share
+                "step_seconds": step_seconds(report, cluster, accumulate=_accumulate(layout, batch))
                 if report.refused is None
                 else None,
                 "peak_gib": report.largest.peak / GIB if report.refused is None else None,
@@ -245,7 +252,7 @@ def render(record: dict, command: str) -> str:
         "",
         f"- {today()}, {cpu_description()} (the dry run needs no GPU).",
         f"- `{command}`: transformers' classes at the published configs, built on meta; {SEQ} tokens per "
-        f"sequence, micro batch 1 ({MICROBATCHES} per replica step: 1F1B under PP, accumulated when p = 1), fp32 weights and AdamW as the Trainer's "
+        f"sequence, micro batch 1, {MICROBATCHES * GPUS} sequences a step for every layout (a replica's dry-run step, {MICROBATCHES} microbatches under 1F1B or 1 sequence when p = 1, accumulated to its share), fp32 weights and AdamW as the Trainer's "
         f"default precision (16 bytes of state per parameter, as bf16 mixed precision's 2 + 4 + 4 + 8 less the bf16 "
         f"copy; activations in fp32, twice bf16's); {H100_GIB} GiB per GPU, 8 per node.",
         "- The formula planner (`lightning_ptdp.planner.plan`, `Cluster.h100(64)`) with the same batch, micro batch 1, "
