@@ -169,6 +169,17 @@ class RoutingDensity:
     _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
 
 
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """torch's FLOP counter has no rule for the grouped GEMM MoE experts run: 2 x rows x K x N, each
+    row through its group's matrix (both 2-D: the groups split K)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+EXTRA_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 class Communication(TorchDispatchMode):
     """Sums the bytes of every collective issued (c10d's and the functional ones, which DTensor and
     FSDP2 use), by the mesh axis whose group it ran on."""

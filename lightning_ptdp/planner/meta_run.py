@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.planner.meta_device import (
+    EXTRA_FLOPS,
     Broadcasts,
     Communication,
     FusedAttention,
@@ -211,7 +212,7 @@ class _StepMemory(pl.Callback):
         # both steps tracked: what the first allocates and keeps (a pipeline stage's buffers) is held
         tracker = step_peak_tracker()
         tracker.track_external(pl_module, *(local_optimizer(o) for o in optimizers))  # ZeRO-1: the shard's
-        flops = FlopCounterMode(display=False)  # the step's matmul and attention FLOPs, from their shapes
+        flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)  # matmuls and attention, from shapes
         with tracker:
             for step in range(MEASURED_STEP + 1):
                 if step == MEASURED_STEP:
