@@ -146,7 +146,8 @@ def exchange(
     dist.all_to_all_single(received_per_slot, per_slot, group=ep.group)  # my slots' counts from each rank
     if per_slot.is_meta:  # a dry run holds no counts: the router is taken as balanced (a hot expert's rank gets more)
         send = receive = [len(part) for part in torch.arange(chosen.numel()).tensor_split(ep.size)]
-        local_ids = torch.empty(sum(receive), dtype=torch.long, device="meta")
+        # each row goes to one of this rank's experts: a top-1 choice among them, which a dry run reads as balanced
+        local_ids = torch.empty(sum(receive), local, device="meta").topk(1).indices.view(-1)
     else:
         send = per_slot.view(ep.size, local).sum(1).tolist()
         received = received_per_slot.view(ep.size, local)
