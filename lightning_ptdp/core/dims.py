@@ -163,14 +163,15 @@ class ParallelDims:
         return (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
 
     def group_ranks(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` (pp, dp, cp, tp, or ep) as global ranks, without a process group:
-        the groups build_mesh and build_expert_mesh form (both lay out arange(world_size) row-major)."""
-        if axis == "ep":
+        """Every group of ``axis`` (pp, dp, cp, tp, ep, or edp: the experts' data-parallel ranks) as global
+        ranks, without a process group: the groups build_mesh and build_expert_mesh form (both lay out
+        arange(world_size) row-major)."""
+        if axis in ("ep", "edp"):
             names, shape = EXPERT_MESH_DIM_NAMES, self.expert_mesh_shape
         else:
             names, shape = (MESH_DIM_NAMES if self.cp == 1 else CP_MESH_DIM_NAMES), self.mesh_shape
-        if axis not in CP_MESH_DIM_NAMES + ("ep",):
-            raise ValueError(f"axis={axis!r} is not one of pp, dp, cp, tp, ep")
+        if axis not in CP_MESH_DIM_NAMES + ("ep", "edp"):
+            raise ValueError(f"axis={axis!r} is not one of pp, dp, cp, tp, ep, edp")
         if axis not in names:  # cp when c = 1: one rank a group
             return [[rank] for rank in range(self.world_size)]
         grid = torch.arange(self.world_size).reshape(shape).movedim(names.index(axis), -1)

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.probe import MetaScalarsAsZero
 
-AXES = ("pp", "dp", "cp", "tp", "ep")
+AXES = ("pp", "dp", "cp", "tp", "ep", "edp")  # a group of two axes keeps the first
 
 
 class MetaShapes(TorchDispatchMode):
