@@ -102,8 +102,7 @@ def step_seconds(report: Any, cluster: Any, accumulate: int = 1) -> float:
     and model-parallel collectives repeat; the data-parallel gradient reduction runs once)."""
     from lightning_ptdp.planner import cost
 
-    sizes = {key: report.layout.get(key, 1) for key in ("tensor_parallel_size", "context_parallel_size")}
-    t, c = sizes["tensor_parallel_size"], sizes["context_parallel_size"]
+    t, c = report.layout.get("tensor_parallel_size", 1), report.layout.get("context_parallel_size", 1)
     p, v = report.layout.get("pipeline_parallel_size", 1), report.layout.get("virtual_pipeline_size", 1)
     e = report.layout.get("expert_parallel_size", 1)
     inner = {"tp": 1, "cp": t, "ep": t, "dp": t * c, "edp": t * e}  # ranks between two members (tp innermost)

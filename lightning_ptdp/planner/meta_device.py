@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -32,13 +31,13 @@ class MetaShapes(TorchDispatchMode):
 
     ZEROS_LIMIT = 64 * 2**20  # bytes of CPU zeros an op without a meta kernel may take
 
-    def __init__(self, reads: "ValueReads") -> None:
+    def __init__(self, reads: "MetaCalls") -> None:
         super().__init__()
         self.reads, self.routing = reads, RoutingDensity()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        metas = [t for t in _tensors(args, kwargs) if t.is_meta]
+        metas = [t for t in tensors_in(args, kwargs) if t.is_meta]
         if not metas:
             return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
@@ -63,9 +62,11 @@ class MetaShapes(TorchDispatchMode):
             return _mapped(func(*bf16[0], **bf16[1]), lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-class ValueReads(MetaScalarsAsZero):
-    """``MetaScalarsAsZero`` that remembers each read (what, of which parameter or buffer, where in the
-    user's code), so a step that fails on meta says which value it needed."""
+class MetaCalls(MetaScalarsAsZero):
+    """The dry run's one function-level interception: ``MetaScalarsAsZero`` that remembers each read
+    (what, of which parameter or buffer, where in the user's code), so a step that fails on meta says
+    which value it needed; and ``scaled_dot_product_attention`` as the fused kernel a device runs (its
+    output and log-sum-exp, no s x s scores: on meta torch would pick the math path, which keeps them)."""
 
     _OURS = ("/torch/", "/lightning/", "/lightning_fabric/", "/lightning_utilities/", "/lightning_ptdp/")
 
@@ -84,6 +85,11 @@ class ValueReads(MetaScalarsAsZero):
             }
         )
 
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
+            return _fused_attention(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
         self.record(getattr(func, "__name__", str(func)), [tensor])
 
@@ -98,31 +104,24 @@ class ValueReads(MetaScalarsAsZero):
             self.seen.append(read)
 
 
-class FusedAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` on meta runs the fused kernel a real device runs (its output and
-    log-sum-exp, no s x s scores): on meta, torch would pick the math path, which keeps the scores."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention or not args[0].is_meta:
-            return func(*args, **kwargs)
-        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
-        query, key, value = named["query"], named["key"], named["value"]
-        if named.get("enable_gqa") and key.shape[-3] != query.shape[-3]:  # the kernel reads each kv head per group
-            repeat = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query,
-            key,
-            value,
-            named.get("dropout_p", 0.0),
-            named.get("is_causal", False),
-            attn_mask=named.get("attn_mask"),
-            scale=named.get("scale"),
-        )[0]
+def _fused_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
+    query, key, value = named["query"], named["key"], named["value"]
+    if named.get("enable_gqa") and key.shape[-3] != query.shape[-3]:  # the kernel reads each kv head per group
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query,
+        key,
+        value,
+        named.get("dropout_p", 0.0),
+        named.get("is_causal", False),
+        attn_mask=named.get("attn_mask"),
+        scale=named.get("scale"),
+    )[0]
 
 
-def _tensors(*trees: Any) -> list[torch.Tensor]:
+def tensors_in(*trees: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]

@@ -25,12 +25,12 @@ from lightning_ptdp.planner.meta_device import (
     EXTRA_FLOPS,
     Broadcasts,
     Communication,
-    FusedAttention,
+    MetaCalls,
     MetaShapes,
-    ValueReads,
     fake_group_reads,
     mesh_axes,
     step_peak_tracker,
+    tensors_in,
 )
 from lightning_ptdp.probe import side_effects_muted
 from lightning_ptdp.strategy import PTDPStrategy
@@ -236,7 +236,7 @@ class _StepMemory(pl.Callback):
             live = sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
         peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
         self.measured = _state(pl_module, optimizers, peak, live, strategy)
-        rows = next((t.shape[0] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), 1)
+        rows = next((t.shape[0] for t in tensors_in(batch) if t.dim()), 1)
         micro = strategy.parallel_config.micro_batch_size or rows
         self.measured.update(
             zero1_shards=_zero1_shards(optimizers),
@@ -267,12 +267,6 @@ def _zero1_shards(optimizers: list) -> list[int]:
                 _bytes(v) for state in local.state.values() for v in state.values() if isinstance(v, torch.Tensor)
             )
     return held
-
-
-def _leaves(tree: Any) -> list:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(tree)
 
 
 def _state(module: torch.nn.Module, optimizers: list, peak: int, live: int, strategy: DryRunStrategy) -> dict[str, Any]:
@@ -419,11 +413,10 @@ def _one_rank(
         callbacks=[measure],
         **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
-    reads = ValueReads()
+    reads = MetaCalls()
     reads.name(module)
     with (
         reads,
-        FusedAttention(),
         MetaShapes(reads),
         fake_group_reads(broadcasts),
         _failure_names_the_reads(module, reads),
@@ -437,7 +430,7 @@ def _one_rank(
 
 
 @contextlib.contextmanager
-def _failure_names_the_reads(module: pl.LightningModule, reads: ValueReads) -> Iterator[None]:
+def _failure_names_the_reads(module: pl.LightningModule, reads: MetaCalls) -> Iterator[None]:
     """A step that fails on meta (not a refusal of ptdp's) says which values it read: they read as 0."""
     try:
         yield

@@ -192,10 +192,10 @@ def test_layouts_rank_by_the_cost_models_step_time_over_the_flops_and_collective
 def test_a_mask_of_top_k_routing_choices_takes_the_balanced_share_on_meta():
     """An expert loop picks each expert's rows by value; on meta a mask comparing top-k choices with
     expert ids holds 1/n of its elements (balanced routing), any other mask its upper bound."""
-    from lightning_ptdp.planner.meta_device import MetaShapes, ValueReads
+    from lightning_ptdp.planner.meta_device import MetaCalls, MetaShapes
 
     scores = torch.empty(64, 8, device="meta")
-    with MetaShapes(ValueReads()):
+    with MetaShapes(MetaCalls()):
         _, chosen = torch.topk(scores, 2)
         token, slot = torch.where(chosen == 3)
         per_expert = [torch.where(mask)[0].shape[0] for mask in F.one_hot(chosen, 8).permute(2, 1, 0)]
