@@ -61,9 +61,14 @@ def all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float = 1.0)
             param.grad = torch.zeros_like(param)
     flags = torch.tensor(had, dtype=torch.float32, device=local_tensor(params[0]).device)
     flat_all_reduce([*(local_tensor(p.grad) for p in params), flags], group, scale)
-    for param, anywhere in zip(params, had if flags.is_meta else flags.tolist()):  # meta: a dry run's own
+    for param, anywhere in zip(params, summed_flags(flags, had)):
         if not anywhere:
             param.grad = None
+
+
+def summed_flags(flags: torch.Tensor, own: list[bool]) -> list:
+    """The all-reduced had-gradient flags; on meta (a dry run: the fake group sums nothing) the rank's own."""
+    return own if flags.is_meta else flags.tolist()
 
 
 def raise_on_every_rank(problems: list[str], error: type[Exception] = ValueError) -> None:
@@ -120,7 +125,7 @@ class PendingAllReduce:
                 self._tensors[i] = flat[offset : offset + tensor.numel()].view_as(tensor)
                 offset += tensor.numel()
         self.done = self.done or time.perf_counter()
-        flags = self._had if self._tensors[-1].is_meta else self._tensors[-1].tolist()  # meta: a dry run's own
+        flags = summed_flags(self._tensors[-1], self._had)
         for param, reduced, anywhere in zip(self.params, self._tensors, flags):
             if not anywhere:  # no rank has a gradient for it: stays None, as in one process
                 param.grad = None
