@@ -178,16 +178,20 @@ def run(selected: list[str] | None = None, only: list[str] | None = None, pool=N
     from benchmarks.results import pool_of
     from tests.real_models import MOE_FAMILIES
 
-    rows = []
+    rows, warmed = [], set()
     with pool_of(WORLD_SIZE, pool) as workers:
         for family in selected or families():
             layouts = {**LAYOUTS, **(EXPERT_LAYOUTS if family in MOE_FAMILIES else {})}
             # a family's first run in a process allocates what it keeps for good (imports' caches, gloo's
-            # first buffers): a warm-up run, not measured, so the cells compare the run's own bytes
+            # first buffers), and so does a layout's (DTensor's op rules, the pipeline's and the exchange's
+            # modules): warm-up runs, not measured, so the cells compare the run's own bytes
             workers.run(measure, family, {})
             for name, layout in layouts.items():
                 if only and name not in only:
                     continue
+                if name not in warmed:
+                    workers.run(measure, family, layout)
+                    warmed.add(name)
                 rows.append(cell(family, name, layout, workers))
                 print(json.dumps(_summary(rows[-1])), file=sys.stderr, flush=True)
     return {"benchmark": SECTION, "scale": SCALE, "world_size": WORLD_SIZE, "rows": rows}
@@ -223,7 +227,7 @@ def render(record: dict, command: str) -> str:
         f"step {STEPS} measured; the conformance families at hidden {SCALE['hidden']}, ffn {SCALE['ffn']}.",
         "- Predicted: `lightning_ptdp.planner.dry_run` (meta tensors, fake process group). Measured: glibc's "
         "in-use bytes (`mallinfo2`, benchmarks/bench_memory.py) in each rank's process, minus the figure before "
-        "the model is built (after one unmeasured warm-up run of the family): at rest after step 2 (state), and the peak during step 2 above its start, read every 1 ms, "
+        "the model is built (after unmeasured warm-up runs: the family's first, and each layout's first in the process): at rest after step 2 (state), and the peak during step 2 above its start, read every 1 ms, "
         "at the step's hooks and after every op (activations). Error = predicted / measured - 1, worst rank of the cell.",
         f"- **State within {STATE_TARGET:.0%}: {sum(e <= STATE_TARGET for e in state)} of {len(state)} ranks** "
         f"(median |error| {_pct(statistics.median(state) if state else None)}); "

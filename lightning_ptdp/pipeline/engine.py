@@ -143,7 +143,7 @@ class PipelineEngine:
                 self._time(stage)
                 stages.append(stage)
             loss_fn = (lambda output, target: output.sum()) if training else None
-            self._schedules[key] = build_schedule(self.schedule_name, stages, microbatches, loss_fn)
+            self._schedules[key] = (build_schedule(self.schedule_name, stages, microbatches, loss_fn), stages)
         return self._schedules[key]
 
     def _time(self, stage: Any) -> None:
@@ -255,7 +255,7 @@ class PipelineEngine:
         self.results.begin()
         training = run.training
         microbatches, rows = self._split(batch, training)
-        schedule = self._schedule(len(microbatches), rows, training)
+        schedule, stages = self._schedule(len(microbatches), rows, training)
         run.microbatches, run.grad_scale = microbatches, run.grad_scale / len(microbatches)
         self._run = run
         ids = torch.arange(len(microbatches))
@@ -274,6 +274,8 @@ class PipelineEngine:
             raise
         finally:
             end = time.perf_counter()
+            for stage in stages:  # torch keeps the last stage's outputs, and so their graphs, until the next step
+                stage.clear_runtime_states()
             if original_log is None:
                 del self.module.log
             else:
@@ -292,4 +294,6 @@ class PipelineEngine:
     def _capture_log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         run = self._run
         assert run is not None
+        # detached: a logged loss would keep its microbatch's graph alive until the next step
+        value = value.detach() if isinstance(value, torch.Tensor) else value
         run.logs.append((run.current, name, value, args, kwargs))

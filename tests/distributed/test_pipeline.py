@@ -173,7 +173,9 @@ def test_lightning_features_hold_under_pipeline(dist_pool, tmp_path):
 
 def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") -> dict:
     """One training step; per rank: bytes each forward send carried, the schedule's measured
-    activations in flight on each local stage, and the peak bytes autograd held for backward."""
+    activations in flight on each local stage, the peak bytes autograd held for backward, and the
+    tensors still holding a graph once the step is done."""
+    import gc
     import weakref
 
     import lightning as L
@@ -208,6 +210,8 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.hooks.__exit__(None, None, None)
+            gc.collect()
+            live["graphs"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
 
     torch_stage._PipelineStageBase.get_fwd_send_ops = counting
     try:
@@ -225,6 +229,7 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
         "rank": engine.split.rank,
         "in_flight": {c: timeline.max_in_flight(c) for c in engine.split.local_chunks},
         "peak_bytes": live["peak"],
+        "graphs_after_step": live["graphs"],
     }
 
 
@@ -253,9 +258,13 @@ def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(dist_pool):
     """First stage, m = 8 microbatches on p = 2 stages: 1F1B starts backward after p forwards,
     GPipe only after all m, measured from the executed schedule and from the bytes autograd holds."""
     common = {"pipeline_parallel_size": 2, "micro_batch_size": 1}
-    f1b = dist_pool(2).run(one_step_measured, {**common, "pipeline_schedule": "1f1b"}, 2)[0]
+    f1b_ranks = dist_pool(2).run(one_step_measured, {**common, "pipeline_schedule": "1f1b"}, 2)
     gpipe = dist_pool(2).run(one_step_measured, {**common, "pipeline_schedule": "gpipe"}, 2)[0]
+    f1b = f1b_ranks[0]
     assert f1b["in_flight"] == {0: 2} and gpipe["in_flight"] == {0: 8}
+    # no graph outlives the step: a logged loss or torch's kept stage outputs held the last stage's
+    # microbatch graphs (and the chunked loss's saved gradients) until the next step
+    assert [r["graphs_after_step"] for r in f1b_ranks] == [0, 0]
     # activation memory follows: about p/m = 1/4 of GPipe's (plus what is not per-microbatch)
     assert f1b["peak_bytes"] < 0.35 * gpipe["peak_bytes"], (f1b["peak_bytes"], gpipe["peak_bytes"])
 
