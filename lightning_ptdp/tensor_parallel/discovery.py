@@ -52,21 +52,21 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
     """Fill ``blocks``, ``units`` and ``unit_size`` of every column from the global shapes."""
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
     for col in region.columns:
-        node = _cut_at(nodes[col])
-        size, one_head = _shape(node)[-1], len(_shape(node)) > len(_shape(nodes[col]))
+        node, dim = _cut_at(nodes[col])
+        size, one_head = _shape(node)[dim], len(_shape(node)) > len(_shape(nodes[col]))
         parts, blocks = [nodes[col]], 1
         if len(node.users) == 1:
             user = next(iter(node.users))
-            if _call_name(user) in ("split", "chunk") and _shape(user) is None:
+            if _call_name(user) in ("split", "chunk") and _shape(user) is None and _split_dim(user) == dim:
                 chunk_shapes = [_shape(u) for u in user.users]
-                pieces = [s[-1] for s in chunk_shapes if s is not None]
+                pieces = [s[dim] for s in chunk_shapes if s is not None]
                 if len(set(pieces)) == 1 and size % pieces[0] == 0:
                     blocks = size // pieces[0]
                     parts = list(user.users)
                 elif len(pieces) > 1 and sum(pieces) == size:  # unequal parts: q | k | v with fewer KV heads
                     _unequal_parts(region, col, list(user.users), pieces, one_head)
                     continue
-        sliced = _slice_parts(node, size)
+        sliced = _slice_parts(node, size) if dim == len(_shape(node)) - 1 else None
         if sliced is not None:  # qkv[..., :q], qkv[..., q:q + kv], ... (Phi-3)
             part_nodes, pieces = sliced
             if len(set(pieces)) == 1:
@@ -83,22 +83,47 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(s for s in shape if s != 1)
 
 
-def _cut_at(node: fx.Node) -> fx.Node:
-    """Where a column output's parts are cut: unless a view splits it into heads first (a key of one
-    head, (B, T, 1, hs), whose rotary halves are no parts), follow its only users while they keep its
-    last dim and merely add or drop size-1 dims or keep its shape (GPTBigCode's unsqueeze, a clip)."""
+def _cut_at(node: fx.Node) -> tuple[fx.Node, int]:
+    """Where a column output's parts are cut, and the dim its features are then in: unless a view
+    splits it into heads first (a key of one head, (B, T, 1, hs), whose rotary halves are no parts),
+    follow its only users while they keep its features whole: adding or dropping size-1 dims
+    (GPTBigCode's unsqueeze), moving them (a transpose to channels-first), or keeping their dim's
+    size in place (a clip, a depthwise conv and the slice of its padding)."""
+    current, dim = node, len(_shape(node)) - 1
     if _units_of(node, _shape(node)[-1])[1] > 1:
-        return node
-    current = node
+        return current, dim
     for _ in range(8):
-        users = [u for u in current.users if u.op != "output"]
+        # a same-shape call whose result nothing reads (``x.to(x.dtype)``, recorded, x read on) moves nothing
+        users = [u for u in current.users if u.op != "output" and (u.users or _shape(u) not in (None, _shape(current)))]
         if len(users) != 1 or users[0].op not in ("call_function", "call_method"):
             break
-        shape_in, shape_out = _shape(current), _shape(users[0])
-        if shape_out is None or shape_out[-1] != shape_in[-1] or _squeezed(shape_out) != _squeezed(shape_in):
+        moved = _features_after(current, users[0], dim)
+        if moved is None:
             break
-        current = users[0]
-    return current
+        current, dim = users[0], moved
+    return current, dim
+
+
+def _features_after(src: fx.Node, user: fx.Node, dim: int) -> int | None:
+    """The dim of ``src``'s features (at ``dim``) in ``user``'s output, or None where it may mix them."""
+    shape_in, shape_out = _shape(src), _shape(user)
+    if shape_out is None or user.args[:1] != (src,):
+        return None
+    rank = len(shape_in)
+    if _call_name(user) in ("transpose", "swapaxes", "swapdims") and len(user.args) == 3:
+        a, b = (d % rank for d in user.args[1:])
+        return b if dim == a else a if dim == b else dim
+    if dim == rank - 1 and shape_out[-1] == shape_in[-1] and _squeezed(shape_out) == _squeezed(shape_in):
+        return len(shape_out) - 1
+    if len(shape_out) == rank and shape_out[dim] == shape_in[dim] and dim != rank - 1:
+        return dim
+    return None
+
+
+def _split_dim(node: fx.Node) -> int:
+    """The dim a recorded split or chunk cuts, counted from the start."""
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    return dim % len(_shape(node.args[0]))
 
 
 def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | None:

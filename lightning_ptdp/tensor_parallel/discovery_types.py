@@ -67,6 +67,7 @@ class OperandSlice:
     made_inside: bool  # computed from the region's input: its gradient already reaches f, no second sum
     of_parameters: bool  # computed from the block's parameters alone (summed over tp after backward under SP)
     outer: int = 1  # ``dim`` holds this many blocks, each cut to this rank's heads (ALiBi's (B*nh, 1, T))
+    bounds: tuple[int, ...] = ()  # fused parts along ``dim`` (0 ... width): this rank's share of each
 
 
 @dataclass
@@ -89,6 +90,9 @@ class RegionPlan:
     """Call site -> the whole per-head operands each rank slices (ALiBi's bias, a sink's logits)."""
     sharded_outputs: dict[int, int] = field(default_factory=dict)
     """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
+    sharded_sites: dict[Any, tuple[int, int]] = field(default_factory=dict)
+    """Call site -> (dim, global / local size) of its head-sharded result: a Python check of that result's
+    whole shape against the global one still passes (replay.GlobalShape)."""
     prefix: list[str] = field(default_factory=list)
     """What runs on the entered input before the columns (a low-rank down-projection and its norm): module or parameter
     paths, whole on every rank, their gradients summed over tp (each rank's holds its heads' part)."""

@@ -3,9 +3,9 @@
 The call runs once on meta tensors of its recorded shapes under a ``TorchDispatchMode`` listing the
 aten ops it runs, and each is followed in turn: an op tagged ``torch.Tag.pointwise`` keeps the dim
 (broadcasting), any other asks DTensor's sharding propagation (a mesh of the shard ratio, built
-without a process group) for its output placement given ``Shard(d)`` inputs. The call then runs on
-one rank's share of the inputs, which must give that share of each output: a size argument naming
-a global size fails there. ``OpRefused`` says why a call cannot run on shards.
+without a process group) for its output placement given ``Shard(d)`` inputs, then runs on one
+rank's share (a global size argument fails there). ``acts_per_slice`` checks a call neither answers
+(a depthwise conv, groups = channels) on sample values. ``OpRefused`` says why a call cannot run on shards.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _META = torch.device("meta")
 
@@ -222,7 +222,9 @@ def _check_share(call: Callable, args: tuple, kwargs: dict, sharded: dict, ratio
             shape[dim] //= ratio
         expected.append(tuple(shape))
     try:
-        local, _ = _run(call, args, kwargs, lambda n: _empty(n, sharded.get(n), ratio))
+        local, made = _run(call, args, kwargs, lambda n: _empty(n, sharded.get(n), ratio))
+        if local is None:  # __setitem__: the tensor it wrote into
+            local = made[next(a for a in args if isinstance(a, fx.Node))]
         got = [tuple(t.shape) for t in _tensors(local)]
     except Exception as err:  # a size argument naming the global size fails on the share
         got, why = None, f"{type(err).__name__}: {err}"
@@ -233,3 +235,68 @@ def _check_share(call: Callable, args: tuple, kwargs: dict, sharded: dict, ratio
             f"which on 1/{ratio} of the sharded dim {why} (a size argument naming a global size only view, "
             "reshape, expand, split and repeat_interleave rewrite)"
         )
+
+
+SLICE_RTOL = 1e-5  # fp32: each share's outputs are the same sums as the whole call's, in the kernel's order
+
+
+def share_of(x: torch.Tensor, dim: int, rank: int, ratio: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    """Rank ``rank``'s share of ``x`` along ``dim``: 1/ratio of each fused part between ``bounds``
+    (0 ... size), or of the whole dim without them."""
+    edges = bounds or (0, x.shape[dim])
+    pieces = [x.narrow(dim, a + rank * (b - a) // ratio, (b - a) // ratio) for a, b in zip(edges, edges[1:])]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def acts_per_slice(
+    call: Callable, args: tuple, kwargs: dict, source: fx.Node, dim: int, ratio: int, bounds: tuple[int, ...] = ()
+) -> tuple[int, dict[fx.Node, int], list[int]] | None:
+    """Whether ``call`` acts on each 1/ratio share of ``source``'s sharded ``dim`` alone (of each fused
+    part between ``bounds``), checked on random values: each share, with the same share of every
+    other tensor argument holding that dim's full size in one dim (a depthwise conv's weight [C, 1, k])
+    and each int argument naming that size at 1/ratio (its ``groups``), gives that share of one output
+    dim. Returns (that output dim, the arguments to cut {node: dim}, the argument leaves divided), or None."""
+    leaves, spec = tree_flatten((args, kwargs))
+    width = _empty(source).shape[dim]
+    cut: dict[fx.Node, int] = {}
+    for node in leaves:
+        shape = getattr(node.meta.get("tensor_meta"), "shape", None) if isinstance(node, fx.Node) else None
+        if node is not source and shape is not None:
+            dims = [d for d, n in enumerate(shape) if n == width]
+            if len(dims) != 1:
+                return None
+            cut[node] = dims[0]
+    divided = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
+    if width % ratio or not divided and not cut:
+        return None
+    try:
+        generator = torch.Generator().manual_seed(0)
+        values = {n: _sample(n, generator) for n in (source, *cut)}
+        whole = tree_unflatten([values.get(v, v) if isinstance(v, fx.Node) else v for v in leaves], spec)
+        expected = call(*whole[0], **whole[1])
+        found: set[int] | None = None
+        dims = {source: dim, **cut}
+        for r in range(ratio):
+            local = [share_of(values[v], dims[v], r, ratio, bounds) if isinstance(v, fx.Node) else v for v in leaves]
+            local = [v // ratio if i in divided else v for i, v in enumerate(local)]
+            got = call(*tree_unflatten(local, spec)[0], **tree_unflatten(local, spec)[1])
+            fits = set()
+            for d in range(expected.dim()):
+                if got.shape[d] * ratio != expected.shape[d] or bounds and expected.shape[d] != width:
+                    continue
+                want = share_of(expected, d, r, ratio, bounds)
+                if want.shape == got.shape and torch.allclose(got, want, rtol=SLICE_RTOL, atol=SLICE_RTOL):
+                    fits.add(d)
+            found = fits if found is None else found & fits
+    except Exception:  # the user's call on samples may raise anything: not known to act per slice
+        return None
+    if not found or len(found) != 1:
+        return None
+    return found.pop(), cut, divided
+
+
+def _sample(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
+    meta = node.meta["tensor_meta"]
+    if not meta.dtype.is_floating_point:
+        raise OpRefused("an integer operand")
+    return torch.randn(tuple(meta.shape), generator=generator, dtype=torch.float32).to(meta.dtype)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch import fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ptdp.tensor_parallel.discovery_types import (
     OperandSlice,
@@ -31,13 +29,18 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape_args,
     ancestry,
 )
-from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
-from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, on_meta, per_head_operands
+from lightning_ptdp.tensor_parallel.module_calls import ModuleCalls
+from lightning_ptdp.tensor_parallel.op_semantics import (
+    OpRefused,
+    acts_per_slice,
+    follow_call,
+    per_head_operands,
+)
 
 log = logging.getLogger(__name__)
 
 
-class ShardPropagation:
+class ShardPropagation(ModuleCalls):
     """Follow the sharded dimension from a region's columns to its row, rewriting shape arguments."""
 
     def __init__(self, gm: fx.GraphModule, region: RegionPlan, ratios: dict[str, int], tp_size: int, name: str):
@@ -63,6 +66,8 @@ class ShardPropagation:
             sharded_inputs = [a for a in node.all_input_nodes if a in self.shard]
             if not sharded_inputs or node.op == "output" and not sharded_inputs:
                 continue
+            if node.op != "output":
+                sharded_inputs += self._fresh_operands(node, sharded_inputs[0])
             if "tensor_meta" not in node.meta and not node.users and node.op != "output":
                 continue  # returned its input itself (dropout with p=0): recorded as nothing new
             if node.op == "output":
@@ -72,6 +77,32 @@ class ShardPropagation:
                 self._module(node, sharded_inputs[0])
             else:
                 self._function(node, sharded_inputs)
+            info = self.shard.get(node)
+            if info is not None and "site" in node.meta and _shape(node) is not None:
+                self.region.sharded_sites[node.meta["site"]] = (info.dim, info.ratio)
+
+    def _fresh_operands(self, node: fx.Node, src: fx.Node) -> list[fx.Node]:
+        """Tensors made from sizes alone (``torch.zeros(b, heads, k, v)``, a recurrent state) read with a
+        head-sharded one and holding the global head count where it holds its heads: made at this rank's
+        share (that size argument at 1/ratio; one read from a local shape already is kept) and sharded."""
+        info, shape = self.shard[src], _shape(src)
+        if shape is None or info.ratio == 1 or info.outer > 1 or info.bounds:
+            return []
+        back, width = info.dim - len(shape), shape[info.dim]
+        fresh = []
+        for n in node.all_input_nodes:
+            made = _shape(n)
+            if n in self.shard or n.all_input_nodes or made is None or "site" not in n.meta or len(made) < -back:
+                continue
+            leaves, spec = tree_flatten((n.args, n.kwargs))
+            named = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
+            if made[back] != width or list(made).count(width) != 1 or len(named) != 1:
+                continue
+            leaves[named[0]] = self._divide(n, width, info.ratio)
+            n.args, n.kwargs = tree_unflatten(leaves, spec)
+            self.shard[n] = Sharded(len(made) + back, info.ratio)
+            fresh.append(n)
+        return fresh
 
     def _output(self, node: fx.Node) -> None:
         """The block's hidden state must come out whole; an extra output that is head-sharded (eager
@@ -87,91 +118,6 @@ class ShardPropagation:
                 raise self.fail(node, "returns a tensor sharded unevenly (replicated KV heads or fused parts)")
             self.region.sharded_outputs[index] = info.dim
             log.info("block '%s' also returns %s, head-sharded: gathered over tp where read", self.name, value.name)
-
-    def _module(self, node: fx.Node, src: fx.Node) -> None:
-        info = self.shard[src]
-        if node.target == self.region.row:
-            if info.dim != len(_shape(src)) - 1:
-                raise self.fail(node, "receives a tensor sharded along a dim other than its features")
-            return
-        if info.outer > 1:
-            raise self.fail(node, "gets heads folded into another dim")
-        module = self.gm.get_submodule(node.target)
-        if isinstance(module, nn.Linear):
-            raise self.fail(node, "is a second linear reading the sharded activations")
-        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
-        sharded = {src: info.dim, **{t: self.shard[t].dim for t in tensors if t in self.shard}}
-        if per_head_operands(node.args, node.kwargs, sharded):  # a module call is cut nowhere
-            raise self.fail(node, "reads a whole tensor of all heads beside the head-sharded one")
-        if any(True for _ in module.parameters()):
-            if info.ratio != self.tp_size:
-                raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
-            width = _shape(src)[info.dim]
-            if tensors == [src] and not any(width in p.shape for p in module.parameters()):
-                self._parameterless(node, module, src, info, known=True)  # learned scalars: by its aten ops
-            elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
-                norm = feature_norm_of(module, _shape(src)[-1])
-                if norm is None or info.bounds:
-                    raise self.fail(
-                        node, "has parameters over the sharded feature dim (and is no RMSNorm or LayerNorm over them)"
-                    )
-                self.region.feature_norms[node.target] = norm
-            else:
-                self._per_head_parameters(node, module, src, info)
-            # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
-            # all heads or of per-head weights): its gradient sums over the group, once (a module called twice)
-            if node.target not in self.region.partial:
-                self.region.partial.append(node.target)
-        if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
-            self._tuple_module(node)
-            return
-        if _shape(node) != _shape(src):
-            raise self.fail(node, "changes the shape of a sharded tensor")
-        if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
-            self._parameterless(node, module, src, info)
-        self.shard[node] = Sharded(info.dim, info.ratio)
-
-    def _parameterless(
-        self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded, known: bool = False
-    ) -> None:
-        """A module on the sharded tensor alone, without parameters along the sharded dim (an L2 norm, an
-        activation, one with learned scalars), is followed like any call, by the aten ops its forward
-        runs (its parameters and buffers on meta): one that reduces over the sharded dim (an L2
-        norm over all heads' features) is refused. One that cannot run on meta tensors keeps the old
-        rule, elementwise (it keeps the shape); modules of several tensors (attention) keep their handlers."""
-        try:
-            dims = follow_call(on_meta(module), node.args, node.kwargs, {src: info.dim}, info.ratio)
-        except OpRefused as refusal:
-            if str(refusal).startswith("which discovery does not know") and not known:
-                return
-            raise self.fail(node, f"runs {type(module).__name__} on a head-sharded tensor, {refusal}") from None
-        if dims[:1] != [info.dim]:
-            raise self.fail(node, f"runs {type(module).__name__}, which moves the sharded dim to {dims[:1]}")
-
-    def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
-        """Parameters with one entry per head (Cohere's (heads, head_dim) q/k norm, per-head scalars):
-        each rank applies its heads' slice, checked on a sample against the whole module."""
-        slices = head_slices_of(module, _shape(src), info.dim)
-        if slices is None:  # one weight shared by all heads (a per-head q/k norm over head_dim)
-            return
-        inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
-        names = ", ".join(f"{name} {tuple(module.get_parameter(name).shape)}" for name, _ in slices.dims)
-        if inputs != [src] or _shape(node) != _shape(src):
-            raise self.fail(node, f"holds per-head parameters ({names}) and reads or returns more than one tensor")
-        mismatch = slices.mismatch(module, _shape(src), info.dim, self.tp_size)
-        if mismatch is not None:
-            raise self.fail(node, f"holds per-head parameters ({names}), and sliced per rank it {mismatch}")
-        self.region.feature_norms[node.target] = slices
-
-    def _tuple_module(self, node: fx.Node) -> None:
-        inputs = [a for a in node.args if isinstance(a, fx.Node)]
-        for user in node.users:
-            index = user.args[1] if user.target is operator.getitem else None
-            source = inputs[index] if isinstance(index, int) and index < len(inputs) else None
-            if source is None or _shape(source) != _shape(user):
-                raise self.fail(node, "returns tensors that do not match its head-sharded inputs one for one")
-            if source in self.shard:
-                self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
 
     def _function(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         handler = getattr(self, f"_op_{_call_name(node)}", None)
@@ -192,22 +138,26 @@ class ShardPropagation:
         if any(self.shard[i].ratio != ratio for i in inputs[1:]):
             raise self.fail(node, "combines tensors split into different numbers of heads")
         shaped = [i for i in inputs if _shape(i) is not None]
-        if ratio > 1 and shaped:  # an int below the rank may be a dim index: the run on the share checks it
+        if ratio > 1 and shaped:  # an int up to the rank may be a dim index (unsqueeze): the run on the share checks it
             sizes = {_shape(i)[self.shard[i].dim] for i in shaped}
             rank = max(len(_shape(i)) for i in shaped)
-            named = [v for v in tree_flatten((node.args, node.kwargs))[0] if type(v) is int and v >= rank]
-            if sizes.intersection(named):
+            named = [v for v in tree_flatten((node.args, node.kwargs))[0] if type(v) is int and v > rank]
+            if sizes.intersection(named) and not self._per_slice(node, inputs):
                 raise self.fail(
                     node,
                     f"passes {sorted(sizes.intersection(named))[0]}, the global size of the sharded dim, to '{name}', "
                     "which only view, reshape, expand, split and repeat_interleave rewrite",
                 )
+            if node in self.shard:
+                return
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
         sharded = {i: self.shard[i].dim for i in inputs}
         try:
             dims = follow_call(call, node.args, node.kwargs, sharded, ratio)
         except OpRefused as refusal:
             dims = self._with_whole_operands(node, call, sharded, ratio)
+            if dims is None and self._per_slice(node, inputs):
+                return
             if dims is None:
                 raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         first = self.shard[inputs[0]]
@@ -224,6 +174,26 @@ class ShardPropagation:
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
             self.shard[node] = Sharded(dims[0], ratio)
+
+    def _per_slice(self, node: fx.Node, inputs: list[fx.Node]) -> bool:
+        """A call torch's rules do not follow that acts on each rank's share alone, checked on samples
+        (op_semantics.acts_per_slice: a depthwise conv over the heads' channels, its groups and weight
+        cut to this rank's); marks its result sharded, recording the cuts for the replay."""
+        info = self.shard[inputs[0]]
+        if len(inputs) != 1 or info.ratio != self.tp_size or info.outer > 1 or "site" not in node.meta:
+            return False
+        call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        found = acts_per_slice(call, node.args, node.kwargs, inputs[0], info.dim, info.ratio, info.bounds)
+        if found is None:
+            return False
+        dim, cut, divided = found
+        leaves, spec = tree_flatten((node.args, node.kwargs))
+        leaves = [self._divide(node, v, info.ratio) if i in divided else v for i, v in enumerate(leaves)]
+        node.args, node.kwargs = tree_unflatten(leaves, spec)
+        if cut:
+            self._slice(node, cut, info.bounds)
+        self._mark(node, dim, Sharded(dim, info.ratio, info.bounds))
+        return True
 
     def _with_whole_operands(self, node: fx.Node, call: Any, sharded: dict, ratio: int) -> list | None:
         """The call's dims with its whole per-head operands cut to each rank's heads (ALiBi's bias:
@@ -244,7 +214,7 @@ class ShardPropagation:
             self._slice(node, whole)
         return dims
 
-    def _slice(self, node: fx.Node, whole: dict[fx.Node, int]) -> None:
+    def _slice(self, node: fx.Node, whole: dict[fx.Node, int], bounds: tuple[int, ...] = ()) -> None:
         leaves = tree_flatten((node.args, node.kwargs))[0]
         source = next(n for n in self.gm.graph.nodes if n.name == self.region.input_node)
         outer = max((self.shard[i].outer for i in node.all_input_nodes if i in self.shard), default=1)
@@ -252,7 +222,9 @@ class ShardPropagation:
         for n, d in whole.items():
             made_from = ancestry(n)
             of_parameters = not any(m.op == "placeholder" for m in made_from)
-            slices.append(OperandSlice(leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer))
+            slices.append(
+                OperandSlice(leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer, bounds)
+            )
         self.region.operand_slices[node.meta["site"]] = slices
 
     def _cut_before_expand(self, node: fx.Node, dim: int, ratio: int) -> bool:
@@ -288,13 +260,18 @@ class ShardPropagation:
         each rank's B blocks of its heads, ``Sharded.outer``): its size argument at 1/ratio."""
         shape_in, shape_out = _shape(src), _shape(node)
         prefix = math.prod(shape_in[: info.dim]) * info.outer  # elements before the sharded units
+        block = shape_in[info.dim] // info.outer
         cumulative, target, outer = 1, None, 1
         for j, size in enumerate(shape_out):
             if cumulative == prefix and size % info.ratio == 0:
                 target = j
                 break
-            if prefix % cumulative == 0 and size == prefix // cumulative * shape_in[info.dim] // info.outer:
-                target, outer = j, prefix // cumulative  # merged with the dims before it
+            before = prefix // cumulative if prefix % cumulative == 0 else 0
+            merged = size // before if before and size % before == 0 else 0  # units of the sharded dim in dim j
+            if merged > 1 and merged % info.ratio == 0 and block % merged == 0 and (merged == block or not info.bounds):
+                # merged with the dims before it: all of the sharded dim, or its leading factor
+                # (the heads of (B, T, nh*hs) -> (B*T*nh, hs)), with every rank's share inside dim j
+                target, outer = j, before
                 break
             cumulative *= size
         if target is None or (outer > 1 and info.bounds):

@@ -11,6 +11,7 @@ entered input; the row Linear reduces and ends the region. Leaf modules are not 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,12 +20,14 @@ import torch.nn as nn
 from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_ptdp.core.sites import CallSite, SiteCounter
 from lightning_ptdp.tensor_parallel import collectives as C
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
 from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, OperandSlice, TPDiscoveryError, ancestry
 from lightning_ptdp.tensor_parallel.extra_outputs import HeadShardedOutput, wrap_extra_outputs
+from lightning_ptdp.tensor_parallel.op_semantics import share_of
 from lightning_ptdp.tensor_parallel.recording import outermost_leaves
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard
 
@@ -117,6 +120,7 @@ class BlockProgram:
     sharded_outputs: dict[int, int] = field(default_factory=dict)  # extra outputs gathered where read
     slices: dict[CallSite, list[OperandSlice]] = field(default_factory=dict)  # whole per-head operands
     entering: dict[int, list[str]] = field(default_factory=dict)  # region -> its leaves reading its input
+    sized: dict[CallSite, tuple[int, int]] = field(default_factory=dict)  # head-sharded results: (dim, ratio)
 
     @classmethod
     def build(cls, graph: fx.Graph, plan: BlockPlan, before: dict[fx.Node, tuple]) -> BlockProgram:
@@ -133,6 +137,7 @@ class BlockProgram:
         for k, region in enumerate(plan.regions):
             program.sharded_outputs.update(region.sharded_outputs)
             program.slices.update(region.operand_slices)
+            program.sized.update(region.sharded_sites)
             source = nodes[region.input_node]
             program.sources.append(_source_of(source, placeholders))
             if program.sources[-1].kind == "site":
@@ -143,7 +148,7 @@ class BlockProgram:
                     program.outside.setdefault(user.meta["site"], set()).add(k)
             if region.prefix or region.gathered:  # its leaves reading the input, columns too, enter it by a hook
                 program.entering[k] = [u.target for u in source.users if u in inside and u.op == "call_module"]
-        sites = {*program.rewrites, *program.outside, *program.source_sites, *program.slices}
+        sites = {*program.rewrites, *program.outside, *program.source_sites, *program.slices, *program.sized}
         program.funcs = frozenset(site.func for site in sites)
         program.by_ordinal = {n.meta["ordinal"]: n.meta["site"] for n in graph.nodes if n.meta.get("site") in sites}
         program.sites = frozenset(sites)
@@ -205,6 +210,7 @@ class BlockRuntime:
         self.calls: dict[Any, int] = {}  # func -> calls so far in this forward
         self.mismatch: CallSite | None = None  # an eager call whose order differs from the recording
         self.depth = 0
+        self.sharded: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # this forward's head-sharded results
         self.input_sources = [(s.key, k) for k, s in enumerate(program.sources) if s.kind == "input"]
         for k, source in enumerate(program.sources):
             if source.kind == "module":
@@ -273,6 +279,7 @@ class BlockRuntime:
         self.sites = SiteCounter()
         self.calls = {}
         self.depth = 0
+        self.sharded = WeakTensorKeyDictionary()
         for entry in self.entries:
             entry.finish()
         if not self.input_sources:
@@ -310,6 +317,8 @@ class _ReplayMode(TorchFunctionMode):
         rt = self.rt
         if rt.depth:
             return func(*args, **kwargs)
+        if func in _SHAPE_READS and not kwargs and len(args) == 1 and args[0] in rt.sharded:
+            return GlobalShape.of(func(*args), *rt.sharded[args[0]])
         program = rt.program
         site = rt.site(func) if func in program.funcs else None
         active = [e for e in rt.entries if e.source is not None]
@@ -324,6 +333,8 @@ class _ReplayMode(TorchFunctionMode):
         if site is not None and site in program.slices:
             args, kwargs = _own_heads(args, kwargs, program.slices[site], rt.tp, rt.on_shards)
         result = func(*args, **kwargs)
+        if site in program.sized and isinstance(result, torch.Tensor) and not torch.compiler.is_compiling():
+            rt.sharded[result] = program.sized[site]
         if site is not None and site in program.source_sites:
             for k in program.source_sites[site]:
                 index = program.sources[k].index
@@ -331,6 +342,35 @@ class _ReplayMode(TorchFunctionMode):
                 if entered is not None:
                     result = entered if index is None else _replace(result, index, entered)
         return result
+
+
+_SHAPE_READS = frozenset({torch.Tensor.size, torch.Tensor.shape.__get__})
+
+
+class GlobalShape(tuple):
+    """A head-sharded tensor's local shape that also compares equal to its global one: the model's own
+    check of a whole shape against the config's head count (``attn.size() != (bsz * num_heads, t, s)``)
+    passes on the shard. Indexing, unpacking and arithmetic see the local sizes (torch.Size cannot be
+    subclassed: this is a tuple with its ``numel``)."""
+
+    global_shape: tuple
+
+    @classmethod
+    def of(cls, local: torch.Size, dim: int, ratio: int) -> GlobalShape:
+        shape = cls(local)
+        shape.global_shape = tuple(n * ratio if i == dim % len(local) else n for i, n in enumerate(local))
+        return shape
+
+    def __eq__(self, other: object) -> bool:
+        return tuple.__eq__(self, other) is True or self.global_shape == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+    def numel(self) -> int:
+        return math.prod(self)
 
 
 def _own_heads(
@@ -354,6 +394,9 @@ def _own_heads(
             continue
         if whole.requires_grad and not (cut.made_inside or (on_shards and cut.of_parameters)):
             whole = C.copy_to_tp_region(whole, tp)
+        if cut.bounds:  # a fused projection's parts: this rank's share of each
+            leaves[cut.index] = share_of(whole, cut.dim, tp.rank, tp.size, cut.bounds)
+            continue
         blocks = whole.unflatten(cut.dim, (cut.outer, cut.width // cut.outer))  # heads folded into the batch
         size = blocks.shape[cut.dim + 1] // tp.size
         leaves[cut.index] = blocks.narrow(cut.dim + 1, tp.rank * size, size).flatten(cut.dim, cut.dim + 1)

@@ -39,6 +39,18 @@ def whole_share(block: nn.Module, plan: BlockPlan) -> float:
     return 1.0 - split / total if total else 0.0
 
 
+def uncalled(block: nn.Module, plan: BlockPlan) -> list[str]:
+    """Modules holding matrices that the recorded forward never ran nor read (a decoder's cross-attention
+    with no encoder): nothing splits them, so they stay whole on every rank."""
+    used = [n.target for n in plan.graph.nodes if n.op in ("call_module", "get_attr")]
+    idle = []
+    for path, p in block.named_parameters():
+        owner = path.rpartition(".")[0]
+        if p.dim() >= 2 and not any(path == u or path.startswith(u + ".") for u in used) and owner not in idle:
+            idle.append(owner or path)
+    return idle
+
+
 def warn_whole_regions(
     name: str, block: nn.Module, plan: BlockPlan, tp_size: int, sequence_parallel: bool = False
 ) -> None:
@@ -48,12 +60,15 @@ def warn_whole_regions(
     side = [
         t for r in plan.regions for t in r.prefix if any(getattr(m, n).dim() >= 2 for m, n in parameters_at(block, t))
     ]
-    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side:
+    idle = uncalled(block, plan)
+    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]
     what = f"keeps {', '.join(kept)} whole on every rank" if kept else "splits little of it"
     if side and not kept:
         what = f"keeps {', '.join(side)} whole on every rank (computed from a region's input beside its heads)"
+    elif idle and not kept:
+        what = f"keeps {', '.join(idle)} whole on every rank (the recorded forward never ran them)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
     split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
     sp = (

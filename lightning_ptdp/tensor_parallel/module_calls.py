@@ -1,0 +1,124 @@
+"""How a module call inside a region meets the sharded dim: the row Linear ends the region, a norm
+over all heads' features gets its statistics summed (feature_norm.py), per-head parameters are sliced,
+a module of the heads alone is followed by the aten ops its forward runs, and one on rows holding
+folded heads must keep each row in place. A mixin of ``ShardPropagation`` (propagation.py)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch.nn as nn
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from lightning_ptdp.tensor_parallel.discovery_types import Sharded, _shape
+from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
+from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, on_meta, per_head_operands
+
+
+class ModuleCalls:
+    """The module-call handlers of ``ShardPropagation``."""
+
+    def _module(self, node: fx.Node, src: fx.Node) -> None:
+        info = self.shard[src]
+        if node.target == self.region.row:
+            if info.dim != len(_shape(src)) - 1:
+                raise self.fail(node, "receives a tensor sharded along a dim other than its features")
+            return
+        module = self.gm.get_submodule(node.target)
+        if info.outer > 1:
+            self._folded_module(node, module, info)
+            return
+        if isinstance(module, nn.Linear):
+            raise self.fail(node, "is a second linear reading the sharded activations")
+        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        sharded = {src: info.dim, **{t: self.shard[t].dim for t in tensors if t in self.shard}}
+        if per_head_operands(node.args, node.kwargs, sharded):  # a module call is cut nowhere
+            raise self.fail(node, "reads a whole tensor of all heads beside the head-sharded one")
+        if any(True for _ in module.parameters()):
+            if info.ratio != self.tp_size:
+                raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
+            width = _shape(src)[info.dim]
+            if tensors == [src] and not any(width in p.shape for p in module.parameters()):
+                self._parameterless(node, module, src, info, known=True)  # learned scalars: by its aten ops
+            elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
+                norm = feature_norm_of(module, _shape(src)[-1])
+                if norm is None or info.bounds:
+                    raise self.fail(
+                        node, "has parameters over the sharded feature dim (and is no RMSNorm or LayerNorm over them)"
+                    )
+                self.region.feature_norms[node.target] = norm
+            else:
+                self._per_head_parameters(node, module, src, info)
+            # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
+            # all heads or of per-head weights): its gradient sums over the group, once (a module called twice)
+            if node.target not in self.region.partial:
+                self.region.partial.append(node.target)
+        if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
+            self._tuple_module(node)
+            return
+        if _shape(node) != _shape(src):
+            raise self.fail(node, "changes the shape of a sharded tensor")
+        if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
+            self._parameterless(node, module, src, info)
+        self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _folded_module(self, node: fx.Node, module: nn.Module, info: Sharded) -> None:
+        """A module on rows holding heads folded in ((B*T*nh, hs): a gated norm over each head's features),
+        followed by torch's rules: it must keep each row where it is, so any share of the rows runs alone.
+        Its parameters, if any, act on this rank's heads: their gradient is summed over tp."""
+        tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        folded = [self.shard.get(t) for t in tensors]
+        if any(f is None or (f.dim, f.ratio, f.outer) != (info.dim, info.ratio, info.outer) for f in folded):
+            raise self.fail(node, "gets heads folded into another dim beside tensors folded otherwise or whole")
+        try:
+            dims = follow_call(on_meta(module), node.args, node.kwargs, dict.fromkeys(tensors, info.dim), info.ratio)
+        except OpRefused as refusal:
+            raise self.fail(node, f"gets heads folded into another dim, {refusal}") from None
+        if dims[:1] != [info.dim] or _shape(node) is None or len(_shape(node)) != len(_shape(tensors[0])):
+            raise self.fail(node, f"gets heads folded into another dim and moves them to {dims[:1]}")
+        if any(True for _ in module.parameters()) and node.target not in self.region.partial:
+            self.region.partial.append(node.target)
+        self.shard[node] = Sharded(info.dim, info.ratio, (), info.outer)
+
+    def _parameterless(
+        self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded, known: bool = False
+    ) -> None:
+        """A module on the sharded tensor alone, without parameters along the sharded dim (an L2 norm, an
+        activation, one with learned scalars), is followed like any call, by the aten ops its forward
+        runs (its parameters and buffers on meta): one that reduces over the sharded dim (an L2
+        norm over all heads' features) is refused. One that cannot run on meta tensors keeps the old
+        rule, elementwise (it keeps the shape); modules of several tensors (attention) keep their handlers."""
+        try:
+            dims = follow_call(on_meta(module), node.args, node.kwargs, {src: info.dim}, info.ratio)
+        except OpRefused as refusal:
+            if str(refusal).startswith("which discovery does not know") and not known:
+                return
+            raise self.fail(node, f"runs {type(module).__name__} on a head-sharded tensor, {refusal}") from None
+        if dims[:1] != [info.dim]:
+            raise self.fail(node, f"runs {type(module).__name__}, which moves the sharded dim to {dims[:1]}")
+
+    def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
+        """Parameters with one entry per head (Cohere's (heads, head_dim) q/k norm, per-head scalars):
+        each rank applies its heads' slice, checked on a sample against the whole module."""
+        slices = head_slices_of(module, _shape(src), info.dim)
+        if slices is None:  # one weight shared by all heads (a per-head q/k norm over head_dim)
+            return
+        inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        names = ", ".join(f"{name} {tuple(module.get_parameter(name).shape)}" for name, _ in slices.dims)
+        if inputs != [src] or _shape(node) != _shape(src):
+            raise self.fail(node, f"holds per-head parameters ({names}) and reads or returns more than one tensor")
+        mismatch = slices.mismatch(module, _shape(src), info.dim, self.tp_size)
+        if mismatch is not None:
+            raise self.fail(node, f"holds per-head parameters ({names}), and sliced per rank it {mismatch}")
+        self.region.feature_norms[node.target] = slices
+
+    def _tuple_module(self, node: fx.Node) -> None:
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        for user in node.users:
+            index = user.args[1] if user.target is operator.getitem else None
+            source = inputs[index] if isinstance(index, int) and index < len(inputs) else None
+            if source is None or _shape(source) != _shape(user):
+                raise self.fail(node, "returns tensors that do not match its head-sharded inputs one for one")
+            if source in self.shard:
+                self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
