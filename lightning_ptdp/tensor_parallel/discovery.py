@@ -293,6 +293,8 @@ def _propagate(
             region.partial.clear()
             region.operand_slices.clear()
             region.sharded_outputs.clear()
+            region.sharded_sites.clear()
+            region.cut_parameters.clear()
             region.rewrites_shapes = False
     return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
 

@@ -142,22 +142,25 @@ class ShardPropagation(ModuleCalls):
             sizes = {_shape(i)[self.shard[i].dim] for i in shaped}
             rank = max(len(_shape(i)) for i in shaped)
             named = [v for v in tree_flatten((node.args, node.kwargs))[0] if type(v) is int and v > rank]
-            if sizes.intersection(named) and not self._per_slice(node, inputs):
-                raise self.fail(
-                    node,
-                    f"passes {sorted(sizes.intersection(named))[0]}, the global size of the sharded dim, to '{name}', "
-                    "which only view, reshape, expand, split and repeat_interleave rewrite",
-                )
-            if node in self.shard:
-                return
+            named = sorted(sizes.intersection(named))
+        else:
+            named = []
+        if named and self._per_slice(node, inputs):  # the global size as an argument: groups = channels
+            return
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
         sharded = {i: self.shard[i].dim for i in inputs}
-        try:
+        try:  # a size argument naming the global size fails the run on the share there
             dims = follow_call(call, node.args, node.kwargs, sharded, ratio)
         except OpRefused as refusal:
             dims = self._with_whole_operands(node, call, sharded, ratio)
-            if dims is None and self._per_slice(node, inputs):
+            if dims is None and not named and self._per_slice(node, inputs):
                 return
+            if dims is None and named:
+                raise self.fail(
+                    node,
+                    f"passes {named[0]}, the global size of the sharded dim, to '{name}', "
+                    "which only view, reshape, expand, split and repeat_interleave rewrite",
+                ) from None
             if dims is None:
                 raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         first = self.shard[inputs[0]]
@@ -225,6 +228,9 @@ class ShardPropagation(ModuleCalls):
             slices.append(
                 OperandSlice(leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer, bounds)
             )
+            for m in made_from:
+                if m.op == "get_attr" and len(_shape(m) or ()) >= 2 and m.target not in self.region.cut_parameters:
+                    self.region.cut_parameters.append(m.target)
         self.region.operand_slices[node.meta["site"]] = slices
 
     def _cut_before_expand(self, node: fx.Node, dim: int, ratio: int) -> bool:
@@ -341,6 +347,25 @@ class ShardPropagation(ModuleCalls):
         )
         node.args = (node.args[0], new, *node.args[2:])
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _op_cat(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """Sharded tensors joined along their sharded dim (q | k | v projected apart, then one depthwise
+        conv over all): each rank's shares side by side, a fused column's layout of parts (its bounds
+        the inputs' global sizes). Anything else goes by torch's rules."""
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors", ())
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
+        infos = [self.shard.get(t) if isinstance(t, fx.Node) else None for t in tensors]
+        if info.ratio != self.tp_size or any(
+            i is None or i.dim != dim or i.ratio != info.ratio or i.outer > 1 for i in infos
+        ):
+            self._generic(node, [t for t in tensors if isinstance(t, fx.Node) and t in self.shard])
+            return
+        edges = [0]
+        for t, i in zip(tensors, infos):
+            edges += [edges[-1] + b for b in (i.bounds or (0, _shape(t)[dim]))[1:]]
+        self.shard[node] = Sharded(dim, info.ratio, tuple(edges))
+
+    _op_concat = _op_concatenate = _op_cat
 
     def _op_chunk(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         """Chunks of the sharded dim cut at a fused projection's part boundaries are each rank's share

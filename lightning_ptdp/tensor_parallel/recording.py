@@ -25,10 +25,12 @@ from lightning_ptdp.core.sites import SiteCounter
 
 
 def is_leaf(module: nn.Module) -> bool:
-    """Recorded as one node: a Linear-like module, a module marked as a leaf, or one with no Linear inside."""
+    """Recorded as one node: a Linear-like module, a module marked as a leaf, or one with no Linear
+    inside; but not a convolution, nor a module holding one: its functional call is recorded, with
+    its weight and ``groups`` as arguments (a depthwise conv over the heads' channels splits by them)."""
     if is_linear_like(module) or getattr(module, "_ptdp_tp_leaf", False):
         return True
-    return not any(is_linear_like(m) for m in module.modules())
+    return not any(is_linear_like(m) or isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
 
 
 def _method_name(func: Any) -> str | None:

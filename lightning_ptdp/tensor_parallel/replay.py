@@ -319,6 +319,9 @@ class _ReplayMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _SHAPE_READS and not kwargs and len(args) == 1 and args[0] in rt.sharded:
             return GlobalShape.of(func(*args), *rt.sharded[args[0]])
+        if any(type(a) is GlobalShape for a in (*args, *kwargs.values())):  # handed on as the size it is
+            args = tuple(torch.Size(a) if type(a) is GlobalShape else a for a in args)
+            kwargs = {k: torch.Size(v) if type(v) is GlobalShape else v for k, v in kwargs.items()}
         program = rt.program
         site = rt.site(func) if func in program.funcs else None
         active = [e for e in rt.entries if e.source is not None]

@@ -61,7 +61,8 @@ def warn_whole_regions(
         t for r in plan.regions for t in r.prefix if any(getattr(m, n).dim() >= 2 for m, n in parameters_at(block, t))
     ]
     idle = uncalled(block, plan)
-    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle:
+    cut = [p for r in plan.regions for p in r.cut_parameters]
+    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle and not cut:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]
     what = f"keeps {', '.join(kept)} whole on every rank" if kept else "splits little of it"
@@ -69,6 +70,8 @@ def warn_whole_regions(
         what = f"keeps {', '.join(side)} whole on every rank (computed from a region's input beside its heads)"
     elif idle and not kept:
         what = f"keeps {', '.join(idle)} whole on every rank (the recorded forward never ran them)"
+    elif cut and not kept:
+        what = f"keeps {', '.join(cut)} whole on every rank (each rank reads its heads' share where it is used)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
     split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
     sp = (

@@ -1,9 +1,11 @@
 """A linear-attention mixer in plain torch (Gated DeltaNet's shape, as Qwen3.5's and Kimi-Linear's):
-a fused q | k | v projection of unequal parts, moved channels-first through a depthwise causal conv
-(``groups`` = channels, its weight [C, k] a parameter of the block), split, a recurrent state made
+a fused q | k | v projection of unequal parts (or three projections joined by ``torch.cat``), moved
+channels-first through a depthwise causal conv (``groups`` = channels: its weight [C, k] a parameter of
+the block, or an ``nn.Conv1d`` with a bias), split, a recurrent state made
 from sizes alone (``torch.zeros(B, heads, dk, dv)`` with the config's head count), an output written
 step by step (``out[:, :, t] = ...``), and a gated norm on rows holding every head
-((B*T*heads, dv)). Split by heads at t=2 it trains as one process; nothing stays whole. A module the
+((B*T*heads, dv)). Split by heads at t=2 it trains as one process; only the conv's weight stays
+whole (each rank cuts its channels where it is read), named in the warning. A module the
 recorded forward never runs (a decoder's cross-attention without an encoder) stays whole with a
 warning naming it."""
 
@@ -29,22 +31,31 @@ class GatedNorm(nn.Module):
 
 
 class ConvLinearAttention(nn.Module):
-    def __init__(self, unused: bool = False) -> None:
+    def __init__(self, unused: bool = False, separate: bool = False) -> None:
         super().__init__()
         self.key_dim, self.value_dim = HEADS * DK, HEADS * DV
         channels = 2 * self.key_dim + self.value_dim
-        self.in_qkv = nn.Linear(HIDDEN, channels, bias=False)
+        self.separate = separate
+        if separate:
+            self.q, self.k = nn.Linear(HIDDEN, self.key_dim, bias=False), nn.Linear(HIDDEN, self.key_dim, bias=False)
+            self.v = nn.Linear(HIDDEN, self.value_dim, bias=False)
+            self.conv = nn.Conv1d(channels, channels, KERNEL, groups=channels, padding=KERNEL - 1)
+        else:
+            self.in_qkv = nn.Linear(HIDDEN, channels, bias=False)
+            self.conv_weight = nn.Parameter(torch.randn(channels, KERNEL) / KERNEL)
         self.in_z = nn.Linear(HIDDEN, self.value_dim, bias=False)
-        self.conv_weight = nn.Parameter(torch.randn(channels, KERNEL) / KERNEL)
         self.norm = GatedNorm(DV)
         self.out = nn.Linear(self.value_dim, HIDDEN, bias=False)
         self.cross = nn.Linear(HIDDEN, HIDDEN) if unused else None  # read only with an encoder
 
     def forward(self, x: torch.Tensor, encoder: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv = self.in_qkv(x).transpose(1, 2)  # (B, C, T)
-        channels = qkv.shape[1]
-        qkv = F.conv1d(qkv, self.conv_weight.unsqueeze(1), padding=KERNEL - 1, groups=channels)[:, :, :T]
+        if self.separate:
+            qkv = self.conv(torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1).transpose(1, 2))[:, :, :T]
+        else:
+            qkv = self.in_qkv(x).transpose(1, 2)  # (B, C, T)
+            channels = qkv.shape[1]
+            qkv = F.conv1d(qkv, self.conv_weight.unsqueeze(1), padding=KERNEL - 1, groups=channels)[:, :, :T]
         q, k, v = F.silu(qkv).transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (F.normalize(t.reshape(B, T, -1, DK), dim=-1) for t in (q, k))  # (B, T, nh, dk)
         v = v.reshape(B, T, -1, DV)
@@ -54,16 +65,17 @@ class ConvLinearAttention(nn.Module):
             kt, vt, qt = k[:, t].unsqueeze(-1), v[:, t].unsqueeze(-2), q[:, t].unsqueeze(-2)
             state = 0.9 * state + kt @ vt  # (B, nh, dk, dv)
             out[:, :, t] = (qt @ state).squeeze(-2)
-        out = self.norm(out.transpose(1, 2).reshape(-1, DV), self.in_z(x).reshape(-1, DV))  # (B*T*nh, dv)
+        z = self.in_z(x)
+        out = self.norm(out.transpose(1, 2).reshape(-1, DV), z.reshape(-1, DV))  # (B*T*nh, dv)
         if encoder is not None:
             out = out + self.cross(encoder)
-        return x + self.out(out.reshape(B, T, -1))
+        return x + self.out(out.reshape(z.shape))  # a shape read from a head-sharded tensor, handed on
 
 
 class MixerNet(nn.Module):
-    def __init__(self, unused: bool = False) -> None:
+    def __init__(self, unused: bool = False, separate: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([ConvLinearAttention(unused), ConvLinearAttention(unused)])
+        self.blocks = nn.ModuleList([ConvLinearAttention(unused, separate) for _ in range(2)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -71,22 +83,23 @@ class MixerNet(nn.Module):
         return x
 
 
-def _step(distributed: bool) -> dict:
+def _step(distributed: bool, separate: bool) -> dict:
     import warnings
 
     from tests.distributed.test_tp_block_structures import _inputs
 
     inputs = _inputs(HIDDEN, SEQ)
-    net = MixerNet()
+    net = MixerNet(separate=separate)
     if distributed:
         import torch.distributed as dist
 
         from lightning_ptdp.tensor_parallel import PartialSplitWarning, TPGroup, apply_tensor_parallel
 
         tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", PartialSplitWarning)  # nothing may stay whole
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PartialSplitWarning)
             report = apply_tensor_parallel(net, tp, sequence_parallel=False, probe=lambda: net(inputs))
+        said = [str(w.message) for w in caught if issubclass(w.category, PartialSplitWarning)]
     loss = net(inputs).square().mean()
     loss.backward()
     if distributed:  # the norm's weight is whole on both ranks, each rank's gradient from its heads' rows
@@ -97,16 +110,23 @@ def _step(distributed: bool) -> dict:
         grads = full_gradients(net)
     else:
         grads = {n: p.grad for n, p in net.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "rows": net.blocks[0].in_qkv.weight.shape[0]}
+    first = net.blocks[0]
+    rows = sum(first.get_submodule(n).weight.shape[0] for n in (("q", "k", "v") if separate else ("in_qkv",)))
+    return {"loss": loss.item(), "grads": grads, "rows": rows, "said": said if distributed else []}
 
 
 @pytest.mark.world_size(2)
-def test_a_conv_linear_attention_mixer_splits_by_heads_equal_to_one_process(dist_pool):
+@pytest.mark.parametrize("separate", [False, True], ids=["fused-qkv", "cat-of-q-k-v"])
+def test_a_conv_linear_attention_mixer_splits_by_heads_equal_to_one_process(dist_pool, separate):
     from tests.distributed.test_tp_block_structures import _assert_as_one_process
 
-    ref = _step(False)
-    for result in dist_pool(2).run(_step, True):
+    ref = _step(False, separate)
+    for result in dist_pool(2).run(_step, True, separate):
         assert result["rows"] == (2 * HEADS * DK + HEADS * DV) // 2  # each rank: its share of q, k and v
+        # the conv's weight alone stays whole (each rank cuts its channels where it is read), and is named
+        (said,) = result["said"]
+        kept = "conv.weight" if separate else "conv_weight"
+        assert f"keeps {kept} whole on every rank (each rank reads its heads' share where it is used)" in said
         _assert_as_one_process(result, ref)
 
 

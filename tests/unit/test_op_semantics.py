@@ -88,11 +88,12 @@ class MultiQueryAttention(Attention):
 
 
 class HeadsCat(Attention):
-    """Concatenates two head-sharded tensors along the heads: each rank's two shares are no share of the result."""
+    """Concatenates two head-sharded tensors along the heads (each rank then holds its share of both
+    parts) and takes heads across the parts' boundary: no rank's share of the result."""
 
     def weights(self, scores: torch.Tensor) -> torch.Tensor:
         both = torch.cat([scores, scores.flip(-1)], dim=1)
-        return both[:, :HEADS].softmax(-1)
+        return both[:, HEADS // 2 : HEADS // 2 + HEADS].softmax(-1)
 
 
 class HeadsChunk(Attention):
@@ -139,8 +140,7 @@ def test_ops_no_handler_names_are_planned_from_torch_op_knowledge(block, styles)
     [
         (
             HeadsCat,
-            r"applies 'cat' to a head-sharded tensor, which runs aten.cat.default on inputs placed S\(1\), "
-            r"S\(1\), where torch's sharding rule needs R, R",
+            r"indexes the sharded dim other than at a fused projection's part boundaries",
         ),
         (
             HeadsChunk,
