@@ -33,13 +33,28 @@ class MetaScalarsAsZero(TorchFunctionMode):
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
         """Told of each read, by this mode or one nested inside it (the dry run records them)."""
 
+    def knows(self, tensor: torch.Tensor) -> bool:
+        """Whether this mode knows ``tensor``'s values (the dry run knows a balanced routing's counts)."""
+        return False
+
+    def value_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The values of ``tensor``, where ``knows(tensor)``."""
+        raise NotImplementedError
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func in self._READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            for mode in (self, *torch.overrides._get_current_function_mode_stack()):
-                if isinstance(mode, MetaScalarsAsZero):
-                    mode.on_read(func, args[0])
-            zeros = torch.zeros(args[0].shape, dtype=args[0].dtype)
-            return func(zeros, *args[1:], **(kwargs or {}))
+            tensor = args[0]
+            modes = [
+                m
+                for m in (self, *torch.overrides._get_current_function_mode_stack())
+                if isinstance(m, MetaScalarsAsZero)
+            ]
+            knower = next((m for m in modes if m.knows(tensor)), None)
+            if knower is not None:
+                return func(knower.value_of(tensor), *args[1:], **(kwargs or {}))
+            for mode in modes:
+                mode.on_read(func, tensor)
+            return func(torch.zeros(tensor.shape, dtype=tensor.dtype), *args[1:], **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

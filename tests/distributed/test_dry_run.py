@@ -202,3 +202,25 @@ def test_a_mask_of_top_k_routing_choices_takes_the_balanced_share_on_meta():
         anything = torch.nonzero(scores > 0)
     assert token.shape[0] == 64 * 2 // 8 and per_expert == [16] * 8
     assert anything.shape[0] == 64 * 8
+
+
+def test_counts_of_top_k_routing_choices_read_as_split_sizes_are_balanced_on_meta():
+    """A grouped MoE reads its tokens per expert (a routing mask summed over tokens, or a bincount of
+    the choices) with ``tolist`` to cut its rows: on meta the counts hold their balanced values, and
+    what is computed from them alone (a cumsum) too; a value nothing routed stays unknown (0, named)."""
+    from lightning_ptdp.planner.meta_device import MetaCalls, MetaShapes
+
+    scores = torch.empty(64, 8, device="meta")
+    reads = MetaCalls()
+    with reads, MetaShapes(reads):
+        _, chosen = torch.topk(scores, 2)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        summed = routing_map.sum(dim=0).tolist()
+        ends = torch.cumsum(torch.bincount(chosen.view(-1), minlength=8), dim=0).tolist()
+        pieces = [
+            p.shape[0]
+            for p in torch.empty(128, 4, device="meta").split(torch.bincount(chosen.view(-1), minlength=8).tolist())
+        ]
+        unknown = scores.sum().item()
+    assert summed == [16] * 8 and ends == [16 * (i + 1) for i in range(8)] and pieces == [16] * 8
+    assert unknown == 0 and len(reads.seen) == 1 and "item" in reads.seen[0]
