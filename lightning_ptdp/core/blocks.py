@@ -52,9 +52,17 @@ def acts_as(module: nn.Module, base: type) -> bool:
     if type(module).forward is base.forward:
         return True
     weight = module.weight
+    generator = torch.Generator().manual_seed(0)
+    if base is nn.Embedding and weight.is_meta:  # on meta: each row holds its index, without storage (expand)
+        rows = torch.arange(module.num_embeddings, dtype=torch.float32).view(-1, 1).expand(weight.shape)
+        sample = torch.randint(0, module.num_embeddings, (2, 3), generator=generator)
+        try:
+            got = torch.func.functional_call(module, {"weight": rows}, (sample,))
+        except Exception:  # noqa: BLE001 - a forward that cannot take these computes something else
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, nn.functional.embedding(sample, rows))
     if weight.is_meta:  # values unknown: only the class can vouch
         return False
-    generator = torch.Generator().manual_seed(0)
     if base is nn.Embedding:
         sample = torch.randint(0, module.num_embeddings, (2, 3), generator=generator).to(weight.device)
         expected = nn.Embedding.forward(module, sample)

@@ -374,3 +374,27 @@ def test_state_dict_hooks_of_sharded_modules_run_only_on_whole_tensors():
         and loaded["layers.0.attention.wq.weight"] is plain["layers.0.attention.wq.weight"]
     )
     assert run_save_hooks(net, {}) == {}  # a rank without the whole module's tensors runs nothing
+
+
+class CastingEmbedding(nn.Embedding):
+    """An embedding subclass with a forward of its own that is still a lookup (torchtitan's)."""
+
+    def forward(self, idx):
+        return super().forward(idx).to(self.weight.dtype)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A lookup scaled by sqrt(width) (Gemma's): no plain lookup, so no vocab shard may replace it."""
+
+    def forward(self, idx):
+        return super().forward(idx) * self.embedding_dim**0.5
+
+
+def test_an_embedding_built_on_meta_is_checked_as_a_lookup_without_storage():
+    """On meta the rows are stand-ins holding their index (an expand, no storage): a subclass that still
+    looks rows up is split by vocabulary as it would be with real weights; a scaled one is not."""
+    from lightning_ptdp.core.blocks import acts_as
+
+    with torch.device("meta"):
+        casting, scaled = CastingEmbedding(50_000, 1024), ScaledEmbedding(50_000, 1024)
+    assert acts_as(casting, nn.Embedding) and not acts_as(scaled, nn.Embedding)
