@@ -269,7 +269,11 @@ def _whole_side(gm: RecordedBlock, source: fx.Node, columns: list[fx.Node], row:
                 stack.append(user)
     side = (made & ancestry(row)) - sharded - {source}
     owners = {n for n in side if n.op == "call_module" and weight_count(gm, n.target) > 0}
+    # parameters read directly, or through values made of parameters alone (a conv's weight.unsqueeze(1));
+    # a buffer (a position table also read by the heads) needs no gradient sum
+    params = dict(gm.block.named_parameters())
     owners |= {i for n in side for i in n.all_input_nodes if i.op == "get_attr"}
+    owners |= {a for n in side for i in n.all_input_nodes if i not in made for a in ancestry(i) if a.target in params}
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_module", "get_attr"):
@@ -277,9 +281,14 @@ def _whole_side(gm: RecordedBlock, source: fx.Node, columns: list[fx.Node], row:
     for node in owners:
         if any(n not in side for n in calls[node.target] if n.op == "call_module"):
             return None  # the module also runs outside the side
-        if node.op == "get_attr" and any(u not in side for u in node.users):
+        if node.op == "get_attr" and not _feeds_only(node, side, made):
             return None  # the parameter is also read outside the side
     return [n.target for n in sorted(owners, key=order.__getitem__)]
+
+
+def _feeds_only(node: fx.Node, side: set[fx.Node], made: set[fx.Node]) -> bool:
+    """Whether every use of ``node`` is in ``side``, directly or through values made of parameters alone."""
+    return all(u in side or (u not in made and u.op != "output" and _feeds_only(u, side, made)) for u in node.users)
 
 
 def _unsplittable(

@@ -26,7 +26,9 @@ TOL = 1e-5  # fp32: the same arithmetic up to summation order (t=2 splits each r
 class LowRankBlock(nn.Module):
     """Also: its norms in a ModuleList (a leaf container never called: each norm's ops are recorded
     one by one), an identity ``h.to(h.dtype)`` before ``h`` is read again (by the gate), and a norm on
-    the shared key head written into the key through a view (its gradient is each rank's heads' part)."""
+    the shared key head written into the key through a view (its gradient is each rank's heads' part),
+    after a depthwise conv whose taps are read through ``unsqueeze`` (a parameter of the whole side
+    reached through values made of parameters alone: its gradient is summed over tp too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +38,7 @@ class LowRankBlock(nn.Module):
         self.kv_a, self.kv_norm = nn.Linear(HIDDEN, RANK + ROPE, bias=False), nn.RMSNorm(RANK)
         self.kv_b = nn.Linear(RANK, HEADS * 2 * HEAD, bias=False)
         self.k_rot_norm = nn.RMSNorm(ROPE)
+        self.k_rot_taps = nn.Parameter(torch.linspace(0.5, 1.0, ROPE * 2).view(ROPE, 2))
         self.gate = nn.Linear(HIDDEN, HEADS)  # one output gate per head
         self.o = nn.Linear(HEADS * HEAD, HIDDEN)
         self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
@@ -49,6 +52,8 @@ class LowRankBlock(nn.Module):
         latent, k_rot = torch.split(self.kv_a(h), [RANK, ROPE], dim=-1)
         kv = self.kv_b(self.kv_norm(latent)).view(B, T, -1, 2 * HEAD).transpose(1, 2)  # (B, nh, T, 2 hs)
         k_pass, v = torch.split(kv, [HEAD, HEAD], dim=-1)
+        k_rot = F.conv1d(k_rot.transpose(1, 2), self.k_rot_taps.unsqueeze(1), padding=1, groups=ROPE)
+        k_rot = k_rot[..., :T].transpose(1, 2)  # a causal depthwise conv over the positions
         k_rot = self.k_rot_norm(k_rot * torch.cos(self.angle[:T])).view(B, 1, T, ROPE)  # one key head for all
         k_rot = k_rot.expand(-1, k_pass.shape[1], -1, -1)
         k = k_pass.new_empty(*k_pass.shape[:-1], HEAD + ROPE)
@@ -142,7 +147,7 @@ def test_chained_and_side_inputs_split_equal_to_one_process(dist_pool, sequence_
         }
         assert split["sink_q"] == (HIDDEN // 2, HIDDEN)
         (warning,) = split["warnings"]  # every region splits; only kv_a's 11 outputs stay whole, and say so
-        assert "keeps kv_a whole on every rank (computed from a region's input beside its heads)" in warning
+        assert "keeps kv_a, k_rot_taps whole on every rank (computed from a region's input beside its heads)" in warning
         for name, value in whole["state"].items():
             torch.testing.assert_close(split["state"][name], value, rtol=TOL, atol=TOL * 1e-1, msg=name)
 
