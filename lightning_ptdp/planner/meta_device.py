@@ -50,7 +50,7 @@ class MetaShapes(TorchDispatchMode):
             self.reads.record("a read", metas)
             return torch.zeros((), dtype=args[0].dtype).item()
         try:
-            return self.routing.follow(func, args, kwargs, func(*args, **kwargs))
+            return self.routing.follow(func, args, kwargs, metas, func(*args, **kwargs))
         except NotImplementedError:
             if sum(t.numel() * t.element_size() for t in metas) > self.ZEROS_LIMIT:
                 raise
@@ -58,7 +58,9 @@ class MetaShapes(TorchDispatchMode):
             if not counted:
                 self.reads.record(str(func.overloadpacket.__name__), metas)
             zeros, zeros_kwargs = _mapped((args, kwargs), _zeros_on_cpu)
-            return self.routing.follow(func, args, kwargs, _mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor))
+            return self.routing.follow(
+                func, args, kwargs, metas, _mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor)
+            )
         except RuntimeError as error:
             if "BF16" not in str(error):
                 raise
@@ -166,9 +168,10 @@ class RoutingDensity:
         self.candidates, self.density = WeakIdKeyDictionary(), WeakIdKeyDictionary()  # by identity: no tensor ==
         self.values = WeakIdKeyDictionary()  # meta tensor -> its balanced values, on the CPU
 
-    def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    def follow(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor], out: Any) -> Any:
+        """``out`` of ``func`` on ``args`` (``metas``: its meta tensor arguments), after noting what it carries."""
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        self._follow_values(func, args, kwargs, out)
+        self._follow_values(func, args, kwargs, metas, out)
         if func is torch.ops.aten.topk.default:
             self.candidates[out[1]] = args[0].shape[args[2] if len(args) > 2 else -1]
         elif func in self._SCATTERS and args[2] in self.candidates:  # a mask marking each token's k choices
@@ -192,7 +195,7 @@ class RoutingDensity:
     _SCATTERS = (torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value, torch.ops.aten.scatter.src)
     _SCATTERS += (torch.ops.aten.scatter_.src,)
 
-    def _follow_values(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _follow_values(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor], out: Any) -> None:
         if isinstance(out, torch.Tensor):
             outs = [out]
         else:  # a tuple of results, or none (a collective's work handle)
@@ -209,8 +212,7 @@ class RoutingDensity:
             per_output = first.numel() // max(out.numel(), 1)
             self.values[out] = torch.full(out.shape, round(per_output * self.density[first]), dtype=out.dtype)
             return
-        metas = [t for t in tensors_in(args, kwargs) if t.is_meta]
-        if not metas or any(t not in self.values for t in metas):
+        if any(t not in self.values for t in metas):
             return
         known = _mapped((args, kwargs), lambda t: self.values[t] if t.is_meta else t)
         try:

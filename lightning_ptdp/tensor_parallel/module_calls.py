@@ -99,7 +99,7 @@ class ModuleCalls:
             raise self.fail(node, f"runs {type(module).__name__}, which moves the sharded dim to {dims[:1]}")
 
     def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
-        """Parameters with one entry per head (Cohere's (heads, head_dim) q/k norm, per-head scalars):
+        """Parameters with one entry per head (a (heads, head_dim) q/k norm weight, per-head scalars):
         each rank applies its heads' slice, checked on a sample against the whole module."""
         slices = head_slices_of(module, _shape(src), info.dim)
         if slices is None:  # one weight shared by all heads (a per-head q/k norm over head_dim)

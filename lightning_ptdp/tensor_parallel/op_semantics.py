@@ -279,7 +279,8 @@ def acts_per_slice(
         for r in range(ratio):
             local = [share_of(values[v], dims[v], r, ratio, bounds) if isinstance(v, fx.Node) else v for v in leaves]
             local = [v // ratio if i in divided else v for i, v in enumerate(local)]
-            got = call(*tree_unflatten(local, spec)[0], **tree_unflatten(local, spec)[1])
+            local_args, local_kwargs = tree_unflatten(local, spec)
+            got = call(*local_args, **local_kwargs)
             fits = set()
             for d in range(expected.dim()):
                 if got.shape[d] * ratio != expected.shape[d] or bounds and expected.shape[d] != width:
