@@ -279,7 +279,8 @@ class BlockRuntime:
         self.sites = SiteCounter()
         self.calls = {}
         self.depth = 0
-        self.sharded = WeakTensorKeyDictionary()
+        if not torch.compiler.is_compiling():  # dynamo cannot trace a weak dict (compiled: local shapes)
+            self.sharded = WeakTensorKeyDictionary()
         for entry in self.entries:
             entry.finish()
         if not self.input_sources:
@@ -317,7 +318,13 @@ class _ReplayMode(TorchFunctionMode):
         rt = self.rt
         if rt.depth:
             return func(*args, **kwargs)
-        if func in _SHAPE_READS and not kwargs and len(args) == 1 and args[0] in rt.sharded:
+        if (
+            func in _SHAPE_READS
+            and not kwargs
+            and len(args) == 1
+            and not torch.compiler.is_compiling()
+            and args[0] in rt.sharded
+        ):
             return GlobalShape.of(func(*args), *rt.sharded[args[0]])
         if any(type(a) is GlobalShape for a in (*args, *kwargs.values())):  # handed on as the size it is
             args = tuple(torch.Size(a) if type(a) is GlobalShape else a for a in args)
