@@ -4,6 +4,7 @@ torchmetrics updates are muted; on a model built on the meta device values read 
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional
 
@@ -14,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.overrides import TorchFunctionMode
 
+from lightning_ptdp.meta_routing import MetaRouting
 from lightning_ptdp.parallel.init import is_on_meta
 from lightning_ptdp.pipeline import split_microbatches
 
@@ -30,16 +32,18 @@ class MetaScalarsAsZero(TorchFunctionMode):
         torch.Tensor.__float__,
     }
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: Any = {}  # meta tensor -> its values, where a balanced routing gives them (``MetaRouting``)
+
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
         """Told of each read, by this mode or one nested inside it (the dry run records them)."""
 
     def knows(self, tensor: torch.Tensor) -> bool:
-        """Whether this mode knows ``tensor``'s values (the dry run knows a balanced routing's counts)."""
-        return False
+        return tensor in self.known
 
     def value_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The values of ``tensor``, where ``knows(tensor)``."""
-        raise NotImplementedError
+        return self.known[tensor]
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func in self._READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
@@ -61,7 +65,7 @@ class MetaScalarsAsZero(TorchFunctionMode):
 @contextmanager
 def side_effects_muted(module: pl.LightningModule) -> Generator[None, None, None]:
     """The probe's ``self.log`` calls and torchmetrics updates do not count (on a model built on
-    the meta device they could not: values are unknown)."""
+    the meta device they could not: values are unknown); on meta, routing is taken as balanced."""
     from torchmetrics import Metric
 
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
@@ -70,7 +74,9 @@ def side_effects_muted(module: pl.LightningModule) -> Generator[None, None, None
     for metric in metrics:
         metric.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
-        with MetaScalarsAsZero():
+        scalars = MetaScalarsAsZero()
+        balanced = is_on_meta(module) and not MetaRouting.active()  # the dry run has its own
+        with scalars, MetaRouting(scalars) if balanced else contextlib.nullcontext():
             yield
     finally:
         del module.log
@@ -110,7 +116,8 @@ def forward_probe(strategy: Strategy, trainer: pl.Trainer) -> Any:
     module = strategy.lightning_module
     if module.example_input_array is not None:
         example = probe_batch(strategy, module.example_input_array)
-        return module(*example) if isinstance(example, tuple) else module(example)
+        with side_effects_muted(module):
+            return module(*example) if isinstance(example, tuple) else module(example)
     step, batch = stage_step(strategy, trainer)
     with side_effects_muted(module):
         return step(batch, 0)

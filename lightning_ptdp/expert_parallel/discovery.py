@@ -179,7 +179,9 @@ class ExpertCalls:
     """The census recorder of every stacked-experts candidate and ModuleList MoE layer of ``model``
     (``plan``: {module path: ep_plan style}, resolved; it decides where it names): how the step
     calls each. On a model built on meta, a stacked candidate answers with rows like its input
-    while the census runs (its own forward picks rows by value, which meta cannot)."""
+    while the census runs (its own forward picks rows by value, which meta cannot); a ModuleList
+    layer's rows per expert (``torch.where`` of its routing mask) take the balanced share
+    (``meta_routing``, the probe's mode on meta)."""
 
     needs_grad = False
     done = False  # every call of the step: an uncalled candidate is kept whole
@@ -187,15 +189,6 @@ class ExpertCalls:
     def __init__(self, model: nn.Module, plan: Optional[dict[str, str]] = None) -> None:
         self.plan = plan or {}
         self.candidates, self.lists = _candidates(model, self.plan)
-        on_meta = [site.name for site in self.lists if any(p.is_meta for p in site.module.parameters())]
-        if on_meta:
-            raise ExpertDiscoveryError(
-                f"the MoE layer '{on_meta[0]}' holds its experts in a ModuleList and was built on the meta device: "
-                "such a layer picks each expert's rows by value (torch.where / nonzero), which cannot run on meta, so "
-                "the probe cannot see how it calls its experts. Build this model with real weights (each rank then "
-                "keeps its n/e experts), or use stacked [n_experts, ...] experts (transformers' MoE models) to build "
-                "on meta"
-            )
         self.calls: dict[str, tuple[tuple, dict, str]] = {}
         self.list_calls: dict[str, list[tuple[int, tuple, dict, Any]]] = {site.name: [] for site in self.lists}
         self._stand_ins: list[nn.Module] = []

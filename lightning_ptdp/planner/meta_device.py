@@ -14,59 +14,47 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.meta_routing import MetaRouting, RoutingDensity, mapped
 from lightning_ptdp.probe import MetaScalarsAsZero
 
 AXES = ("pp", "dp", "cp", "tp", "ep", "edp")  # a group of two axes keeps the first
 
 
-class MetaShapes(TorchDispatchMode):
-    """Shapes on meta where torch's meta kernels give none. A data-dependent shape (``nonzero``) takes
-    its upper bound, every element counted, unless the mask compares top-k routing choices: routing is
-    then taken as balanced, as the EP exchange takes it (``RoutingDensity``). An op with no meta kernel
-    runs on zeros on the CPU, as a meta value reads as 0 (``MetaScalarsAsZero``); a meta kernel that
-    demands bf16 where the CPU kernel takes the dtype given (``_grouped_mm``) runs in bf16."""
+class MetaShapes(MetaRouting):
+    """Shapes on meta where torch's meta kernels give none: ``MetaRouting``'s balanced routing (a
+    data-dependent ``nonzero`` takes its upper bound, every element counted, unless the mask compares
+    top-k routing choices). An op with no meta kernel runs on zeros on the CPU, as a meta value reads
+    as 0 (``MetaScalarsAsZero``); a meta kernel that demands bf16 where the CPU kernel takes the dtype
+    given (``_grouped_mm``) runs in bf16. Each read of an unknown value is recorded (``MetaCalls``)."""
 
     ZEROS_LIMIT = 64 * 2**20  # bytes of CPU zeros an op without a meta kernel may take
 
     def __init__(self, reads: "MetaCalls") -> None:
-        super().__init__()
-        self.reads, self.routing = reads, RoutingDensity()
-        reads.known = self.routing.values  # a Python read of a count the routing gives (``tolist``) gets its values
+        super().__init__(reads)
+        self.reads = reads
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        metas = [t for t in tensors_in(args, kwargs) if t.is_meta]
-        if not metas:
-            return func(*args, **kwargs)
-        if func is torch.ops.aten.nonzero.default:
-            rows = math.ceil(args[0].numel() * self.routing.density.get(args[0], 1.0))
-            return torch.empty((rows, args[0].dim()), dtype=torch.long, device="meta")
-        if func is torch.ops.aten._local_scalar_dense.default:  # a value read below Python (an index by a 0-d tensor)
-            if args[0] in self.routing.values:
-                return self.routing.values[args[0]].item()
-            self.reads.record("a read", metas)
-            return torch.zeros((), dtype=args[0].dtype).item()
+    def unknown_read(self, metas: list[torch.Tensor]) -> None:
+        self.reads.record("a read", metas)
+
+    def on_meta(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor]) -> Any:
         try:
-            return self.routing.follow(func, args, kwargs, metas, func(*args, **kwargs))
+            return super().on_meta(func, args, kwargs, metas)
         except NotImplementedError:
             if sum(t.numel() * t.element_size() for t in metas) > self.ZEROS_LIMIT:
                 raise
-            counted = func in RoutingDensity._COUNTS and args[0] in self.routing.candidates  # shape known, values too
+            counted = func in RoutingDensity.COUNTS and args[0] in self.routing.candidates  # shape known, values too
             if not counted:
                 self.reads.record(str(func.overloadpacket.__name__), metas)
-            zeros, zeros_kwargs = _mapped((args, kwargs), _zeros_on_cpu)
-            return self.routing.follow(
-                func, args, kwargs, metas, _mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor)
-            )
+            zeros, zeros_kwargs = mapped((args, kwargs), _zeros_on_cpu)
+            return self.routing.follow(func, args, kwargs, metas, mapped(func(*zeros, **zeros_kwargs), _to_meta_tensor))
         except RuntimeError as error:
             if "BF16" not in str(error):
                 raise
             dtype = next(t.dtype for t in metas if t.is_floating_point())
-            bf16 = _mapped((args, kwargs), lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
-            return _mapped(func(*bf16[0], **bf16[1]), lambda t: t.to(dtype) if t.is_floating_point() else t)
+            bf16 = mapped((args, kwargs), lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+            return mapped(func(*bf16[0], **bf16[1]), lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class MetaCalls(MetaScalarsAsZero):
@@ -81,13 +69,6 @@ class MetaCalls(MetaScalarsAsZero):
         super().__init__()
         self.names: dict[int, str] = {}
         self.seen: list[str] = []
-        self.known: Any = {}  # meta tensor -> its values, where the routing gives them (``MetaShapes``)
-
-    def knows(self, tensor: torch.Tensor) -> bool:
-        return tensor in self.known
-
-    def value_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.known[tensor]
 
     def name(self, module: torch.nn.Module) -> None:
         """The module's parameters and buffers by name (read again as setup replaces them)."""
@@ -135,93 +116,12 @@ def _fused_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     )[0]
 
 
-def tensors_in(*trees: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
-
-
-def _mapped(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, fn, tree)
-
-
 def _zeros_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tensor.shape, dtype=tensor.dtype) if tensor.is_meta else tensor
 
 
 def _to_meta_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("meta")
-
-
-class RoutingDensity:
-    """Top-k routing on meta: the choices ``topk`` returns, carried through views, and the masks that
-    compare them with expert ids (``==``, ``one_hot``), whose share of true elements under balanced
-    routing is 1 / the number of candidates; ``nonzero`` of such a mask takes that share. A count of
-    the choices per expert (``bincount``, ``histc``) holds its balanced values, and so does what is
-    computed from such values alone (a ``cumsum`` of them, read by ``tolist`` as split sizes)."""
-
-    VALUES_LIMIT = 4096  # elements of a tensor whose values the dry run keeps on the CPU
-
-    def __init__(self) -> None:
-        self.candidates, self.density = WeakIdKeyDictionary(), WeakIdKeyDictionary()  # by identity: no tensor ==
-        self.values = WeakIdKeyDictionary()  # meta tensor -> its balanced values, on the CPU
-
-    def follow(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor], out: Any) -> Any:
-        """``out`` of ``func`` on ``args`` (``metas``: its meta tensor arguments), after noting what it carries."""
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        self._follow_values(func, args, kwargs, metas, out)
-        if func is torch.ops.aten.topk.default:
-            self.candidates[out[1]] = args[0].shape[args[2] if len(args) > 2 else -1]
-        elif func in self._SCATTERS and args[2] in self.candidates:  # a mask marking each token's k choices
-            dim = args[1] % args[0].dim()
-            self.density[out] = args[2].shape[dim] / out.shape[dim]
-        elif func in (torch.ops.aten.eq.Tensor, torch.ops.aten.eq.Scalar):
-            n = next((self.candidates[a] for a in args if isinstance(a, torch.Tensor) and a in self.candidates), None)
-            if n is not None:
-                self.density[out] = 1 / n
-        elif first is not None and (func.is_view or func in self._COPIES):
-            outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
-            for table in (self.candidates, self.density):  # a view or copy (or unbind's views) carries what it views
-                if first in table:
-                    for view in outs:
-                        table[view] = table[first]
-        return out
-
-    _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
-    _COUNTS = (torch.ops.aten.bincount.default, torch.ops.aten.histc.default)
-    _SUMS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)
-    _SCATTERS = (torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value, torch.ops.aten.scatter.src)
-    _SCATTERS += (torch.ops.aten.scatter_.src,)
-
-    def _follow_values(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor], out: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            outs = [out]
-        else:  # a tuple of results, or none (a collective's work handle)
-            outs = [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (tuple, list)) else []
-        if not outs or any(t.numel() > self.VALUES_LIMIT for t in outs):
-            return
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if func in self._COUNTS and first in self.candidates:  # choices per expert: an even share each
-            experts, total = self.candidates[first], first.numel()
-            counts = [total // experts + (i < total % experts) if i < experts else 0 for i in range(out.shape[0])]
-            self.values[out] = torch.tensor(counts, dtype=out.dtype)
-            return
-        if func in self._SUMS and first in self.density:  # a routing mask summed over tokens: its share of each
-            per_output = first.numel() // max(out.numel(), 1)
-            self.values[out] = torch.full(out.shape, round(per_output * self.density[first]), dtype=out.dtype)
-            return
-        if any(t not in self.values for t in metas):
-            return
-        known = _mapped((args, kwargs), lambda t: self.values[t] if t.is_meta else t)
-        try:
-            result = func(*known[0], **known[1])
-        except Exception:  # an op the CPU will not run on these values: they stay unknown
-            return
-        results = [result] if isinstance(result, torch.Tensor) else [r for r in result if isinstance(r, torch.Tensor)]
-        for meta, value in zip(outs, results):
-            self.values[meta] = value
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:

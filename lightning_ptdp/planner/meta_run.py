@@ -21,6 +21,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ptdp.core.dims import ParallelDims
+from lightning_ptdp.meta_routing import tensors_in
 from lightning_ptdp.planner.meta_device import (
     EXTRA_FLOPS,
     Broadcasts,
@@ -30,7 +31,6 @@ from lightning_ptdp.planner.meta_device import (
     fake_group_reads,
     mesh_axes,
     step_peak_tracker,
-    tensors_in,
 )
 from lightning_ptdp.probe import side_effects_muted
 from lightning_ptdp.strategy import PTDPStrategy

@@ -147,13 +147,22 @@ def test_stacked_experts_built_on_meta_are_found_without_running_them():
     assert all("forward" not in s.module.__dict__ for s in sites)  # the stand-in is gone again
 
 
-def test_module_list_experts_built_on_meta_are_refused_with_the_reason():
+def test_module_list_experts_built_on_meta_are_found_each_called_on_its_balanced_rows():
+    """A ModuleList layer picks each expert's rows by value (``torch.where`` of the routing mask),
+    which meta has not: under the probe's mode the mask's rows are the balanced share, 1 / experts
+    of the tokens' k choices, so the census sees every expert called on [N, H] rows."""
+    from lightning_ptdp.probe import side_effects_muted
     from tests.models import MoEFeedForward
 
     with torch.device("meta"):
-        net = MoEFeedForward(8, 16)
-    with pytest.raises(ExpertDiscoveryError, match=r"MoE layer '' holds its experts in a ModuleList and was built on"):
-        find_experts(net, lambda: net(torch.randn(3, 8, device="meta")))
+        net = MoEFeedForward(8, 16)  # 4 experts, top-2
+    shapes = []
+    for expert in net.experts:
+        expert.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    with side_effects_muted(net):
+        _, lists = find_experts(net, lambda: net(torch.randn(6, 8, device="meta")))
+    assert [(site.name, site.num_experts) for site in lists] == [("", 4)]
+    assert shapes == [(3, 8)] * 4  # 6 tokens x 2 choices / 4 experts
 
 
 def test_pretrained_reads_per_expert_files_into_stacked_experts_only_for_its_experts(tmp_path):

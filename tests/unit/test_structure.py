@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "faults": 0,
     "testing": 0,
     "flops": 0,  # deprecated path of core.flops
+    "meta_routing": 0,  # balanced routing on meta, for any step on meta
     "triton_kernels": 0,  # the kernels and their torch references
     # 1: the parallelism axes, side by side
     "tensor_parallel": 1,
