@@ -9,6 +9,7 @@ gradient owner ``StepGradients`` and the ``ShardingView`` checkpoints need.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -200,6 +201,9 @@ def parallelize(
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
             log.info("plan certificate: %s", result.certificate.summary())
         del wholes, inputs, census
+        # the whole copies and probe inputs may sit in reference cycles (a module holding a bound method
+        # of itself): collected now, not during the first steps, whose peak they would otherwise raise
+        gc.collect()
         if fuses:  # step 1e
             module.__dict__["_ptdp_fused_loss"] = apply_fused_loss(module, head)
         result.fused_loss = module.__dict__.get("_ptdp_fused_loss")
