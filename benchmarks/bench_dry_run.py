@@ -106,7 +106,7 @@ def _after_each_op():
     return EveryOp()
 
 
-def measure(family: str, layout: dict) -> dict:
+def measure(family: str, layout: dict, precision: str = "32-true") -> dict:
     """One rank of the real run: the allocator's figures around step 2 (bench_memory's method)."""
     import lightning as L
 
@@ -117,7 +117,13 @@ def measure(family: str, layout: dict) -> dict:
     gc.collect()  # the pool's process ran other cells: their leftovers must not be freed during this one
     callback = _after_each_op()  # its baseline: before the model is built
     model, data = _build(family, _replicas(layout))
-    trainer = quiet_trainer(devices=WORLD_SIZE, max_steps=STEPS, callbacks=[callback], strategy=PTDPStrategy(**layout))
+    trainer = quiet_trainer(
+        devices=WORLD_SIZE,
+        max_steps=STEPS,
+        callbacks=[callback],
+        strategy=PTDPStrategy(**layout),
+        precision=precision,
+    )
     trainer.fit(model, data)
     result = dict(callback.result)
     del trainer, model, data
@@ -125,21 +131,21 @@ def measure(family: str, layout: dict) -> dict:
     return result
 
 
-def predict(family: str, layout: dict):
+def predict(family: str, layout: dict, precision: str = "32-true"):
     from lightning_ptdp.planner.meta_run import dry_run_layout
 
-    return dry_run_layout(lambda: _build(family, _replicas(layout)), layout, world_size=WORLD_SIZE)
+    return dry_run_layout(lambda: _build(family, _replicas(layout)), layout, world_size=WORLD_SIZE, precision=precision)
 
 
-def cell(family: str, name: str, layout: dict, workers) -> dict:
+def cell(family: str, name: str, layout: dict, workers, precision: str = "32-true") -> dict:
     row: dict = {"family": family, "layout": name}
     try:
-        report = predict(family, layout)
+        report = predict(family, layout, precision)
     except Exception as error:  # a cell the dry run cannot do is reported with its reason, not skipped
         row["dry_run_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return row
     try:
-        real = workers.run(measure, family, layout)
+        real = workers.run(measure, family, layout, precision)
     except Exception as error:
         row["real_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return row
@@ -174,7 +180,9 @@ def cell(family: str, name: str, layout: dict, workers) -> dict:
     return row
 
 
-def run(selected: list[str] | None = None, only: list[str] | None = None, pool=None) -> dict:
+def run(
+    selected: list[str] | None = None, only: list[str] | None = None, pool=None, precision: str = "32-true"
+) -> dict:
     from benchmarks.results import pool_of
     from tests.real_models import MOE_FAMILIES
 
@@ -185,16 +193,16 @@ def run(selected: list[str] | None = None, only: list[str] | None = None, pool=N
             # a family's first run in a process allocates what it keeps for good (imports' caches, gloo's
             # first buffers), and so does a layout's (DTensor's op rules, the pipeline's and the exchange's
             # modules): warm-up runs, not measured, so the cells compare the run's own bytes
-            workers.run(measure, family, {})
+            workers.run(measure, family, {}, precision)
             for name, layout in layouts.items():
                 if only and name not in only:
                     continue
                 if name not in warmed:
-                    workers.run(measure, family, layout)
+                    workers.run(measure, family, layout, precision)
                     warmed.add(name)
-                rows.append(cell(family, name, layout, workers))
+                rows.append(cell(family, name, layout, workers, precision))
                 print(json.dumps(_summary(rows[-1])), file=sys.stderr, flush=True)
-    return {"benchmark": SECTION, "scale": SCALE, "world_size": WORLD_SIZE, "rows": rows}
+    return {"benchmark": SECTION, "scale": SCALE, "world_size": WORLD_SIZE, "precision": precision, "rows": rows}
 
 
 def _summary(row: dict) -> dict:
@@ -223,7 +231,8 @@ def render(record: dict, command: str) -> str:
         "## Dry run: predicted per-rank memory against the allocator on the real run",
         "",
         f"- {today()}, {cpu_description()}, torch {__import__('torch').__version__}.",
-        f"- `{command}`: {len(record['rows'])} cells (family x layout), {WORLD_SIZE} gloo ranks, fp32, AdamW, "
+        f"- `{command}`: {len(record['rows'])} cells (family x layout), {WORLD_SIZE} gloo ranks, "
+        f"precision {record.get('precision', '32-true')}, AdamW, "
         f"step {STEPS} measured; the conformance families at hidden {SCALE['hidden']}, ffn {SCALE['ffn']}.",
         "- Predicted: `lightning_ptdp.planner.dry_run` (meta tensors, fake process group). Measured: glibc's "
         "in-use bytes (`mallinfo2`, benchmarks/bench_memory.py) in each rank's process, minus the figure before "
@@ -302,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layouts", default=None, help="comma-separated names of LAYOUTS; default: all")
     parser.add_argument("--write-results", action="store_true")
     parser.add_argument("--speed", action="store_true", help="time every 8-rank layout of the largest test model")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's, both runs (bf16-mixed: its own section)")
     args = parser.parse_args(argv)
     commit = code_version()
     command = "python -m benchmarks.bench_dry_run " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -312,10 +322,11 @@ def main(argv: list[str] | None = None) -> dict:
             write_section("dry_run_speed", render_speed(timed, command.strip()), commit=commit)
         return timed
     split = lambda text: text.split(",") if text else None  # noqa: E731
-    record = run(split(args.families), split(args.layouts))
+    record = run(split(args.families), split(args.layouts), precision=args.precision)
     print(json.dumps(record, indent=1))
     if args.write_results:
-        write_section(SECTION, render(record, command.strip()), commit=commit)
+        section = SECTION if args.precision == "32-true" else f"{SECTION}_{args.precision.replace('-', '_')}"
+        write_section(section, render(record, command.strip()), commit=commit)
     return record
 
 

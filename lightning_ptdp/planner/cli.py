@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MODULE:FACTORY",
         help="dry-run your own model: a function returning the LightningModule (or it and its datamodule)",
     )
+    parser.add_argument(
+        "--precision",
+        default="32-true",
+        help="with --model: the Trainer's precision, e.g. bf16-mixed (default 32-true)",
+    )
     args = parser.parse_args(argv)
     if args.factory is not None:
         return _dry_run(parser, args)
@@ -178,7 +183,11 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.gpus % devices:
             raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={devices}")
         reports = dry_run(
-            args.factory, devices=devices, num_nodes=args.gpus // devices, device_memory_gb=args.gpu_memory_gb
+            args.factory,
+            devices=devices,
+            num_nodes=args.gpus // devices,
+            device_memory_gb=args.gpu_memory_gb,
+            precision=args.precision,
         )
     except (ValueError, TypeError) as err:
         parser.exit(2, f"ptdp plan: {err}\n")

@@ -50,11 +50,13 @@ def dry_run(
     layouts: Optional[Sequence[dict]] = None,
     device_memory_gb: Optional[float] = None,
     cluster: Any = None,
+    precision: str = "32-true",
 ) -> list:
     """Dry-run ``factory`` (a callable returning a LightningModule, or a (module, datamodule) pair; or
     "pkg.module:factory") on ``devices x num_nodes`` ranks, for ``layouts`` (strategy keyword
     dicts; default: ``candidate_layouts``). Returns the ``LayoutReport``s, best first: those that
-    fit, fastest by ``step_seconds`` on ``cluster`` (a ``planner.Cluster``; default H100 nodes)."""
+    fit, fastest by ``step_seconds`` on ``cluster`` (a ``planner.Cluster``; default H100 nodes).
+    ``precision``: the Trainer's (``"bf16-mixed"``: activations as autocast makes them)."""
 
     factory = load_factory(factory) if isinstance(factory, str) else factory
     if not callable(factory):
@@ -63,7 +65,7 @@ def dry_run(
     layouts = list(layouts) if layouts is not None else candidate_layouts(world_size, devices_per_node=devices)
     for layout in layouts:
         check_layout(layout, world_size)
-    reports = [_attempt(factory, layout, world_size) for layout in layouts]
+    reports = [_attempt(factory, layout, world_size, precision) for layout in layouts]
     limit = device_memory_gb * GIB if device_memory_gb else None
     cluster = cluster or _cluster(world_size, devices)
     return sorted(
@@ -76,12 +78,12 @@ def dry_run(
     )
 
 
-def _attempt(factory: Any, layout: dict, world_size: int) -> Any:
+def _attempt(factory: Any, layout: dict, world_size: int, precision: str = "32-true") -> Any:
     """One layout's dry run; a layout ptdp's setup refuses for this model is reported with the reason."""
     from lightning_ptdp.planner.meta_run import LayoutReport, dry_run_layout
 
     try:
-        return dry_run_layout(factory, layout, world_size=world_size)
+        return dry_run_layout(factory, layout, world_size=world_size, precision=precision)
     except (ValueError, TypeError, NotImplementedError) as error:
         if "dry_run" in str(error):  # the factory's or the module's own fault: no layout would do
             raise
@@ -178,14 +180,22 @@ def format_dry_run(reports: Sequence[Any], device_memory_gb: Optional[float] = N
     return "\n".join(lines)
 
 
-def check_fits(factory: Any, layout: dict, *, devices: int, num_nodes: int = 1, device_memory_gb: float) -> Any:
+def check_fits(
+    factory: Any,
+    layout: dict,
+    *,
+    devices: int,
+    num_nodes: int = 1,
+    device_memory_gb: float,
+    precision: str = "32-true",
+) -> Any:
     """Dry-run ``layout``; if its largest rank would not fit ``device_memory_gb``, raise with that rank,
     its largest holders and a layout of the same devices that fits (the best ``dry_run`` finds).
     Returns the layout's ``LayoutReport`` when it fits."""
     world_size = devices * num_nodes
     check_layout(layout, world_size)
     try:
-        report = _attempt(factory, layout, world_size)
+        report = _attempt(factory, layout, world_size, precision)
     except Exception as error:
         raise RuntimeError(
             f"dry_run: this model could not be dry-run on the meta device ({type(error).__name__}: {error}); "
@@ -202,7 +212,9 @@ def check_fits(factory: Any, layout: dict, *, devices: int, num_nodes: int = 1, 
     )
     others = [
         r
-        for r in dry_run(factory, devices=devices, num_nodes=num_nodes, device_memory_gb=device_memory_gb)
+        for r in dry_run(
+            factory, devices=devices, num_nodes=num_nodes, device_memory_gb=device_memory_gb, precision=precision
+        )
         if r.refused is None
     ]
     fitting = [r for r in others if r.fits(limit)]
@@ -246,7 +258,14 @@ def check_fits_before_fit(trainer: Any, model: Any, data: Any, memory: Any) -> A
     def factory() -> Any:
         return meta_copy(model) if data is None else (meta_copy(model), data)
 
-    return check_fits(factory, layout, devices=devices, num_nodes=strategy.num_nodes, device_memory_gb=gib)
+    return check_fits(
+        factory,
+        layout,
+        devices=devices,
+        num_nodes=strategy.num_nodes,
+        device_memory_gb=gib,
+        precision=str(trainer.precision),
+    )
 
 
 def device_memory_gib(device: Any, ranks_per_node: int) -> float:

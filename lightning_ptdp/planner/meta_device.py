@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ptdp.core.dims import ParallelDims
 from lightning_ptdp.meta_routing import MetaRouting, RoutingDensity, mapped
@@ -60,8 +61,9 @@ class MetaShapes(MetaRouting):
 class MetaCalls(MetaScalarsAsZero):
     """The dry run's one function-level interception: ``MetaScalarsAsZero`` that remembers each read
     (what, of which parameter or buffer, where in the user's code), so a step that fails on meta says
-    which value it needed; and ``scaled_dot_product_attention`` as the fused kernel a device runs (its
-    output and log-sum-exp, no s x s scores: on meta torch would pick the math path, which keeps them)."""
+    which value it needed; ``scaled_dot_product_attention`` as the fused kernel a device runs (its
+    output and log-sum-exp, no s x s scores: on meta torch would pick the math path, which keeps them);
+    and autocast's casts, which torch applies to CPU tensors only (``AutocastOnMeta``)."""
 
     _OURS = ("/torch/", "/lightning/", "/lightning_fabric/", "/lightning_utilities/", "/lightning_ptdp/")
 
@@ -69,6 +71,7 @@ class MetaCalls(MetaScalarsAsZero):
         super().__init__()
         self.names: dict[int, str] = {}
         self.seen: list[str] = []
+        self.autocast = AutocastOnMeta()
 
     def name(self, module: torch.nn.Module) -> None:
         """The module's parameters and buffers by name (read again as setup replaces them)."""
@@ -81,8 +84,9 @@ class MetaCalls(MetaScalarsAsZero):
         )
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        args, kwargs = self.autocast.cast(func, args, kwargs or {})
         if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
-            return _fused_attention(*args, **(kwargs or {}))
+            return _fused_attention(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
@@ -97,6 +101,78 @@ class MetaCalls(MetaScalarsAsZero):
         read = f"{what} of {of}{where}"
         if read not in self.seen:
             self.seen.append(read)
+
+
+class AutocastOnMeta:
+    """CPU autocast (bf16-mixed on the dry run's CPU accelerator) casts CPU tensors only; on meta its
+    casts are asked of torch itself: a call is run under autocast on storage-less fake CPU copies of
+    its arguments, and each argument autocast copies to another dtype (a matmul's to bf16, a loss's
+    to fp32) is cast so on meta first (a copy the step holds, as on the device). Decided once per
+    call signature."""
+
+    def __init__(self) -> None:
+        self.decided: dict[Any, dict[int, torch.dtype]] = {}
+        self.fake: Any = None
+
+    def cast(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.is_autocast_enabled("cpu"):
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        if not any(isinstance(t, torch.Tensor) and t.is_meta and t.is_floating_point() for t in leaves):
+            return args, kwargs
+        key = (func, *((t.dtype, t.is_meta) if isinstance(t, torch.Tensor) else _hashable(t) for t in leaves))
+        if key not in self.decided:
+            self.decided[key] = self._learn(func, leaves, spec)
+        for index, dtype in self.decided[key].items():
+            if leaves[index].is_meta:
+                leaves[index] = leaves[index].to(dtype)
+        return tree_unflatten(leaves, spec)
+
+    def _learn(self, func: Any, leaves: list, spec: Any) -> dict[int, torch.dtype]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self.fake = self.fake or FakeTensorMode(allow_non_fake_inputs=True)
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), self.fake:
+            fakes = [_fake_cpu(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+            casts = _CastsOf(fakes)
+            with casts:
+                try:
+                    args, kwargs = tree_unflatten(fakes, spec)
+                    func(*args, **kwargs)
+                except Exception:  # a call fake tensors cannot run (a value read): its arguments stay as they are
+                    pass
+        return casts.to
+
+
+class _CastsOf(TorchDispatchMode):
+    """The dtype each of ``inputs`` is copied to (autocast's casts reach the dispatcher as ``_to_copy``)."""
+
+    def __init__(self, inputs: list) -> None:
+        super().__init__()
+        self.index = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+        self.to: dict[int, torch.dtype] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.index and "dtype" in kwargs:
+            self.to.setdefault(self.index[id(args[0])], kwargs["dtype"])
+        return func(*args, **kwargs)
+
+
+def _fake_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_meta:
+        return tensor
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _hashable(value: Any) -> Any:
+    """A call's non-tensor argument as part of its signature: a plain value itself, else its type (the
+    key must not keep an object alive, nor the tensors it holds)."""
+    return value if isinstance(value, _PLAIN) else type(value)
 
 
 def _fused_attention(*args: Any, **kwargs: Any) -> torch.Tensor:

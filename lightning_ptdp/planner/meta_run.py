@@ -323,8 +323,11 @@ def representative_ranks(dims: ParallelDims, zero_stage: int = 0) -> dict[int, t
     return {ranks[0]: tuple(ranks) for ranks in stages.values()}
 
 
-def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int) -> LayoutReport:
-    """One layout: ptdp's setup and two meta training steps on a representative rank of each stage."""
+def dry_run_layout(
+    factory: Factory, layout: dict[str, Any], *, world_size: int, precision: str = "32-true"
+) -> LayoutReport:
+    """One layout: ptdp's setup and two meta training steps on a representative rank of each stage,
+    under the Trainer's ``precision``."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 
     from lightning_ptdp.config import ParallelConfig
@@ -341,7 +344,7 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
         try:
             with _process_left_as_found():
-                measured = _one_rank(factory, layout, rank, world_size, communication, broadcasts)
+                measured = _one_rank(factory, layout, rank, world_size, communication, broadcasts, precision)
         finally:
             dist.destroy_process_group()
         carried, ddp = dict(communication.bytes), measured["ddp_buckets"]
@@ -365,6 +368,16 @@ def dry_run_layout(factory: Factory, layout: dict[str, Any], *, world_size: int)
     return LayoutReport(dict(layout), world_size, tuple(ranks), volume, time.perf_counter() - started)
 
 
+def _precision(precision: str) -> dict[str, Any]:
+    """The Trainer's precision on the meta accelerator: a mixed one autocasts as on the CPU (Lightning
+    would pick CUDA's autocast for an accelerator it did not choose), which ``MetaCalls`` applies to meta."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    if precision.endswith("-mixed"):
+        return {"plugins": [MixedPrecision(precision, device="cpu")]}  # type: ignore[arg-type]
+    return {"precision": precision}
+
+
 def _config_keys(layout: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
 
@@ -381,6 +394,7 @@ def _one_rank(
     world_size: int,
     communication: Communication,
     broadcasts: Broadcasts,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
     try:
         built = factory()
@@ -411,6 +425,7 @@ def _one_rank(
         devices=world_size,
         max_steps=MEASURED_STEP + 1,
         callbacks=[measure],
+        **_precision(precision),
         **{k: v for k, v in QUIET_TRAINER.items() if k != "accelerator"},  # the strategy brings its own
     )
     reads = MetaCalls()

@@ -224,3 +224,41 @@ def test_counts_of_top_k_routing_choices_read_as_split_sizes_are_balanced_on_met
         unknown = scores.sum().item()
     assert summed == [16] * 8 and ends == [16 * (i + 1) for i in range(8)] and pieces == [16] * 8
     assert unknown == 0 and len(reads.seen) == 1 and "item" in reads.seen[0]
+
+
+def test_autocast_casts_on_meta_are_the_ones_torch_makes_on_the_cpu():
+    """CPU autocast does not touch meta tensors; the dry run asks torch which arguments autocast
+    copies and casts those on meta: a matmul's inputs to bf16 (an fp32 weight with bf16 rows too),
+    a loss's to fp32, and nothing for an op autocast leaves alone."""
+    from lightning_ptdp.planner.meta_device import MetaCalls
+
+    rows = torch.empty(8, 16, device="meta")
+    weight = torch.empty(32, 16, device="meta")
+    with MetaCalls(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = F.linear(rows, weight)
+        mixed = F.linear(hidden[:, :16], weight)  # bf16 rows, fp32 weight
+        loss = F.cross_entropy(hidden, torch.zeros(8, dtype=torch.long, device="meta"))
+        summed = rows + rows
+    assert (hidden.dtype, mixed.dtype, loss.dtype, summed.dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+    )
+    with MetaCalls():  # autocast off: nothing cast
+        assert F.linear(rows, weight).dtype == torch.float32
+
+
+def test_a_mixed_precision_dry_run_holds_the_step_in_bf16_and_the_state_in_fp32():
+    """``precision="bf16-mixed"`` runs the dry run's step under the CPU's autocast: the state it
+    predicts is fp32's (Lightning's mixed precision keeps fp32 weights), and its activations hold
+    each matmul weight's bf16 copy until its backward, as autocast's casts do (fp32's hold none)."""
+    from functools import partial
+
+    from lightning_ptdp.planner.meta_run import dry_run_layout
+
+    factory = partial(tiny_gpt, hidden=256)  # matmul activations dominate, as in any real model
+    full = dry_run_layout(factory, {}, world_size=2).largest
+    mixed = dry_run_layout(factory, {}, world_size=2, precision="bf16-mixed").largest
+    assert mixed.state == full.state
+    assert full.activations < full.parameters // 2 <= mixed.activations
