@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -40,6 +41,7 @@ class MetaShapes(MetaRouting):
         self.reads.record("a read", metas)
 
     def on_meta(self, func: Any, args: tuple, kwargs: dict, metas: list[torch.Tensor]) -> Any:
+        args, kwargs = self.reads.autocast.cast(func, args, kwargs)  # an op no function-level call cast
         try:
             return super().on_meta(func, args, kwargs, metas)
         except NotImplementedError:
@@ -84,10 +86,11 @@ class MetaCalls(MetaScalarsAsZero):
         )
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        args, kwargs = self.autocast.cast(func, args, kwargs or {})
-        if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
-            return _fused_attention(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
+        with self.autocast.seen_from(func):
+            args, kwargs = self.autocast.cast(func, args, kwargs or {})
+            if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
+                return _fused_attention(*args, **kwargs)
+            return super().__torch_function__(func, types, args, kwargs)
 
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
         self.record(getattr(func, "__name__", str(func)), [tensor])
@@ -107,20 +110,37 @@ class AutocastOnMeta:
     """CPU autocast (bf16-mixed on the dry run's CPU accelerator) casts CPU tensors only; on meta its
     casts are asked of torch itself: a call is run under autocast on storage-less fake CPU copies of
     its arguments, and each argument autocast copies to another dtype (a matmul's to bf16, a loss's
-    to fp32) is cast so on meta first (a copy the step holds, as on the device). Decided once per
-    call signature."""
+    to fp32) is cast so on meta first. Torch's functions are cast where called, so autograd saves
+    the copies as on the device; a Python function of another package (a custom autograd Function
+    that saves what it chooses) is not, and the ops it runs are cast at dispatch, as temporaries
+    (``MetaShapes``). Decided once per call signature."""
 
     def __init__(self) -> None:
         self.decided: dict[Any, dict[int, torch.dtype]] = {}
         self.fake: Any = None
+        self.dtype: Optional[torch.dtype] = None  # autocast's, as the innermost function call saw it
+
+    @contextlib.contextmanager
+    def seen_from(self, func: Any) -> Iterator[None]:
+        """Within a function call: autocast's state as it saw it (a dispatch mode sees it disabled)."""
+        saved = self.dtype
+        self.dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        try:
+            yield
+        finally:
+            self.dtype = saved
 
     def cast(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not torch.is_autocast_enabled("cpu"):
+        if self.dtype is None or _defined_outside_torch(func):
             return args, kwargs
         leaves, spec = tree_flatten((args, kwargs))
         if not any(isinstance(t, torch.Tensor) and t.is_meta and t.is_floating_point() for t in leaves):
             return args, kwargs
-        key = (func, *((t.dtype, t.is_meta) if isinstance(t, torch.Tensor) else _hashable(t) for t in leaves))
+        key = (
+            func,
+            self.dtype,
+            *((t.dtype, t.is_meta) if isinstance(t, torch.Tensor) else _hashable(t) for t in leaves),
+        )
         if key not in self.decided:
             self.decided[key] = self._learn(func, leaves, spec)
         for index, dtype in self.decided[key].items():
@@ -133,7 +153,7 @@ class AutocastOnMeta:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.fake = self.fake or FakeTensorMode(allow_non_fake_inputs=True)
-        with _disable_current_modes(), torch._C.DisableTorchFunction(), self.fake:
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), self.fake, torch.autocast("cpu", self.dtype):
             fakes = [_fake_cpu(t) if isinstance(t, torch.Tensor) else t for t in leaves]
             casts = _CastsOf(fakes)
             with casts:
@@ -145,8 +165,12 @@ class AutocastOnMeta:
         return casts.to
 
 
+def _defined_outside_torch(func: Any) -> bool:
+    return isinstance(func, types.FunctionType) and not (func.__module__ or "").startswith("torch")
+
+
 class _CastsOf(TorchDispatchMode):
-    """The dtype each of ``inputs`` is copied to (autocast's casts reach the dispatcher as ``_to_copy``)."""
+    """The dtype each of ``inputs`` is copied to (autocast's casts reach the dispatcher as ``to`` or ``_to_copy``)."""
 
     def __init__(self, inputs: list) -> None:
         super().__init__()
@@ -155,9 +179,14 @@ class _CastsOf(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.index and "dtype" in kwargs:
-            self.to.setdefault(self.index[id(args[0])], kwargs["dtype"])
+        if func.overloadpacket in _CASTS and args and id(args[0]) in self.index:
+            dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+            if dtype is not None and dtype != args[0].dtype:
+                self.to.setdefault(self.index[id(args[0])], dtype)
         return func(*args, **kwargs)
+
+
+_CASTS = (torch.ops.aten._to_copy, torch.ops.aten.to)  # a function's casts, and autocast's at dispatch
 
 
 def _fake_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -249,6 +249,42 @@ def test_autocast_casts_on_meta_are_the_ones_torch_makes_on_the_cpu():
         assert F.linear(rows, weight).dtype == torch.float32
 
 
+class _SavesItsInput(torch.autograd.Function):
+    """A custom Function (sequence parallelism's Linear is one) that saves its fp32 input: autocast
+    casts inside its forward, as temporaries, not the arguments it saves."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad.to(x.dtype) @ weight, None
+
+
+def _overridable_linear(x, weight):
+    from torch.overrides import handle_torch_function, has_torch_function_variadic
+
+    if has_torch_function_variadic(x, weight):
+        return handle_torch_function(_overridable_linear, (x, weight), x, weight)
+    return _SavesItsInput.apply(x, weight)
+
+
+def test_autocast_on_meta_casts_inside_a_function_of_another_package_not_its_arguments():
+    from lightning_ptdp.planner.meta_device import MetaCalls, MetaShapes
+
+    rows = torch.empty(8, 16, device="meta", requires_grad=True)
+    weight = torch.empty(32, 16, device="meta")
+    reads = MetaCalls()
+    with reads, MetaShapes(reads), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _overridable_linear(rows, weight)
+    assert out.dtype == torch.bfloat16  # its matmul cast at dispatch
+    x, saved_weight = out.grad_fn.saved_tensors
+    assert x.dtype == saved_weight.dtype == torch.float32  # what it saved: its own arguments, uncast
+
+
 def test_a_mixed_precision_dry_run_holds_the_step_in_bf16_and_the_state_in_fp32():
     """``precision="bf16-mixed"`` runs the dry run's step under the CPU's autocast: the state it
     predicts is fp32's (Lightning's mixed precision keeps fp32 weights), and its activations hold
