@@ -18,6 +18,7 @@ import time
 
 SECTION = "dry_run_real_sizes"
 GPUS, PER_NODE, H100_GIB, SEQ, MICROBATCHES = 64, 8, 80, 4096, 8
+PRECISION = "bf16-mixed"  # what an H100 run trains in (the formula planner models bf16 activations too)
 CONFIGS = {
     # meta-llama/Meta-Llama-3-8B and mistralai/Mixtral-8x7B-v0.1 config.json values
     "llama3_8b": (
@@ -195,7 +196,7 @@ def run(names: list[str]) -> dict:
             batch = MICROBATCHES if layout.get("pipeline_parallel_size", 1) > 1 else 1
             started = time.perf_counter()
             try:
-                report = dry_run_layout(lambda: factory(name, batch), layout, world_size=GPUS)
+                report = dry_run_layout(lambda: factory(name, batch), layout, world_size=GPUS, precision=PRECISION)
             except Exception as error:  # a layout the dry run cannot do: listed with its reason
                 rows.append({"layout": layout_name(layout), "error": f"{type(error).__name__}: {str(error)[:200]}"})
                 continue
@@ -252,9 +253,9 @@ def render(record: dict, command: str) -> str:
         "",
         f"- {today()}, {cpu_description()} (the dry run needs no GPU).",
         f"- `{command}`: transformers' classes at the published configs, built on meta; {SEQ} tokens per "
-        f"sequence, micro batch 1, {MICROBATCHES * GPUS} sequences a step for every layout (a replica's dry-run step, {MICROBATCHES} microbatches under 1F1B or 1 sequence when p = 1, accumulated to its share), fp32 weights and AdamW as the Trainer's "
-        f"default precision (16 bytes of state per parameter, as bf16 mixed precision's 2 + 4 + 4 + 8 less the bf16 "
-        f"copy; activations in fp32, twice bf16's); {H100_GIB} GiB per GPU, 8 per node.",
+        f"sequence, micro batch 1, {MICROBATCHES * GPUS} sequences a step for every layout (a replica's dry-run step, {MICROBATCHES} microbatches under 1F1B or 1 sequence when p = 1, accumulated to its share), AdamW, "
+        f"precision {PRECISION} (Lightning's: fp32 weights, gradients and moments, 16 bytes of state per parameter; "
+        f"the step under autocast, its casts as torch makes them); {H100_GIB} GiB per GPU, 8 per node.",
         "- The formula planner (`lightning_ptdp.planner.plan`, `Cluster.h100(64)`) with the same batch, micro batch 1, "
         "sequence parallelism and no recompute; it models bf16 activations.",
         "",
