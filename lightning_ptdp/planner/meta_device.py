@@ -86,11 +86,15 @@ class MetaCalls(MetaScalarsAsZero):
         )
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        with self.autocast.seen_from(func):
-            args, kwargs = self.autocast.cast(func, args, kwargs or {})
+        autocast = self.autocast
+        outer, autocast.dtype = autocast.dtype, autocast.state()  # the ops this call runs see it (at dispatch)
+        try:
+            args, kwargs = autocast.cast(func, args, kwargs or {})
             if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
                 return _fused_attention(*args, **kwargs)
             return super().__torch_function__(func, types, args, kwargs)
+        finally:
+            autocast.dtype = outer
 
     def on_read(self, func: Any, tensor: torch.Tensor) -> None:
         self.record(getattr(func, "__name__", str(func)), [tensor])
@@ -120,15 +124,10 @@ class AutocastOnMeta:
         self.fake: Any = None
         self.dtype: Optional[torch.dtype] = None  # autocast's, as the innermost function call saw it
 
-    @contextlib.contextmanager
-    def seen_from(self, func: Any) -> Iterator[None]:
-        """Within a function call: autocast's state as it saw it (a dispatch mode sees it disabled)."""
-        saved = self.dtype
-        self.dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-        try:
-            yield
-        finally:
-            self.dtype = saved
+    @staticmethod
+    def state() -> Optional[torch.dtype]:
+        """Autocast's dtype where a function call sees it enabled (a dispatch mode sees it disabled)."""
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
 
     def cast(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.dtype is None or _defined_outside_torch(func):
