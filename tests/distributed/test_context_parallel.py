@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.fit_utils import SEQ, VOCAB
+from tests.matrix import covering
 from tests.real_models import MORE_HF
 from tests.tolerance import reordered_sum_tolerance
 
@@ -62,9 +63,10 @@ ALL = (
 # the dp buckets' average over d x c is no property of a family: three position styles (learned, rotary
 # passed to the blocks, rotary read in them) keep the 8-rank cells within the suite's time
 FAMILIES_AT = {"c2-p2-d2": ("gpt", "hf_llama", "titan_llama3")}
-CASES = [(f, "c2") for f in ALL] + [
-    (f, layout) for layout in LAYOUTS if layout != "c2" for f in FAMILIES_AT.get(layout, CORE)
-]
+# every family at c2; the compositions (4 and 8 ranks) on a rotation of CORE (tests/matrix.py)
+CASES = [(f, "c2") for f in ALL] + covering(
+    CORE, {layout: world for layout, (_, world) in LAYOUTS.items() if layout != "c2"}, pinned=FAMILIES_AT
+)
 _REFERENCES: dict[str, dict] = {}
 
 
@@ -212,8 +214,7 @@ MOE_FAMILIES = ("hf_mixtral", "hf_qwen2_moe", "moe_llama", "litgpt_moe", "titan_
     "family, layout",
     [
         pytest.param(f, lay, marks=pytest.mark.world_size(MOE_LAYOUTS[lay][1]))
-        for lay in MOE_LAYOUTS
-        for f in MOE_FAMILIES
+        for f, lay in covering(MOE_FAMILIES, {layout: world for layout, (_, world) in MOE_LAYOUTS.items()})
     ],
 )
 def test_context_and_expert_parallel_match_single_process(dist_pool, family, layout):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.fit_utils import relative_error
+from tests.matrix import covering
 from tests.real_models import MORE_HF
 from tests.shares import check_share, expected_shares
 from tests.tp_utils import reference_step, tp_step
@@ -126,11 +127,15 @@ def _reference(family: str) -> dict:
 _REFERENCES: dict[str, dict] = {}
 
 
-# one pool size at a time: the world_size mark lets conftest run all 2-rank cells, then all 4-rank ones
+# one pool size at a time: the world_size mark lets conftest run all 2-rank cells, then all 4-rank ones;
+# every family at each 2-rank layout, the 4-rank ones on a rotation of them (tests/matrix.py)
 @pytest.mark.parametrize(
-    "layout", [pytest.param(name, marks=pytest.mark.world_size(spec[1])) for name, spec in LAYOUTS.items()]
+    "family, layout",
+    [
+        pytest.param(family, name, marks=pytest.mark.world_size(LAYOUTS[name][1]))
+        for family, name in covering(MATRIX_FAMILIES, {name: spec[1] for name, spec in LAYOUTS.items()})
+    ],
 )
-@pytest.mark.parametrize("family", MATRIX_FAMILIES)
 def test_conformance(dist_pool, family, layout):
     from tests.fit_utils import assert_ranks_match_reference, fit_and_record
 
