@@ -8,6 +8,7 @@ peak-only ``MemTracker``. Each lives only inside one dry-run rank's ``fit``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -152,7 +153,14 @@ class AutocastOnMeta:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.fake = self.fake or FakeTensorMode(allow_non_fake_inputs=True)
-        with _disable_current_modes(), torch._C.DisableTorchFunction(), self.fake, torch.autocast("cpu", self.dtype):
+        quiet = _quiet_logger("torch._subclasses.fake_tensor")  # it logs each refused call; refusals are expected
+        with (
+            _disable_current_modes(),
+            torch._C.DisableTorchFunction(),
+            self.fake,
+            quiet,
+            torch.autocast("cpu", self.dtype),
+        ):
             fakes = [_fake_cpu(t) if isinstance(t, torch.Tensor) else t for t in leaves]
             casts = _CastsOf(fakes)
             with casts:
@@ -162,6 +170,16 @@ class AutocastOnMeta:
                 except Exception:  # a call fake tensors cannot run (a value read): its arguments stay as they are
                     pass
         return casts.to
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level, logger.level = logger.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _defined_outside_torch(func: Any) -> bool:
