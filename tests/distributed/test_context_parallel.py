@@ -63,7 +63,11 @@ ALL = (
 # the dp buckets' average over d x c is no property of a family: three position styles (learned, rotary
 # passed to the blocks, rotary read in them) keep the 8-rank cells within the suite's time
 FAMILIES_AT = {"c2-p2-d2": ("gpt", "hf_llama", "titan_llama3")}
-# every family at c2; the compositions (4 and 8 ranks) on a rotation of CORE (tests/matrix.py)
+# every family at c2; the compositions (4 and 8 ranks) on a rotation of CORE (tests/matrix.py);
+# FULL_CASES: what PTDP_FULL_MATRIX=1 runs, the cells the documents' tables claim
+FULL_CASES = [(f, "c2") for f in ALL] + [
+    (f, layout) for layout in LAYOUTS if layout != "c2" for f in FAMILIES_AT.get(layout, CORE)
+]
 CASES = [(f, "c2") for f in ALL] + covering(
     CORE, {layout: world for layout, (_, world) in LAYOUTS.items() if layout != "c2"}, pinned=FAMILIES_AT
 )
