@@ -4,8 +4,7 @@ torchmetrics updates are muted; on a model built on the meta device values read 
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Generator, Optional
 
 import lightning.pytorch as pl
@@ -76,7 +75,7 @@ def side_effects_muted(module: pl.LightningModule) -> Generator[None, None, None
     try:
         scalars = MetaScalarsAsZero()
         balanced = is_on_meta(module) and not MetaRouting.active()  # the dry run has its own
-        with scalars, MetaRouting(scalars) if balanced else contextlib.nullcontext():
+        with scalars, MetaRouting(scalars) if balanced else nullcontext():
             yield
     finally:
         del module.log

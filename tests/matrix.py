@@ -21,15 +21,17 @@ def covering(
     *,
     per_layout: int = 3,
     pinned: Mapping[str, Sequence[str]] | None = None,
+    full: bool = FULL,
 ) -> list[tuple[str, str]]:
     """(family, layout) cells: each family at each layout of 2 ranks; at a larger one ``per_layout``
-    families, the next ones in a rotation over ``families`` (``pinned``: a layout's own choice)."""
+    families, the next ones in a rotation over ``families`` (``pinned``: a layout's own choice, kept
+    in the full matrix too); ``full``: every family at every layout not pinned."""
     cells, turn = [], 0
     for layout, world in ranks.items():
-        if FULL or world <= 2:
-            chosen = list(families)
-        elif pinned and layout in pinned:
+        if pinned and layout in pinned:
             chosen = list(pinned[layout])
+        elif full or world <= 2:
+            chosen = list(families)
         else:
             chosen = [families[(turn + k) % len(families)] for k in range(min(per_layout, len(families)))]
             turn += per_layout

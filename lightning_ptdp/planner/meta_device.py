@@ -175,7 +175,8 @@ class AutocastOnMeta:
 @contextlib.contextmanager
 def _quiet_logger(name: str) -> Iterator[None]:
     logger = logging.getLogger(name)
-    level, logger.level = logger.level, logging.CRITICAL
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # setLevel, not the attribute: logging caches each level's verdict
     try:
         yield
     finally:

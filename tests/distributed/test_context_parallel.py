@@ -65,12 +65,9 @@ ALL = (
 FAMILIES_AT = {"c2-p2-d2": ("gpt", "hf_llama", "titan_llama3")}
 # every family at c2; the compositions (4 and 8 ranks) on a rotation of CORE (tests/matrix.py);
 # FULL_CASES: what PTDP_FULL_MATRIX=1 runs, the cells the documents' tables claim
-FULL_CASES = [(f, "c2") for f in ALL] + [
-    (f, layout) for layout in LAYOUTS if layout != "c2" for f in FAMILIES_AT.get(layout, CORE)
-]
-CASES = [(f, "c2") for f in ALL] + covering(
-    CORE, {layout: world for layout, (_, world) in LAYOUTS.items() if layout != "c2"}, pinned=FAMILIES_AT
-)
+COMPOSED = {layout: world for layout, (_, world) in LAYOUTS.items() if layout != "c2"}
+CASES = [(f, "c2") for f in ALL] + covering(CORE, COMPOSED, pinned=FAMILIES_AT)
+FULL_CASES = [(f, "c2") for f in ALL] + covering(CORE, COMPOSED, pinned=FAMILIES_AT, full=True)
 _REFERENCES: dict[str, dict] = {}
 
 

@@ -72,8 +72,9 @@ def _check(results: list[dict], ref: dict, strategy_kwargs: dict, devices: int) 
 
 # every family at each 2-rank layout; the 4- and 8-rank ones on a rotation of them (tests/matrix.py);
 # FULL_CASES: what PTDP_FULL_MATRIX=1 runs, the cells the documents' tables claim
-FULL_CASES = [(family, layout) for family in sorted(MOE_FAMILIES) for layout in LAYOUTS]
-CASES = covering(sorted(MOE_FAMILIES), {layout: world for layout, (_, world) in LAYOUTS.items()})
+WORLDS = {layout: world for layout, (_, world) in LAYOUTS.items()}
+CASES = covering(sorted(MOE_FAMILIES), WORLDS)
+FULL_CASES = covering(sorted(MOE_FAMILIES), WORLDS, full=True)
 
 
 @pytest.mark.parametrize(
