@@ -17,6 +17,7 @@ from lightning_ptdp.data_parallel.zero1 import local_optimizer
 from lightning_ptdp.testing import quiet_trainer
 from recipes.data import MarkovDataModule
 from tests.models import build_model
+from tests.shares import held_dims
 
 VOCAB, SEQ = 64, 32
 
@@ -159,7 +160,7 @@ def fit_and_record(
     trainer.fit(torch.compile(model) if compile_whole else model, datamodule)
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     local_numel = sum(_local(p).numel() for p in model.parameters())
-    held = {name: (_local(p).numel(), p.dim()) for name, p in model.named_parameters()}
+    held = {name: (_local(p).numel(), held_dims(_local(p).shape)) for name, p in model.named_parameters()}
     parallelized = getattr(trainer.strategy, "_parallelized", None)
     fused = parallelized.fused_loss if parallelized is not None else None
     # Lightning reports each part's loss divided by ``accumulate``: their sum is the step's loss

@@ -12,16 +12,23 @@ import re
 SHARE_SLACK = 0.01
 BLOCK_PARAMETER = re.compile(r"(^|\.)\d+\.")
 EXPERT = "experts."  # "mlp.experts.gate_up_proj", "moe.experts.0.w1.weight", torchtitan's "inner_experts.w1_EFD"
-# a router ("mlp.gate", torchtitan's "moe.router.gate", JetMoE's "experts.router.layer") or Qwen2-MoE's
-# "shared_expert_gate": one score per expert (or one), kept whole on every rank under TP so that every
-# rank chooses the same experts
-ROUTER = re.compile(r"(gate|router(\.\w+)?)\.weight$")
+# a router ("mlp.gate", torchtitan's "moe.router.gate", JetMoE's "experts.router.layer", Hunyuan's
+# "mlp.gate.wg"): one score per expert, kept whole on every rank under TP so that every rank chooses the
+# same experts; not a gating column ("output_gate"). Qwen2-MoE's [1, H] "shared_expert_gate" is a vector.
+ROUTER = re.compile(r"(^|\.)(gate|router)(\.\w+)?\.weight$")
 
 
 def is_expert(name: str, dim: int) -> bool:
     """A tensor of per-expert weights that expert parallelism splits: under "experts.", stacked or one
-    expert's matrix; not a router, nor a vector every expert shares (JetMoE's experts.bias)."""
+    expert's matrix; not a router, nor a vector every expert shares (JetMoE's experts.bias). ``dim``
+    counts the dims of more than one entry (``held_dims``)."""
     return EXPERT in name and dim >= 2 and not ROUTER.search(name)
+
+
+def held_dims(shape: tuple[int, ...]) -> int:
+    """The dims of a parameter that hold more than one entry: a [1, E] routing bias is a vector, a
+    depthwise conv's [C, 1, k] weight a matrix."""
+    return sum(size > 1 for size in shape)
 
 
 def _degrees(strategy_kwargs: dict, devices: int) -> tuple[int, int, int, int]:
@@ -90,6 +97,8 @@ def expected_moe_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict,
     others_high = (head / t + _total(outside, lambda name, dim: dim < 2)) / z + pad
     return {
         "experts": _total(full, is_expert) // (e * p * z_experts),
+        # each parameter's kind is the whole model's: a rank's share of an expert stack may hold one expert
+        "expert_names": {name for name, (_, dim) in full.items() if is_expert(name, dim)},
         "blocks": (blocks[0] - pad, blocks[1] + pad),
         # under PP the first stage holds the embedding and the last the head: only an upper bound there
         "others": ((head / t / z - pad) if p == 1 else 0, others_high),
@@ -98,13 +107,13 @@ def expected_moe_shares(full: dict[str, tuple[int, int]], strategy_kwargs: dict,
 
 def check_moe_share(result: dict, expected: dict) -> None:
     held = result["held"]
-    experts = sum(n for name, (n, dim) in held.items() if is_expert(name, dim))
+    experts = sum(n for name, (n, _) in held.items() if name in expected["expert_names"])
     assert experts == expected["experts"], f"a rank holds {experts} expert parameters, not {expected['experts']}"
     for part, in_part in (("blocks", True), ("others", False)):
         got = sum(
             n
-            for name, (n, dim) in held.items()
-            if not is_expert(name, dim) and bool(BLOCK_PARAMETER.search(name)) == in_part
+            for name, (n, _) in held.items()
+            if name not in expected["expert_names"] and bool(BLOCK_PARAMETER.search(name)) == in_part
         )
         low, high = expected[part]
         assert low <= got <= high, f"a rank holds {got} dense {part} parameters; the layout gives {low:.0f}-{high:.0f}"

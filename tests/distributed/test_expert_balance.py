@@ -89,7 +89,7 @@ def _reference(family: str) -> dict:
 def test_balanced_placement_trains_as_one_process(dist_pool, family, layout):
     from tests.distributed.test_expert_parallel import GRAD_REL, LOSS_RTOL, UPDATE_REL
     from tests.fit_utils import assert_ranks_match_reference
-    from tests.shares import expected_moe_shares, is_expert
+    from tests.shares import expected_moe_shares
 
     kwargs, devices = LAYOUTS[layout]
     kwargs = {**kwargs, "expert_balance": BALANCE}
@@ -98,7 +98,8 @@ def test_balanced_placement_trains_as_one_process(dist_pool, family, layout):
     assert_ranks_match_reference(results, ref, loss_rtol=LOSS_RTOL, grad_rel=GRAD_REL, update_rel=UPDATE_REL)
     n = 4  # the zoo's MoE families have 4 experts (tests/real_models.py)
     e = kwargs["expert_parallel_size"]
-    expected = expected_moe_shares(ref["held"], kwargs, devices)["experts"]
+    shares = expected_moe_shares(ref["held"], kwargs, devices)
+    expected, expert_names = shares["experts"], shares["expert_names"]
     for result in results:
         placements = result["placements"]
         first, last = placements[0], placements[-1]
@@ -108,7 +109,7 @@ def test_balanced_placement_trains_as_one_process(dist_pool, family, layout):
         for name, (held, mine, local) in result["holds"].items():
             assert local == n // e + 1 and mine == last[name][mine_rank(last[name], mine)]
             assert held == mine or held == (local,), f"{name}: holds {held}, its placement says {mine}"
-        experts = sum(k for name, (k, dim) in result["held"].items() if is_expert(name, dim))
+        experts = sum(k for name, (k, _) in result["held"].items() if name in expert_names)
         assert experts == expected * (n // e + 1) * e // n  # n/e + 1 experts' parameters, not n/e
 
 

@@ -70,3 +70,20 @@ def test_a_vector_every_expert_shares_and_a_router_under_experts_are_dense():
     assert not is_expert("layers.0.attn.experts.bias", 1)
     assert not is_expert("layers.0.attn.experts.router.layer.weight", 2)
     assert not is_expert("layers.0.mlp.gate.weight", 2)
+
+
+def test_each_parameter_is_classed_by_its_shape_in_the_whole_model():
+    """A [1, E] routing bias is a vector; a depthwise conv's [C, 1, k] weight a matrix; a router may sit
+    one module down ("mlp.gate.wg"), but a gating column ("output_gate") is no router. A rank's share
+    of an expert stack is counted by the whole model's class: an expert-parallel rank holding one
+    expert of the stack still holds experts."""
+    from tests.shares import ROUTER, held_dims
+
+    assert held_dims((1, 4)) == 1 and held_dims((64, 1, 4)) == 2
+    assert ROUTER.search("layers.0.mlp.gate.wg.weight") and not ROUTER.search("layers.0.attn.output_gate.weight")
+    stack = "layers.0.mlp.experts.gate_up_proj"
+    full = {stack: (4 * 64, 3), "layers.0.attn.q.weight": (64, 2)}
+    expected = expected_moe_shares(full, {"expert_parallel_size": 4}, 4)
+    check_moe_share({"held": {stack: (64, 2), "layers.0.attn.q.weight": (64, 2)}}, expected)
+    with pytest.raises(AssertionError, match="expert parameters"):
+        check_moe_share({"held": {stack: (128, 3), "layers.0.attn.q.weight": (64, 2)}}, expected)
