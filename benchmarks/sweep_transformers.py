@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.sweep_transformers [--families 'llama,qwen*'] [--layouts d2,t2]
         [--sample N] [--quick] [--timeout S] [--out sweep.json] [--results benchmarks/RESULTS.md]
+        [--update whole_sweep.json]
 
 Configs: tests/tiny_configs.py. A cell trains one architecture at one layout on 2 gloo ranks (one pool for the
 sweep) and is checked as the conformance matrix checks (tests/distributed/test_real_models.py), then classified
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 import lightning as L
 
-from benchmarks.results import code_version, cpu_description, today, write_section
+from benchmarks.results import RESULTS, code_version, cpu_description, today, write_section
 from tests.distributed.test_context_parallel import LAYOUTS as CP_LAYOUTS
 from tests.distributed.test_expert_parallel import LAYOUTS as EP_LAYOUTS
 from tests.distributed.test_real_models import GRAD_REL, LOSS_RTOL, STEPS, UPDATE_REL
@@ -444,6 +445,27 @@ def sweep(args: argparse.Namespace) -> dict:
     return {"families": families, "steps": steps, "pools_started": pools.started}
 
 
+def merged(base: dict, update: dict, results: Path | None) -> dict:
+    """``base`` (a whole sweep) with the cells ``update`` reran put in their place; the update is
+    listed beside it (when, the code, the command, which cells). A base record written before records
+    carried their code takes it from the section it wrote (its ``- Code:`` line)."""
+    if base["steps"] != update["steps"] or set(update["layouts"]) - set(base["layouts"]):
+        raise SystemExit("--update needs a whole sweep's JSON, of as many steps, covering the rerun layouts")
+    if "code" not in base:
+        section = (results or RESULTS).read_text().partition(f"<!-- section:{SECTION} -->")[2]
+        found = re.search(r"- Code: (.+?)\.\n", section)
+        base["code"] = found.group(1) if found else "unrecorded"
+    record = {**base, "families": {name: dict(family) for name, family in base["families"].items()}}
+    rerun = []
+    for name, family in update["families"].items():
+        into = record["families"].setdefault(name, {**family, "cells": {}})
+        into["cells"] = {**into["cells"], **family["cells"]}
+        rerun += [f"{name} {layout}" for layout in family["cells"]]
+    note = {k: update[k] for k in ("date", "code", "command", "minutes")}
+    record["updates"] = [*base.get("updates", []), {**note, "cells": rerun}]
+    return record
+
+
 def counts(record: dict) -> dict[str, dict[str, int]]:
     """layout -> outcome -> number of cells."""
     table: dict[str, dict[str, int]] = {layout: dict.fromkeys(OUTCOMES, 0) for layout in record["layouts"]}
@@ -477,6 +499,12 @@ def render(record: dict) -> str:
         "| layout | " + " | ".join(OUTCOMES) + " | cells |",
         "|---" * (len(OUTCOMES) + 2) + "|",
     ]
+    for update in record.get("updates", []):
+        lines.insert(
+            len(lines) - 3,
+            f"- Updated {update['date']}: {len(update['cells'])} cells rerun at {update['code']} "
+            f"(`{update['command']}`, {update['minutes']:.1f} min); the others are the run above's.",
+        )
     for layout in layouts:
         row = table[layout]
         lines.append(f"| {layout} | " + " | ".join(str(row[o]) for o in OUTCOMES) + f" | {sum(row.values())} |")
@@ -505,6 +533,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
     parser.add_argument("--out", type=Path, default=None, help="JSON record (default: not written)")
     parser.add_argument("--results", type=Path, default=None, help="RESULTS.md to write the section into")
+    parser.add_argument(
+        "--update",
+        type=Path,
+        default=None,
+        help="a whole sweep's JSON (--out): rerun the chosen cells, keep its others, write the merged table",
+    )
     args = parser.parse_args(argv)
     args.layouts = args.layouts.split(",")
     unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
@@ -536,15 +570,20 @@ def main(argv: list[str] | None = None) -> dict:
         **sweep(args),
     }
     record["minutes"] = (time.monotonic() - start) / 60
+    record["code"] = commit
+    if args.update is not None:
+        record = merged(json.loads(args.update.read_text()), record, args.results)
     record["counts"] = counts(record)
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))
-    whole = not (args.families or args.sample or args.quick) and args.layouts == list(LAYOUTS)
+    whole = args.update is not None or (
+        not (args.families or args.sample or args.quick) and args.layouts == list(LAYOUTS)
+    )
     if args.results is None and not whole:  # a part of the sweep never replaces the recorded whole one
         print("a partial sweep (--families, --sample, --quick or --layouts): RESULTS.md and README left as they are")
         return record
     kwargs = {"path": args.results} if args.results is not None else {}
-    write_section(SECTION, render(record), commit=commit, **kwargs)
+    write_section(SECTION, render(record), commit=record["code"], **kwargs)
     if args.results is None:  # the repository's RESULTS.md: the README's counts block follows it
         from tests.works_with import BLOCKS
 

@@ -22,6 +22,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    parameter_shard,
 )
 
 
@@ -70,11 +71,14 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
         return TPCut(0, shard.vocab_size, (Segment(0, shard.valid, shard.start),) if shard.valid else ())
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return None  # replicated on every TP rank
-    if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+    shard = parameter_shard(layer, attr)
+    if shard is not None:
+        layout, tp, dim = shard.layout, shard.tp, shard.dim
+    elif isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        layout, tp, dim = layer.layout, layer.tp, shard_dim(layer, attr)
+    else:
         return None
-    layout = layer.layout
-    segments = tuple(Segment(*piece) for piece in layout.segments(layer.tp.rank))
-    return TPCut(shard_dim(layer, attr), layout.size, segments)
+    return TPCut(dim, layout.size, tuple(Segment(*piece) for piece in layout.segments(tp.rank)))
 
 
 def expert_segments(mine: tuple[int, ...]) -> tuple[Segment, ...]:

@@ -18,6 +18,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    parameter_shard,
 )
 
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
@@ -117,6 +118,10 @@ def global_grad_norm(
     """
     weight = {}
     for layer in model.modules():
+        for attr, param in layer.named_parameters(recurse=False):
+            shard = parameter_shard(layer, attr)
+            if shard is not None:
+                weight[id(param)] = 1.0 / shard.layout.replication
         if isinstance(layer, _TP_LAYERS):
             replication = getattr(getattr(layer, "layout", None), "replication", 1)
             for attr, param in layer.named_parameters(recurse=False):

@@ -45,6 +45,8 @@ from lightning_ptdp.tensor_parallel.layers import (
     ShardLayout,
     VocabParallelEmbedding,
     VocabParallelHead,
+    hold_share,
+    parameter_shard,
 )
 from lightning_ptdp.tensor_parallel.model_plan import cross_check
 from lightning_ptdp.tensor_parallel.replay import (
@@ -127,6 +129,9 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, check
             linear = block.get_submodule(name)
             layout = ShardLayout(1, linear.out_features, 1, tp.size)
             _set_submodule(block, name, GatheredColumnLinear(linear, layout, tp))
+        for path, (dim, bounds) in region.stored_cuts.items():  # parameters each rank reads a share of
+            owner, _, leaf = path.rpartition(".")
+            hold_share(block.get_submodule(owner), leaf, dim, bounds, tp)
 
 
 def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:
@@ -356,7 +361,7 @@ def _partial_gradients(block: nn.Module, plan: BlockPlan, on_shards: bool) -> li
         for module in block.modules()
         if not isinstance(module, ColumnParallelLinear)
         for name, _ in module.named_parameters(recurse=False)
-        if not (isinstance(module, RowParallelLinear) and name == "weight")
+        if not (isinstance(module, RowParallelLinear) and name == "weight") and parameter_shard(module, name) is None
     ]
 
 

@@ -19,8 +19,10 @@ from lightning_ptdp.tensor_parallel.explicit_plan import shard_dim
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    ShardLayout,
     VocabParallelEmbedding,
     VocabParallelHead,
+    parameter_shard,
 )
 
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
@@ -34,26 +36,33 @@ def _gather(local: torch.Tensor, tp: TPGroup) -> list[torch.Tensor]:
 
 def full_tensor(layer: nn.Module, attr: str, local: torch.Tensor) -> torch.Tensor:
     """The original-layout tensor of ``layer.<attr>`` (or of a gradient shaped like it)."""
-    tp = layer.tp
     if isinstance(layer, (VocabParallelEmbedding, VocabParallelHead)):
-        return torch.cat(_gather(local, tp), dim=0)[: layer.shard.vocab_size]
+        return torch.cat(_gather(local, layer.tp), dim=0)[: layer.shard.vocab_size]
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return local
-    dim = shard_dim(layer, attr)
+    tp, dim, layout = _cut(layer, attr)
     parts = _gather(local, tp)
     shape = list(local.shape)
-    shape[dim] = layer.layout.size
+    shape[dim] = layout.size
     full = local.new_empty(shape)
     for rank, part in enumerate(parts):
-        full.index_copy_(dim, layer.layout.indices(rank).to(local.device), part)
+        full.index_copy_(dim, layout.indices(rank).to(local.device), part)
     return full
+
+
+def _cut(layer: nn.Module, attr: str) -> tuple[TPGroup, int, ShardLayout]:
+    """(group, dim, layout) of a column/row layer's parameter or of a plain parameter held as a share."""
+    shard = parameter_shard(layer, attr)
+    if shard is not None:
+        return shard.tp, shard.dim, shard.layout
+    return layer.tp, shard_dim(layer, attr), layer.layout
 
 
 def _owners_by_name(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     owners = {}
     for path, module in model.named_modules():
-        if isinstance(module, _TP_LAYERS):
-            for attr, _ in module.named_parameters(recurse=False):
+        for attr, _ in module.named_parameters(recurse=False):
+            if isinstance(module, _TP_LAYERS) or parameter_shard(module, attr) is not None:
                 owners[f"{path}.{attr}" if path else attr] = (module, attr)
     return owners
 
@@ -71,12 +80,7 @@ def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = No
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded gradients keyed by parameter name (after the strategy's TP gradient sums)."""
-    owners = {
-        id(p): (m, a)
-        for m in model.modules()
-        if isinstance(m, _TP_LAYERS)
-        for a, p in m.named_parameters(recurse=False)
-    }
+    owners = {id(getattr(m, a)): (m, a) for m, a in _owners_by_name(model).values()}
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
@@ -95,8 +99,8 @@ def local_shard(layer: nn.Module, attr: str, full: torch.Tensor) -> torch.Tensor
         return local if full.dim() > 1 else local.squeeze(-1)
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return full
-    dim = shard_dim(layer, attr)
-    return full.index_select(dim, layer.layout.indices(layer.tp.rank).to(full.device))
+    tp, dim, layout = _cut(layer, attr)
+    return full.index_select(dim, layout.indices(tp.rank).to(full.device))
 
 
 def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ from lightning_ptdp.tensor_parallel.op_semantics import is_pointwise
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
 from lightning_ptdp.tensor_parallel.regions import Assignment, find_regions, weight_count
+from lightning_ptdp.tensor_parallel.stored_cuts import stored_cuts
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict, name: str) -> RecordedBlock:
@@ -296,6 +297,8 @@ def _propagate(
             region.sharded_sites.clear()
             region.cut_parameters.clear()
             region.rewrites_shapes = False
+    for region in regions:
+        region.stored_cuts = stored_cuts(gm, region)
     return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
 
 

@@ -91,8 +91,10 @@ class RegionPlan:
     sharded_outputs: dict[int, int] = field(default_factory=dict)
     """Extra block outputs still head-sharded (index -> dim): gathered when read (extra_outputs.py)."""
     cut_parameters: list[str] = field(default_factory=list)
-    """Parameters (paths) of two or more dims kept whole on every rank and cut to this rank's share
-    where a call reads them (a depthwise conv's weight): named in the partial-split warning."""
+    """Parameters (paths) of two or more dims cut to this rank's share where a call reads them (a
+    depthwise conv's weight): held as that share (``stored_cuts``), else whole and named in the warning."""
+    stored_cuts: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    """Cut parameters each rank holds as its share alone: path -> (dim, fused part bounds)."""
     sharded_sites: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """Call site -> (dim, global / local size) of its head-sharded result: a Python check of that result's
     whole shape against the global one still passes (replay.GlobalShape)."""

@@ -92,6 +92,34 @@ class ShardLayout:
         return torch.cat([torch.arange(length) + start for _, length, start in self.segments(rank)])
 
 
+@dataclass(frozen=True)
+class ParameterShard:
+    """A plain parameter of the user's module held as this rank's share along ``dim`` (a depthwise
+    conv's weight over the heads' channels): recorded on its module (``parameter_shard``)."""
+
+    dim: int
+    layout: ShardLayout
+    tp: TPGroup
+
+
+def parameter_shard(module: nn.Module, attr: str) -> ParameterShard | None:
+    """How tensor parallelism cut ``module.<attr>`` when it is a plain parameter held as a share."""
+    return module.__dict__.get("_ptdp_parameter_shards", {}).get(attr)
+
+
+@torch.no_grad()
+def hold_share(module: nn.Module, attr: str, dim: int, bounds: tuple[int, ...], tp: TPGroup) -> None:
+    """Replace ``module.<attr>`` by this rank's share along ``dim`` (1/t of each fused part between
+    ``bounds``), the same share the replay would cut where a call reads it."""
+    whole = module._parameters[attr]
+    edges = bounds or (0, whole.shape[dim])
+    parts = tuple(b - a for a, b in zip(edges, edges[1:]))
+    layout = ShardLayout(len(parts), parts[0], 1, tp.size, parts if len(parts) > 1 else ())
+    local = whole.index_select(dim, layout.indices(tp.rank).to(whole.device))
+    module._parameters[attr] = _param(local, whole)
+    module.__dict__.setdefault("_ptdp_parameter_shards", {})[attr] = ParameterShard(dim, layout, tp)
+
+
 def _param(tensor: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(tensor.detach().clone().contiguous(), requires_grad=like.requires_grad)
 

@@ -61,7 +61,7 @@ def warn_whole_regions(
         t for r in plan.regions for t in r.prefix if any(getattr(m, n).dim() >= 2 for m, n in parameters_at(block, t))
     ]
     idle = uncalled(block, plan)
-    cut = [p for r in plan.regions for p in r.cut_parameters]
+    cut = [p for r in plan.regions for p in r.cut_parameters if p not in r.stored_cuts]
     if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle and not cut:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]

@@ -4,8 +4,9 @@ channels-first through a depthwise causal conv (``groups`` = channels: its weigh
 the block, or an ``nn.Conv1d`` with a bias), split, a recurrent state made
 from sizes alone (``torch.zeros(B, heads, dk, dv)`` with the config's head count), an output written
 step by step (``out[:, :, t] = ...``), and a gated norm on rows holding every head
-((B*T*heads, dv)). Split by heads at t=2 it trains as one process; only the conv's weight stays
-whole (each rank cuts its channels where it is read), named in the warning. A module the
+((B*T*heads, dv)). Split by heads at t=2 it trains as one process, each rank holding its share of
+every matrix: the conv's weight and bias too (cut to its channels where the conv reads them), with
+no warning. A module the
 recorded forward never runs (a decoder's cross-attention without an encoder) stays whole with a
 warning naming it."""
 
@@ -104,15 +105,25 @@ def _step(distributed: bool, separate: bool) -> dict:
     loss.backward()
     if distributed:  # the norm's weight is whole on both ranks, each rank's gradient from its heads' rows
         from lightning_ptdp.parallel.grad_sums import sum_partial_over_tp
-        from lightning_ptdp.tensor_parallel.consolidate import full_gradients
+        from lightning_ptdp.tensor_parallel.consolidate import full_gradients, full_state_dict
 
         sum_partial_over_tp(net, report.partial_grad_params, tp)
         grads = full_gradients(net)
+        state = full_state_dict(net)  # the conv's share gathered back to the model's own tensor
     else:
         grads = {n: p.grad for n, p in net.named_parameters()}
+        state = net.state_dict()
     first = net.blocks[0]
     rows = sum(first.get_submodule(n).weight.shape[0] for n in (("q", "k", "v") if separate else ("in_qkv",)))
-    return {"loss": loss.item(), "grads": grads, "rows": rows, "said": said if distributed else []}
+    conv = [first.conv.weight, first.conv.bias] if separate else [first.conv_weight]
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "rows": rows,
+        "conv_rows": [p.shape[0] for p in conv],
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "said": said if distributed else [],
+    }
 
 
 @pytest.mark.world_size(2)
@@ -123,11 +134,12 @@ def test_a_conv_linear_attention_mixer_splits_by_heads_equal_to_one_process(dist
     ref = _step(False, separate)
     for result in dist_pool(2).run(_step, True, separate):
         assert result["rows"] == (2 * HEADS * DK + HEADS * DV) // 2  # each rank: its share of q, k and v
-        # the conv's weight alone stays whole (each rank cuts its channels where it is read), and is named
-        (said,) = result["said"]
-        kept = "conv.weight" if separate else "conv_weight"
-        assert f"keeps {kept} whole on every rank (each rank reads its heads' share where it is used)" in said
+        assert set(result["conv_rows"]) == {result["rows"]}  # and of the conv's channels, its bias's too
+        assert result["said"] == []
         _assert_as_one_process(result, ref)
+        assert result["state"].keys() == ref["state"].keys()
+        for key, value in ref["state"].items():  # after the same step on the same weights
+            torch.testing.assert_close(result["state"][key], value, rtol=0, atol=0, msg=key)
 
 
 def test_a_module_the_recorded_forward_never_runs_stays_whole_with_a_warning():
