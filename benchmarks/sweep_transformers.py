@@ -452,7 +452,8 @@ def merged(base: dict, update: dict, results: Path | None) -> dict:
     if base["steps"] != update["steps"] or set(update["layouts"]) - set(base["layouts"]):
         raise SystemExit("--update needs a whole sweep's JSON, of as many steps, covering the rerun layouts")
     if "code" not in base:
-        section = (results or RESULTS).read_text().partition(f"<!-- section:{SECTION} -->")[2]
+        source = results if results is not None and results.exists() else RESULTS
+        section = source.read_text().partition(f"<!-- section:{SECTION} -->")[2]
         found = re.search(r"- Code: (.+?)\.\n", section)
         base["code"] = found.group(1) if found else "unrecorded"
     record = {**base, "families": {name: dict(family) for name, family in base["families"].items()}}

@@ -69,12 +69,20 @@ def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple] | N
     return _width_dims(parameter, width)[0], bounds
 
 
+def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
+    owner, _, leaf = path.rpartition(".")
+    try:
+        return leaf in gm.get_submodule(owner)._parameters
+    except AttributeError:
+        return False
+
+
 def stored_cuts(gm: fx.GraphModule, region: RegionPlan) -> dict[str, tuple[int, tuple]]:
     """Parameter path -> (dim, fused part bounds) of each cut parameter every rank can hold as its share."""
     operands = _cut_operands(gm, region)
     found = {}
-    for node in gm.graph.nodes:  # a bias as well as a weight
-        if node.op == "get_attr" and operands:
+    for node in gm.graph.nodes:  # a bias as well as a weight; a buffer stays whole (no gradient, no state)
+        if node.op == "get_attr" and operands and _is_parameter(gm, node.target):
             share = _store_as_share(node, operands)
             if share is not None:
                 found[node.target] = share

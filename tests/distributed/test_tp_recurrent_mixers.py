@@ -32,7 +32,7 @@ class GatedNorm(nn.Module):
 
 
 class ConvLinearAttention(nn.Module):
-    def __init__(self, unused: bool = False, separate: bool = False) -> None:
+    def __init__(self, unused: bool = False, separate: bool = False, frozen_conv: bool = False) -> None:
         super().__init__()
         self.key_dim, self.value_dim = HEADS * DK, HEADS * DV
         channels = 2 * self.key_dim + self.value_dim
@@ -43,7 +43,11 @@ class ConvLinearAttention(nn.Module):
             self.conv = nn.Conv1d(channels, channels, KERNEL, groups=channels, padding=KERNEL - 1)
         else:
             self.in_qkv = nn.Linear(HIDDEN, channels, bias=False)
-            self.conv_weight = nn.Parameter(torch.randn(channels, KERNEL) / KERNEL)
+            taps = torch.randn(channels, KERNEL) / KERNEL
+            if frozen_conv:  # a buffer: cut at the call, held whole (MiniMax's decay rates)
+                self.register_buffer("conv_weight", taps)
+            else:
+                self.conv_weight = nn.Parameter(taps)
         self.in_z = nn.Linear(HIDDEN, self.value_dim, bias=False)
         self.norm = GatedNorm(DV)
         self.out = nn.Linear(self.value_dim, HIDDEN, bias=False)
@@ -74,9 +78,9 @@ class ConvLinearAttention(nn.Module):
 
 
 class MixerNet(nn.Module):
-    def __init__(self, unused: bool = False, separate: bool = False) -> None:
+    def __init__(self, unused: bool = False, separate: bool = False, frozen_conv: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([ConvLinearAttention(unused, separate) for _ in range(2)])
+        self.blocks = nn.ModuleList([ConvLinearAttention(unused, separate, frozen_conv) for _ in range(2)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -84,13 +88,14 @@ class MixerNet(nn.Module):
         return x
 
 
-def _step(distributed: bool, separate: bool) -> dict:
+def _step(distributed: bool, variant: str) -> dict:
     import warnings
 
     from tests.distributed.test_tp_block_structures import _inputs
 
     inputs = _inputs(HIDDEN, SEQ)
-    net = MixerNet(separate=separate)
+    separate = variant == "cat-of-q-k-v"
+    net = MixerNet(separate=separate, frozen_conv=variant == "frozen-conv")
     if distributed:
         import torch.distributed as dist
 
@@ -127,15 +132,19 @@ def _step(distributed: bool, separate: bool) -> dict:
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("separate", [False, True], ids=["fused-qkv", "cat-of-q-k-v"])
-def test_a_conv_linear_attention_mixer_splits_by_heads_equal_to_one_process(dist_pool, separate):
+@pytest.mark.parametrize("variant", ["fused-qkv", "cat-of-q-k-v", "frozen-conv"])
+def test_a_conv_linear_attention_mixer_splits_by_heads_equal_to_one_process(dist_pool, variant):
     from tests.distributed.test_tp_block_structures import _assert_as_one_process
 
-    ref = _step(False, separate)
-    for result in dist_pool(2).run(_step, True, separate):
+    ref = _step(False, variant)
+    for result in dist_pool(2).run(_step, True, variant):
         assert result["rows"] == (2 * HEADS * DK + HEADS * DV) // 2  # each rank: its share of q, k and v
-        assert set(result["conv_rows"]) == {result["rows"]}  # and of the conv's channels, its bias's too
-        assert result["said"] == []
+        if variant == "frozen-conv":  # a buffer: whole on every rank, cut where the conv reads it, and named
+            assert result["conv_rows"] == [2 * result["rows"]]
+            (said,) = result["said"]
+            assert "keeps conv_weight whole on every rank (each rank reads its heads' share where it is used)" in said
+        else:  # and of the conv's channels, its bias's too
+            assert set(result["conv_rows"]) == {result["rows"]} and result["said"] == []
         _assert_as_one_process(result, ref)
         assert result["state"].keys() == ref["state"].keys()
         for key, value in ref["state"].items():  # after the same step on the same weights
