@@ -107,11 +107,14 @@ def render_sweep() -> str:
     section = text[start : text.index("<!-- /section:sweep_transformers -->")]
     lines = section.splitlines()
     recorded = next(line for line in lines if line.startswith("- 20"))  # "- <date>, transformers ..., torch ..."
+    updates = [line.split(":")[0].removeprefix("- Updated ") for line in lines if line.startswith("- Updated ")]
     first = next(i for i, line in enumerate(lines) if line.startswith("| layout |"))
     counts = lines[first : next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))]
     stamp = (
         "Counts of the last run of `python -m benchmarks.sweep_transformers` (every architecture in transformers' "
-        f"causal-LM mapping at a tiny config, each cell against one process; recorded {recorded[2:].split(',')[0]}). "
+        f"causal-LM mapping at a tiny config, each cell against one process; recorded {recorded[2:].split(',')[0]}"
+        + (f", some cells rerun {updates[-1]}" if updates else "")
+        + "). "
         "Per-architecture reasons: [benchmarks/RESULTS.md](benchmarks/RESULTS.md#sweep-every-transformers-causal-lm-"
         "at-each-layout-against-one-process). Regenerate with `python .ci/works_with.py` after a sweep."
     )
