@@ -40,7 +40,7 @@ def apply_context_parallel(
         what = "no transformer blocks" if not found else f"{len(found)} block lists ({', '.join(p for p, _ in found)})"
         raise ValueError(
             f"context_parallel_size={cp.size} found {what} in {type(model).__name__}; context parallelism cuts the "
-            "sequence where it enters one stack of same-type blocks (a ModuleList, Sequential or ModuleDict of "
+            "sequence where it enters one stack of blocks (a ModuleList, Sequential or ModuleDict of "
             "modules holding Linears) and makes it whole after the last. Use context_parallel_size=1"
         )
     path, blocks = found[0]

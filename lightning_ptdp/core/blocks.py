@@ -1,10 +1,10 @@
 """The model's repeated transformer blocks, found by structure: the one finder that tensor
 parallelism, the pipeline split, ZeRO and activation recompute all use.
 
-A block list is the outermost ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (torchtitan
-keys its layers "0".."n"; nanoGPT keeps ``transformer = nn.ModuleDict(h=nn.ModuleList(...))``)
-whose children are modules of one type (not themselves containers: a block has a forward), each
-holding at least two Linear-like modules.
+A block list is the outermost ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (torchtitan's
+layers "0".."n") whose children are modules with a forward, each holding two or more Linear-like
+modules: of one type, or of several in a list (a hybrid stack of attention and linear-attention
+layers, planned per structure), not in a dict (an encoder beside a decoder).
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         children = container_children(module)
         if any(child is None for child in children):  # a list of optional modules (norms left out), not blocks
             continue
-        same_type = len({type(c) for c in children}) == 1 and not is_container(children[0])
-        if same_type and sum(is_linear_like(m) for m in children[0].modules()) >= 2:
+        hybrid_ok = not isinstance(module, nn.ModuleDict)  # layers in order, not named parts of a model
+        if len({type(c) for c in children}) > 1 and not hybrid_ok:
+            continue
+        if all(not is_container(c) and sum(is_linear_like(m) for m in c.modules()) >= 2 for c in children):
             found.append((path, children))
     return found
 

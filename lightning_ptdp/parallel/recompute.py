@@ -62,7 +62,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[str]:
     if not block_lists:
         raise ValueError(
             f"activation_checkpointing={mode!r} found no transformer blocks in {type(model).__name__} (a ModuleList, "
-            "Sequential or ModuleDict of same-type modules holding Linears); use activation_checkpointing=None"
+            "Sequential or ModuleDict of blocks holding Linears); use activation_checkpointing=None"
         )
     wrap = _full if mode == "full" else _selective
     wrapped = []

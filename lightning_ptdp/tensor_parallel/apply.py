@@ -227,7 +227,7 @@ def plan_block_lists(
     block_lists = find_block_lists(model)
     if not block_lists:
         raise TPDiscoveryError(
-            "tensor parallelism found no transformer blocks (a ModuleList or Sequential of same-type modules "
+            "tensor parallelism found no transformer blocks (a ModuleList or Sequential of modules each "
             "holding Linears); pass an explicit plan with tp_plan={'module.path': 'colwise', ...}"
         )
     inputs = probe if isinstance(probe, BlockInputs) else BlockInputs.of_block_lists(model, probe)
@@ -245,7 +245,9 @@ def plan_block_lists(
             before = snapshot_args(recorded.graph)
             plan = _tried_plan(recorded, name, tp_size, strict, (first, args, kwargs), before)
             linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)]
-            take_state_dict_hooks(model, [_join(path, f"{i}.{m}") for i in indices for m in linears])
+            held = [p.rpartition(".")[0] for r in plan.regions for p in r.stored_cuts]  # their modules hold shares
+            sharded = [".".join(filter(None, (str(i), m))) for i in indices for m in (*linears, *held)]
+            take_state_dict_hooks(model, [_join(path, s) for s in sharded])
             planned_groups.append(PlannedGroup(indices, plan, args, BlockProgram.build(recorded.graph, plan, before)))
         planned.append((path, blocks, planned_groups))
     return planned

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.fit_utils import relative_error
-from tests.matrix import covering, sampled
+from tests.matrix import FULL, covering, sampled
 from tests.real_models import MORE_HF
 from tests.shares import check_share, expected_shares
 from tests.tp_utils import reference_step, tp_step
@@ -53,13 +53,16 @@ def test_one_step_matches_single_process(dist_pool, family, sequence_parallel):
         assert held < 0.6 * sum(g.numel() for g in ref["grads"].values())
 
 
+MATRIX_FAMILIES = (*TP_FAMILIES, "gpt", "nanogpt", "llama")  # and the repository's own families
 # OLMo-2 is post-norm: its attention reads the block input, which the residual add also uses; the
 # compiled SP replay cannot serve both (refused with the reason: test_compiled_sp_refuses_a_post_norm_block)
 COMPILED_SP_FAMILIES = [f for f in (*TP_FAMILIES, *MORE_HF, "gpt", "nanogpt", "llama") if f != "hf_olmo2"]
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("family", sampled(COMPILED_SP_FAMILIES, 3))  # all: PTDP_FULL_MATRIX=1
+@pytest.mark.parametrize(  # the matrix's families also compile in its t2-sp-compiled column; all: PTDP_FULL_MATRIX=1
+    "family", sampled([f for f in COMPILED_SP_FAMILIES if FULL or f not in MATRIX_FAMILIES], 2)
+)
 def test_compiled_tp_blocks_have_no_graph_break(dist_pool, family):
     """t=2 with sequence parallelism, every block's forward compiled with fullgraph=True after the
     rewrites (any break would raise): ptdp adds no graph break inside a block, by dynamo's own count.
@@ -106,7 +109,6 @@ LAYOUTS = {
         2,
     ),
 }
-MATRIX_FAMILIES = (*TP_FAMILIES, "gpt", "nanogpt", "llama")  # and the repository's own families
 # the repository's families at 4 layers, so p=2 v=2 has a block per chunk (the real ones have 4)
 OVERRIDES = {"gpt": {"num_layers": 4}, "nanogpt": {"num_layers": 4}, "llama": {"num_layers": 4}}
 # Adam divides by the root of the squared gradient: on elements whose gradient is round-off

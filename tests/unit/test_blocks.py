@@ -152,3 +152,26 @@ def test_block_inputs_run_the_probe_once_and_give_each_reader_its_own_object_inp
     first[id(blocks[0])][1]["cache"].append("a reader's write")
     second = inputs.of([blocks[0]])
     assert len(runs) == 1 and second[id(blocks[0])][1]["cache"] == []
+
+
+class MixerBlock(nn.Module):
+    """A second layer type of a hybrid stack: a gated mixer, two Linears of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.sigmoid(self.gate(x)))
+
+
+def test_a_hybrid_stack_of_two_layer_types_is_one_block_list_but_a_dict_of_model_parts_is_none():
+    """OLMo-hybrid's layers alternate a linear-attention layer and an attention layer in one ModuleList:
+    that is the stack (each structure is planned apart); a ModuleDict of two types names parts of a
+    model (an encoder beside a decoder), not layers in order."""
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([MixerBlock(), Conv1DBlock(), MixerBlock()])
+    assert [(p, len(b)) for p, b in find_block_lists(hybrid)] == [("layers", 3)]
+    parts = nn.Module()
+    parts.parts = nn.ModuleDict({"encoder": MixerBlock(), "decoder": Conv1DBlock()})
+    assert find_block_lists(parts) == []
