@@ -70,6 +70,8 @@ SHRINK = {
     "linear_value_head_dim": 8,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
+    "linear_num_heads": 4,  # Kimi-Linear's delta-rule heads (its defaults: 32 of 128)
+    "linear_head_dim": 8,
     "mamba_n_heads": 4,
     "mamba_num_heads": 4,
     "mamba_head_dim": 8,
