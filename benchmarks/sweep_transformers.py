@@ -496,16 +496,13 @@ def render(record: dict) -> str:
         f"fp64 at {FP64_RECHECK:g}x the tolerances (FP64_RECHECK); then each rank's share (tests/shares.py); "
         f"{record['minutes']:.1f} min, "
         f"{record['pools_started']} pool(s) started.",
-        "",
-        "| layout | " + " | ".join(OUTCOMES) + " | cells |",
-        "|---" * (len(OUTCOMES) + 2) + "|",
     ]
-    for update in record.get("updates", []):
-        lines.insert(
-            len(lines) - 3,
-            f"- Updated {update['date']}: {len(update['cells'])} cells rerun at {update['code']} "
-            f"(`{update['command']}`, {update['minutes']:.1f} min); the others are the run above's.",
-        )
+    lines += [
+        f"- Updated {update['date']}: {len(update['cells'])} cells rerun at {update['code']} "
+        f"(`{update['command']}`, {update['minutes']:.1f} min); the others are the run above's."
+        for update in record.get("updates", [])
+    ]
+    lines += ["", "| layout | " + " | ".join(OUTCOMES) + " | cells |", "|---" * (len(OUTCOMES) + 2) + "|"]
     for layout in layouts:
         row = table[layout]
         lines.append(f"| {layout} | " + " | ".join(str(row[o]) for o in OUTCOMES) + f" | {sum(row.values())} |")

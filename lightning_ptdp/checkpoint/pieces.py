@@ -16,14 +16,8 @@ import torch
 import torch.nn as nn
 
 from lightning_ptdp.expert_parallel import ExpertShard
-from lightning_ptdp.tensor_parallel.explicit_plan import shard_dim
-from lightning_ptdp.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-    parameter_shard,
-)
+from lightning_ptdp.tensor_parallel.consolidate import tp_layout
+from lightning_ptdp.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
 
 @dataclass(frozen=True)
@@ -71,13 +65,10 @@ def tp_cut(layer: nn.Module, attr: str) -> Optional[TPCut]:
         return TPCut(0, shard.vocab_size, (Segment(0, shard.valid, shard.start),) if shard.valid else ())
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return None  # replicated on every TP rank
-    shard = parameter_shard(layer, attr)
-    if shard is not None:
-        layout, tp, dim = shard.layout, shard.tp, shard.dim
-    elif isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-        layout, tp, dim = layer.layout, layer.tp, shard_dim(layer, attr)
-    else:
+    found = tp_layout(layer, attr)
+    if found is None:
         return None
+    tp, dim, layout = found
     return TPCut(dim, layout.size, tuple(Segment(*piece) for piece in layout.segments(tp.rank)))
 
 

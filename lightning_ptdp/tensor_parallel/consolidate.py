@@ -40,7 +40,7 @@ def full_tensor(layer: nn.Module, attr: str, local: torch.Tensor) -> torch.Tenso
         return torch.cat(_gather(local, layer.tp), dim=0)[: layer.shard.vocab_size]
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return local
-    tp, dim, layout = _cut(layer, attr)
+    tp, dim, layout = tp_layout(layer, attr)
     parts = _gather(local, tp)
     shape = list(local.shape)
     shape[dim] = layout.size
@@ -50,12 +50,15 @@ def full_tensor(layer: nn.Module, attr: str, local: torch.Tensor) -> torch.Tenso
     return full
 
 
-def _cut(layer: nn.Module, attr: str) -> tuple[TPGroup, int, ShardLayout]:
-    """(group, dim, layout) of a column/row layer's parameter or of a plain parameter held as a share."""
+def tp_layout(layer: nn.Module, attr: str) -> tuple[TPGroup, int, ShardLayout] | None:
+    """(group, dim, layout) of a column/row layer's parameter or of a plain parameter held as a share
+    (a row layer's bias included: callers that keep it whole say so first); None for anything else."""
     shard = parameter_shard(layer, attr)
     if shard is not None:
         return shard.tp, shard.dim, shard.layout
-    return layer.tp, shard_dim(layer, attr), layer.layout
+    if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        return layer.tp, shard_dim(layer, attr), layer.layout
+    return None
 
 
 def _owners_by_name(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -99,7 +102,7 @@ def local_shard(layer: nn.Module, attr: str, full: torch.Tensor) -> torch.Tensor
         return local if full.dim() > 1 else local.squeeze(-1)
     if isinstance(layer, RowParallelLinear) and attr == "bias":
         return full
-    tp, dim, layout = _cut(layer, attr)
+    tp, dim, layout = tp_layout(layer, attr)
     return full.index_select(dim, layout.indices(tp.rank).to(full.device))
 
 
