@@ -2,11 +2,12 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.sweep_transformers [--families 'llama,qwen*'] [--layouts d2,t2]
         [--sample N] [--quick] [--timeout S] [--out sweep.json] [--results benchmarks/RESULTS.md]
-        [--update whole_sweep.json]
+        [--update [whole_sweep.json]]
 
 Configs: tests/tiny_configs.py. A cell trains one architecture at one layout on 2 gloo ranks (one pool for the
 sweep) and is checked as the conformance matrix checks (tests/distributed/test_real_models.py), then classified
-(OUTCOMES); a cell that raises, hangs or breaks the pool is recorded, never stops the sweep.
+(OUTCOMES); a cell that raises, hangs or breaks the pool is recorded, never stops the sweep. The record
+behind the table is kept beside it (results/sweep_transformers.json), so ``--update`` reruns cells of it.
 """
 
 from __future__ import annotations
@@ -467,6 +468,67 @@ def merged(base: dict, update: dict, results: Path | None) -> dict:
     return record
 
 
+def stored_record(results: Path) -> Path:
+    """Where the record behind ``results``'s table is kept (written with it, read by ``--update``)."""
+    return results.parent / "results" / f"{SECTION}.json"
+
+
+def load_base(path: Path, results: Path) -> dict:
+    """The whole sweep to update: ``path``'s record, or, where it was never kept, the one ``results``'s
+    table was rendered from (``from_section``)."""
+    if path.exists():
+        return json.loads(path.read_text())
+    text = results.read_text() if results.exists() else ""
+    if f"<!-- section:{SECTION} -->" not in text:
+        raise SystemExit(f"--update: no record at {path} and no {SECTION} section in {results} to read one from")
+    return from_section(text)
+
+
+def from_section(text: str) -> dict:
+    """The record a rendered section came from, as far as it shows it: outcomes, reasons cut to
+    REASON_CHARS, the run's and each update's header; cell seconds are not shown (0)."""
+    body = text.partition(f"<!-- section:{SECTION} -->")[2].partition(f"<!-- /section:{SECTION} -->")[0]
+    head = re.search(r"- Code: (.+?)\.\n- (\S+), transformers (\S+), torch (\S+), (.+?)\.\n", body)
+    run = re.search(r"- `(.+?)`: \d+ of (\d+) architectures.*?; (\d+) steps,.*?; ([\d.]+) min, (\d+) pool", body)
+    if head is None or run is None:
+        raise SystemExit(f"the {SECTION} section has no header this script wrote")
+    updates = [
+        {"date": d, "code": code, "command": command, "minutes": float(m), "cells": [""] * int(n)}
+        for d, n, code, command, m in re.findall(
+            r"- Updated (\S+): (\d+) cells rerun at (.+?) \(`(.+?)`, ([\d.]+) min\)", body
+        )
+    ]
+    tables = [t for t in re.split(r"\n\n", body) if t.startswith("| architecture |")]
+    grid, reasons = tables[0].splitlines(), tables[1].splitlines()[2:]
+    layouts = [c.strip() for c in grid[0].strip("|").split("|")][1:]
+    families: dict[str, dict] = {}
+    for line in grid[2:]:
+        name, *outcomes = (c.strip() for c in line.strip("|").split("|"))
+        moe = name.endswith(" (MoE)")
+        cells = {k: {"outcome": o, "reason": "", "seconds": 0.0} for k, o in zip(layouts, outcomes) if o != "-"}
+        families[name.removesuffix(" (MoE)")] = {"class": "", "moe": moe, "cells": cells}
+    for line in reasons:
+        name, layout, _, reason = re.match(r"\| (.+?) \| (.+?) \| (.+?) \| (.*) \|$", line).groups()
+        families[name]["cells"][layout]["reason"] = reason.replace("\\|", "|")
+    code, date, transformers, torch, cpu = head.groups()
+    command, registered, steps, minutes, pools = run.groups()
+    return {
+        "date": date,
+        "transformers": transformers,
+        "torch": torch,
+        "cpu": cpu,
+        "command": command,
+        "registered": int(registered),
+        "layouts": layouts,
+        "families": families,
+        "steps": int(steps),
+        "pools_started": int(pools),
+        "minutes": float(minutes),
+        "code": code,
+        "updates": updates,
+    }
+
+
 def counts(record: dict) -> dict[str, dict[str, int]]:
     """layout -> outcome -> number of cells."""
     table: dict[str, dict[str, int]] = {layout: dict.fromkeys(OUTCOMES, 0) for layout in record["layouts"]}
@@ -534,8 +596,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--update",
         type=Path,
+        nargs="?",
+        const="kept",
         default=None,
-        help="a whole sweep's JSON (--out): rerun the chosen cells, keep its others, write the merged table",
+        help="rerun the chosen cells of a whole sweep's JSON (--out; default: the record kept beside the "
+        "table), keep its others, write the merged table",
     )
     args = parser.parse_args(argv)
     args.layouts = args.layouts.split(",")
@@ -569,8 +634,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     record["minutes"] = (time.monotonic() - start) / 60
     record["code"] = commit
+    results = args.results if args.results is not None else RESULTS
     if args.update is not None:
-        record = merged(json.loads(args.update.read_text()), record, args.results)
+        base = load_base(stored_record(results) if args.update == "kept" else args.update, results)
+        record = merged(base, record, args.results)
     record["counts"] = counts(record)
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))
@@ -580,8 +647,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.results is None and not whole:  # a part of the sweep never replaces the recorded whole one
         print("a partial sweep (--families, --sample, --quick or --layouts): RESULTS.md and README left as they are")
         return record
-    kwargs = {"path": args.results} if args.results is not None else {}
-    write_section(SECTION, render(record), commit=record["code"], **kwargs)
+    write_section(SECTION, render(record), commit=record["code"], path=results)
+    stored_record(results).parent.mkdir(exist_ok=True)
+    stored_record(results).write_text(json.dumps(record, indent=1) + "\n")
     if args.results is None:  # the repository's RESULTS.md: the README's counts block follows it
         from tests.works_with import BLOCKS
 

@@ -56,3 +56,22 @@ def test_an_update_of_other_steps_or_layouts_than_the_whole_sweep_is_refused():
         merged(base, _record("commit b", {"a": {"t2": "ok"}}, layouts=("t2",)), None)
     with pytest.raises(SystemExit, match="of as many steps"):
         merged(base, _record("commit b", {"a": {"d2": "ok"}}, layouts=("d2",), steps=1), None)
+
+
+def test_a_section_reads_back_as_the_record_it_was_rendered_from(tmp_path):
+    """Where the record behind the table was not kept, ``--update`` reads it from the table itself."""
+    from benchmarks.results import write_section
+    from benchmarks.sweep_transformers import SECTION, from_section, load_base, merged, render, stored_record
+
+    base = _record("commit base123", {"a": {"d2": "ok", "t2": "warned"}, "b": {"d2": "refused"}})
+    base["families"]["a"]["cells"]["t2"]["reason"] = "keeps x | y whole"
+    update = {**_record("commit new456", {"b": {"d2": "ok"}}, layouts=("d2",)), "date": "2026-11-28"}
+    record = merged(base, update, None)
+    results = write_section(SECTION, render(record), commit=record["code"], path=tmp_path / "RESULTS.md")
+    back = load_base(stored_record(results), results)
+    assert back["families"]["a"]["cells"]["t2"] == {"outcome": "warned", "reason": "keeps x | y whole", "seconds": 0.0}
+    assert back["updates"][0]["code"] == "commit new456" and len(back["updates"][0]["cells"]) == 1
+    again = write_section(
+        SECTION, render(from_section(results.read_text())), commit=back["code"], path=tmp_path / "2.md"
+    )
+    assert again.read_text() == results.read_text()
