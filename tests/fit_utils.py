@@ -172,11 +172,30 @@ def fit_and_record(
         "state": state,
         "local_numel": local_numel,
         "held": held,
+        "replicated": replicated_heads(model),
         "optimizer_numel": optimizer_numel(trainer),
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": dict(counters["graph_break"]),
         "fused_loss": None if fused is None else list(fused.uses),
     }
+
+
+def replicated_heads(model: torch.nn.Module) -> int:
+    """Elements this rank holds beyond its 1/t because a part of fewer heads than t (a key/value head)
+    is copied to several ranks, as Megatron copies them: part of the layout's share, read from the layouts."""
+    from lightning_ptdp.tensor_parallel.consolidate import tp_layout
+    from lightning_ptdp.tensor_parallel.layers import RowParallelLinear
+
+    extra = 0.0
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            found = None if isinstance(module, RowParallelLinear) and attr == "bias" else tp_layout(module, attr)
+            if found is not None:
+                _, dim, layout = found
+                local = _local(param)
+                copies = layout.local_replication().double()
+                extra += local.numel() // local.shape[dim] * float((1 - 1 / copies).sum())
+    return round(extra)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,9 @@ class AttentionHeads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def fit_token_lm(make_model, *, vocab: int, seq: int, t: int, sequence_parallel: bool) -> tuple[Any, dict]:
+def fit_token_lm(
+    make_model, *, vocab: int, seq: int, t: int, sequence_parallel: bool, **trainer_kwargs: Any
+) -> tuple[Any, dict]:
     """Two SGD steps of ``make_model()`` (built after seeding 0) on a fixed token batch, by the Trainer at
     t (one process when 1): the model, and its whole state and the ``PartialSplitWarning`` texts."""
     import warnings
@@ -155,7 +157,7 @@ def fit_token_lm(make_model, *, vocab: int, seq: int, t: int, sequence_parallel:
     tokens = torch.randint(0, vocab, (8, seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     strategy = PTDPStrategy(tensor_parallel_size=t, sequence_parallel=sequence_parallel) if t > 1 else "auto"
-    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False)
+    trainer = quiet_trainer(devices=t, strategy=strategy, max_steps=2, use_distributed_sampler=False, **trainer_kwargs)
     torch.manual_seed(0)
     model = make_model()
     with warnings.catch_warnings(record=True) as caught:

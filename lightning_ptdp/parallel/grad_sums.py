@@ -13,12 +13,13 @@ import torch.nn as nn
 from lightning_ptdp.core.comm import all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
+from lightning_ptdp.tensor_parallel.consolidate import tp_layout
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    ShardLayout,
     VocabParallelEmbedding,
     VocabParallelHead,
-    parameter_shard,
 )
 
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
@@ -52,14 +53,15 @@ def sum_tied_over_pp(
     flat_all_reduce(grads, pp_group)
 
 
-def _replicated_kv(model: nn.Module) -> list[tuple[ColumnParallelLinear, nn.Parameter]]:
-    """KV projection weights and biases replicated over several TP ranks (t > n_kv_heads), in model order."""
+def _replicated_kv(model: nn.Module) -> list[tuple[nn.Parameter, int, ShardLayout]]:
+    """(parameter, dim, layout) of column weights and biases with heads replicated over several TP
+    ranks (t > n_kv_heads, or multi-query attention's one KV head in a fused column), in model order."""
     return [
-        (layer, param)
+        (param, dim, layout)
         for layer in model.modules()
         if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1
-        for param in (layer.weight, layer.bias)
-        if param is not None
+        for attr, param in layer.named_parameters(recurse=False)
+        for _, dim, layout in (tp_layout(layer, attr),)
     ]
 
 
@@ -76,25 +78,29 @@ def sum_partial_over_tp(model: nn.Module, partial: list[tuple[nn.Module, str]], 
     replicated = _replicated_kv(model)
     if not replicated:
         return
-    if any(hasattr(param, "to_local") for _, param in replicated):
+    if any(hasattr(param, "to_local") for param, _, _ in replicated):
         raise NotImplementedError(
             "zero_stage 2 or 3 with key/value heads replicated over tensor-parallel ranks "
             "(tensor_parallel_size > n_kv_heads) is not supported yet; use zero_stage=0 or 1, or a smaller t"
         )
-    rows = [layer.layout.indices(tp.rank).to(param.device) for layer, param in replicated]
+    own = [layout.indices(tp.rank).to(param.device) for param, _, layout in replicated]
     fulls = []
-    for (layer, param), own in zip(replicated, rows):
-        full = param.new_zeros((layer.layout.size, *param.shape[1:]))
+    for (param, dim, layout), rows in zip(replicated, own):
+        shape = list(param.shape)
+        shape[dim] = layout.size
+        full = param.new_zeros(shape)
         if param.grad is not None:
-            full.index_copy_(0, own, param.grad)
+            full.index_copy_(dim, rows, param.grad)
         fulls.append(full)
-    had = torch.tensor([param.grad is not None for _, param in replicated], dtype=torch.float32, device=fulls[0].device)
+    had = torch.tensor(
+        [param.grad is not None for param, _, _ in replicated], dtype=torch.float32, device=fulls[0].device
+    )
     flat_all_reduce([*fulls, had], tp.group)
-    for (_, param), own, full, anywhere in zip(replicated, rows, fulls, had.tolist()):
+    for (param, dim, _), rows, full, anywhere in zip(replicated, own, fulls, had.tolist()):
         if anywhere and param.grad is None:
-            param.grad = full.index_select(0, own)
+            param.grad = full.index_select(dim, rows)
         elif anywhere:
-            param.grad.copy_(full.index_select(0, own))
+            param.grad.copy_(full.index_select(dim, rows))
 
 
 def global_grad_norm(
@@ -116,17 +122,18 @@ def global_grad_norm(
     ids) of parameters whose ranks in ``group`` each hold different parts (split experts, summed there),
     and optionally {id: share}: a replicated expert's slots count 1 / replicas (per row of dim 0).
     """
-    weight = {}
+    weight: dict[int, Any] = {}  # None: replicated; a float: 1 / copies; (dim, tensor): 1 / copies of each index
     for layer in model.modules():
         for attr, param in layer.named_parameters(recurse=False):
-            shard = parameter_shard(layer, attr)
-            if shard is not None:
-                weight[id(param)] = 1.0 / shard.layout.replication
-        if isinstance(layer, _TP_LAYERS):
-            replication = getattr(getattr(layer, "layout", None), "replication", 1)
-            for attr, param in layer.named_parameters(recurse=False):
-                replicated_bias = isinstance(layer, RowParallelLinear) and attr == "bias"
-                weight[id(param)] = None if replicated_bias else 1.0 / replication
+            if isinstance(layer, RowParallelLinear) and attr == "bias":
+                weight[id(param)] = None
+            elif (found := tp_layout(layer, attr)) is not None:
+                _, dim, layout = found
+                copies = layout.local_replication()
+                uniform = bool((copies == copies[0]).all())
+                weight[id(param)] = 1.0 / float(copies[0]) if uniform else (dim, 1.0 / copies.double())
+            elif isinstance(layer, _TP_LAYERS):
+                weight[id(param)] = 1.0
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     parts = torch.zeros((), dtype=torch.float64)
@@ -142,6 +149,10 @@ def global_grad_norm(
         else:
             square = grad.pow(2).sum().cpu() * (1.0 if share is None else share)
         share = weight.get(id(param))
+        if isinstance(share, tuple):  # a layout whose parts are copied over different numbers of ranks
+            dim, per_index = share
+            square = (grad.pow(2).movedim(dim, 0).reshape(grad.shape[dim], -1).sum(1).cpu() * per_index).sum()
+            share = 1.0
         if id(param) in split_ids:
             parts += square
         elif share is None:

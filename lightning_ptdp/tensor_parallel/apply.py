@@ -397,7 +397,9 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                     units = region.units.get(name, widest)
                     unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
                     what = "heads" if unit_size > 1 else "units"
-                    detail = f"{max(1, units // tp_size)}/{units} {what} per rank"
+                    copies = max(1, tp_size // min(region.parts.get(name) or (units,)))  # a part of fewer than t
+                    repl = f", replicated x{copies}" if copies > 1 else ""
+                    detail = f"{max(1, units // tp_size)}/{units} {what}{repl} per rank"
                     report.entries.append((_join(where, name), region.style(name), detail))
                 for name in region.gathered:
                     features = blocks[group.indices[0]].get_submodule(name).out_features

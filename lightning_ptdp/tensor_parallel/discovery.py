@@ -76,6 +76,10 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
                 _unequal_parts(region, col, part_nodes, pieces, one_head)
                 continue
         units, unit_size = _units_of(parts[0], size // blocks)
+        heads = _sliced_heads(parts[0], size, units) if blocks == 1 and units > 1 else None
+        if heads is not None:  # heads | key | value cut from the heads dim after the view (Falcon's MQA)
+            region.parts[col] = heads
+            units, blocks = max(heads), len(heads)
         region.blocks[col], region.units[col], region.unit_size[col] = blocks, units, unit_size
     region.is_attention = any(_call_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes)
 
@@ -159,6 +163,43 @@ def _units_of(node: fx.Node, features: int, one_head: bool = False) -> tuple[int
     """Follow a column output to the first view that splits its feature dim into (heads, head size),
     through steps that keep the shape or add or drop size-1 dims; none: ``features`` units of 1, or
     with ``one_head`` one unit of ``features``."""
+    found = _head_view(node, features)
+    if found is not None:
+        return found[1], found[2]
+    return (1, features) if one_head else (features, 1)
+
+
+def _sliced_heads(node: fx.Node, features: int, units: int) -> tuple[int, ...] | None:
+    """The parts, in heads, of a column output viewed into heads and read only through slices of
+    the heads dim that tile it (``qkv[..., :-2, :]``, ``qkv[..., [-2], :]``, ...), or None."""
+    found = _head_view(node, features)
+    if found is None:
+        return None
+    view = found[0]
+    dim = next(d for d, n in enumerate(_shape(view)) if n == units and math.prod(_shape(view)[d:]) == features)
+    cuts = []
+    for user in view.users:
+        index = user.args[1] if user.target is operator.getitem else None
+        index = index if isinstance(index, tuple) else (index,)
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            index = (*index[:at], *(slice(None),) * (len(_shape(view)) - len(index) + 1), *index[at + 1 :])
+        item = index[dim] if len(index) > dim else None
+        if isinstance(item, list) and len(item) == 1 and type(item[0]) is int:
+            item = slice(item[0] % units, item[0] % units + 1)
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            return None
+        start, stop = (0 if item.start is None else item.start % units), (units if item.stop is None else item.stop)
+        cuts.append((start, stop % units or units if stop < 0 else stop))
+    cuts.sort()
+    if len(cuts) < 2 or cuts[0][0] != 0 or cuts[-1][1] != units or any(a[1] != b[0] for a, b in zip(cuts, cuts[1:])):
+        return None
+    return tuple(b - a for a, b in cuts)
+
+
+def _head_view(node: fx.Node, features: int) -> tuple[fx.Node, int, int] | None:
+    """(the view, heads, head size) of the first view splitting a column output's features, reached
+    through steps that keep the shape or add or drop size-1 dims."""
     current = node
     for _ in range(8):
         users = [u for u in current.users if u.op != "output"]
@@ -171,11 +212,11 @@ def _units_of(node: fx.Node, features: int, one_head: bool = False) -> tuple[int
         if _call_name(user) in ("view", "reshape") and shape_in[-1] == features:
             split = _feature_split(shape_in, shape_out)
             if split is not None:
-                return split
+                return user, *split
         if shape_out[-1] != shape_in[-1] or _squeezed(shape_out) != _squeezed(shape_in):
             break
         current = user
-    return (1, features) if one_head else (features, 1)
+    return None
 
 
 def _feature_split(shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> tuple[int, int] | None:
@@ -265,7 +306,6 @@ def _propagate(
         detect_layouts(gm, region)
         _gather_prefix(gm, region, tp_size)
     single = {id(r): keep_whole[r.row] for r in regions if r.row in keep_whole}
-    single.update({id(r): reason for r in regions if (reason := _single_head_part(r, name, tp_size)) is not None})
     single.update({id(r): reason for r in regions if (reason := _own_forward(gm, r, name)) is not None})
     kept += [KeptWhole(_all_linears(gm, r), single[id(r)]) for r in regions if id(r) in single]
     regions = [r for r in regions if id(r) not in single]
@@ -346,6 +386,12 @@ def _divisors(n: int) -> str:
     return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
 
 
+def _fitting(parts: tuple[int, ...]) -> str:
+    """The t that split every part evenly or copy it evenly (fewer units than t)."""
+    options = [str(t) for t in range(1, max(parts) + 1) if all(u % t == 0 or t % u == 0 for u in parts)]
+    return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+
+
 def _own_forward(gm: RecordedBlock, region: RegionPlan, name: str) -> str | None:
     """Why a region holding a Linear subclass that computes more than F.linear (or trains another
     parameter) cannot be split: its shards run F.linear alone. None when every Linear is plain."""
@@ -359,29 +405,16 @@ def _own_forward(gm: RecordedBlock, region: RegionPlan, name: str) -> str | None
     return None
 
 
-def _single_head_part(region: RegionPlan, name: str, tp_size: int) -> str | None:
-    """Why a fused column with a part of one head (multi-query attention's key or value in one
-    projection with the queries) cannot be split: no t above 1 splits that part, and a fused layout
-    holds no part whole beside the others' shares. None when every fused part has more heads."""
-    for col, parts in region.parts.items():
-        if tp_size > 1 and min(parts) == 1:
-            return (
-                f"block '{name}': the fused '{col}' holds parts of {' | '.join(map(str, parts))} heads of "
-                f"{region.unit_size[col]}; a part of one head (a key/value head shared by all query heads) would "
-                "stay whole on every rank beside the others' shares, which a fused projection's layout cannot hold"
-            )
-    return None
-
-
 def validate_layouts(region: RegionPlan, name: str, tp_size: int) -> None:
     """Every column's heads (or features) must split over t; only KV heads may be replicated."""
     widest = max(region.units.values())
     for col, parts in region.parts.items():
-        if any(units % tp_size for units in parts):
+        if any(units % tp_size if units >= tp_size else tp_size % units for units in parts):
             raise ValueError(
                 f"tensor_parallel_size={tp_size} does not divide every part of the fused '{name}.{col}' "
                 f"({' | '.join(map(str, parts))} units of {region.unit_size[col]}): each rank needs whole "
-                f"heads of every part; choose tensor_parallel_size from {_divisors(math.gcd(*parts))}"
+                f"heads of every part, or a whole one copied to t / units ranks; choose tensor_parallel_size from "
+                f"{_fitting(parts)}"
             )
     for col in region.columns:
         units = region.units[col]

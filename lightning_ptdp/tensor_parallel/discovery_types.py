@@ -55,6 +55,15 @@ class Sharded:
     ratio: int  # global size / local size along ``dim``
     bounds: tuple[int, ...] = ()  # a fused column's part boundaries (global), where slicing may cut
     outer: int = 1  # heads folded into the batch, (B*nh, T, hs): ``dim`` holds B blocks, each split over t
+    part_ratios: tuple[int, ...] = ()  # each part's own ratio where they differ (a replicated KV head beside q)
+
+    def part_ratio(self, index: int) -> int:
+        return self.part_ratios[index] if self.part_ratios else self.ratio
+
+    def local_edge(self, edge: int) -> int:
+        """The local offset of the global part boundary ``edge``: each part before it at its ratio."""
+        parts = zip(self.bounds, self.bounds[1:])
+        return sum((min(b, edge) - a) // self.part_ratio(i) for i, (a, b) in enumerate(parts) if a < edge)
 
 
 @dataclass(frozen=True)

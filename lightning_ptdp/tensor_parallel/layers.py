@@ -35,7 +35,7 @@ class ShardLayout:
     features) of ``unit_size``. Rank r owns the same units of every block: units/t of them, or,
     when units < t (grouped-query KV heads), unit r // (t / units), replicated across ranks.
     ``part_units`` gives unequal parts instead (fused q | k | v with fewer KV heads: (a, g, g)),
-    each split over t.
+    each split or replicated by the same rule (multi-query attention's one KV head: whole on every rank).
     """
 
     blocks: int
@@ -45,10 +45,10 @@ class ShardLayout:
     part_units: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for units in self.part_units or (self.units,):
+        for units in self.parts:
             if units >= self.tp_size and units % self.tp_size:
                 raise ValueError(f"{units} units cannot be split evenly over tensor_parallel_size={self.tp_size}")
-            if units < self.tp_size and (self.tp_size % units or self.part_units):
+            if units < self.tp_size and self.tp_size % units:
                 raise ValueError(f"{units} units cannot be replicated evenly over tensor_parallel_size={self.tp_size}")
 
     @property
@@ -66,8 +66,17 @@ class ShardLayout:
 
     @property
     def replication(self) -> int:
-        """How many ranks hold the same units (1 unless units < t)."""
-        return max(1, self.tp_size // self.units)
+        """How many ranks hold the same units, at most over the parts (1 unless some part has units < t)."""
+        return max(1, self.tp_size // min(self.parts))
+
+    def local_replication(self) -> torch.Tensor:
+        """How many ranks hold each of this rank's indices (the same on every rank), part by part."""
+        return torch.cat(
+            [
+                torch.full((len(self.unit_indices(0, u)) * self.unit_size,), max(1, self.tp_size // u))
+                for u in self.parts
+            ]
+        )
 
     def unit_indices(self, rank: int, units: int | None = None) -> range:
         units = self.units if units is None else units

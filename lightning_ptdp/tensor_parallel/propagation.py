@@ -2,7 +2,7 @@
 
 From each column-parallel output (sharded along its features, ratio = global / local size) to
 the row-parallel input: views, expand, splits, indexing, repeat_interleave and attention have a
-handler each (they rewrite shape arguments or check attention's operands); every other op follows
+handler each (they rewrite shape arguments or check attention's operands; fused parts: fused_parts.py); every other op follows
 torch's own op knowledge (op_semantics.py). Each shape argument that names the global size along
 the sharded dim is divided by the ratio (the replay keeps a value already local at run time:
 replay.py). Anything else raises TPDiscoveryError.
@@ -10,7 +10,6 @@ replay.py). Anything else raises TPDiscoveryError.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from typing import Any
@@ -29,6 +28,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape_args,
     ancestry,
 )
+from lightning_ptdp.tensor_parallel.fused_parts import FusedParts, part_bounds
 from lightning_ptdp.tensor_parallel.module_calls import ModuleCalls
 from lightning_ptdp.tensor_parallel.op_semantics import (
     OpRefused,
@@ -40,16 +40,18 @@ from lightning_ptdp.tensor_parallel.op_semantics import (
 log = logging.getLogger(__name__)
 
 
-class ShardPropagation(ModuleCalls):
+class ShardPropagation(FusedParts, ModuleCalls):
     """Follow the sharded dimension from a region's columns to its row, rewriting shape arguments."""
 
     def __init__(self, gm: fx.GraphModule, region: RegionPlan, ratios: dict[str, int], tp_size: int, name: str):
         self.gm, self.region, self.tp_size, self.name = gm, region, tp_size, name
         self.shard: dict[fx.Node, Sharded] = {}
         self.folded = False  # heads were folded into another dim (Sharded.outer) in this region
+        self.pieces: dict[fx.Node, list[Sharded]] = {}  # a split's outputs, where they differ (parts' ratios)
         for n in gm.graph.nodes:
             if n.op == "call_module" and n.target in region.columns:
-                self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], _part_bounds(region, n.target))
+                bounds, part_ratios = part_bounds(region, n.target, tp_size)
+                self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], bounds, part_ratios=part_ratios)
 
     def fail(self, node: fx.Node, why: str) -> TPDiscoveryError:
         site = node.meta.get("site")
@@ -78,7 +80,7 @@ class ShardPropagation(ModuleCalls):
             else:
                 self._function(node, sharded_inputs)
             info = self.shard.get(node)
-            if info is not None and "site" in node.meta and _shape(node) is not None:
+            if info is not None and "site" in node.meta and _shape(node) is not None and not info.part_ratios:
                 self.region.sharded_sites[node.meta["site"]] = (info.dim, info.ratio)
 
     def _fresh_operands(self, node: fx.Node, src: fx.Node) -> list[fx.Node]:
@@ -135,7 +137,10 @@ class ShardPropagation(ModuleCalls):
     def _generic(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         """An op no handler owns: torch's op knowledge says where the sharded dim goes (op_semantics.py)."""
         name, ratio = _call_name(node), self.shard[inputs[0]].ratio
-        if any(self.shard[i].ratio != ratio for i in inputs[1:]):
+        if (
+            any(self.shard[i].ratio != ratio for i in inputs[1:])
+            or len({self.shard[i].part_ratios for i in inputs}) > 1
+        ):
             raise self.fail(node, "combines tensors split into different numbers of heads")
         shaped = [i for i in inputs if _shape(i) is not None]
         if ratio > 1 and shaped:  # an int up to the rank may be a dim index (unsqueeze): the run on the share checks it
@@ -172,7 +177,7 @@ class ShardPropagation(ModuleCalls):
             if dims[0] is not None:
                 bounds = {self.shard[i].bounds for i in inputs}
                 kept = bounds.pop() if len(bounds) == 1 else ()
-                self._mark(node, dims[0], Sharded(dims[0], ratio, kept, first.outer))
+                self._mark(node, dims[0], Sharded(dims[0], ratio, kept, first.outer, first.part_ratios if kept else ()))
         elif any(d is not None for d in dims):  # a tuple, read through getitem (_op_getitem)
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
@@ -183,7 +188,13 @@ class ShardPropagation(ModuleCalls):
         (op_semantics.acts_per_slice: a depthwise conv over the heads' channels, its groups and weight
         cut to this rank's); marks its result sharded, recording the cuts for the replay."""
         info = self.shard[inputs[0]]
-        if len(inputs) != 1 or info.ratio != self.tp_size or info.outer > 1 or "site" not in node.meta:
+        if (
+            len(inputs) != 1
+            or info.ratio != self.tp_size
+            or info.outer > 1
+            or info.part_ratios
+            or "site" not in node.meta
+        ):
             return False
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
         found = acts_per_slice(call, node.args, node.kwargs, inputs[0], info.dim, info.ratio, info.bounds)
@@ -250,7 +261,9 @@ class ShardPropagation(ModuleCalls):
         """``node`` is sharded along ``dim``; a fused column's part boundaries carry over while that
         dim keeps their global size (through an unsqueeze, a transpose, an elementwise op)."""
         keep = bool(info.bounds) and _shape(node) is not None and _shape(node)[dim] == info.bounds[-1]
-        self.shard[node] = Sharded(dim, info.ratio, info.bounds if keep else (), info.outer)
+        if info.part_ratios and not keep:
+            raise self.fail(node, "changes the size of a fused projection's features whose parts split differently")
+        self.shard[node] = Sharded(dim, info.ratio, info.bounds if keep else (), info.outer, info.part_ratios)
 
     def _divide(self, node: fx.Node, arg: Any, ratio: int) -> Any:
         if arg == -1:
@@ -283,6 +296,9 @@ class ShardPropagation(ModuleCalls):
         if target is None or (outer > 1 and info.bounds):
             raise self.fail(node, f"reshapes {shape_in} to {shape_out} across the sharded dim")
         args, packed = _shape_args(node)
+        if info.part_ratios:  # parts split differently (a replicated KV head): sized part by part
+            self._view_parts(node, args, packed, target, info)
+            return
         args[target] = self._divide(node, args[target], info.ratio)
         head = list(node.args[: len(node.args) - (1 if packed else len(args))])
         node.args = tuple(head + ([tuple(args)] if packed else args))
@@ -327,60 +343,10 @@ class ShardPropagation(ModuleCalls):
 
     _op_new_zeros = _op_new_ones = _op_new_full = _op_new_empty
 
-    def _op_split(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """Splits of the sharded dim cut at a fused projection's part boundaries are each rank's share
-        of those parts, at 1/ratio of the sizes (anything else: the generic path, which refuses it)."""
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % len(_shape(src))
-        if dim != info.dim:  # e.g. q | k | v within each KV group (torchtitan)
-            self.shard[node] = Sharded(info.dim, info.ratio, info.bounds)
-            return
-        sizes = node.args[1]
-        total = _shape(src)[dim]
-        cuts = [*range(0, total, sizes), total] if isinstance(sizes, int) else [0, *itertools.accumulate(sizes)]
-        if info.ratio > 1 and any(cut not in info.bounds for cut in cuts):
-            self._generic(node, [src])
-            return
-        new = (
-            [self._divide(node, s, info.ratio) for s in sizes]
-            if isinstance(sizes, (list, tuple))
-            else self._divide(node, sizes, info.ratio)
-        )
-        node.args = (node.args[0], new, *node.args[2:])
-        self.shard[node] = Sharded(info.dim, info.ratio)
-
-    def _op_cat(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """Sharded tensors joined along their sharded dim (q | k | v projected apart, then one depthwise
-        conv over all): each rank's shares side by side, a fused column's layout of parts (its bounds
-        the inputs' global sizes). Anything else goes by torch's rules."""
-        tensors = node.args[0] if node.args else node.kwargs.get("tensors", ())
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
-        infos = [self.shard.get(t) if isinstance(t, fx.Node) else None for t in tensors]
-        if info.ratio != self.tp_size or any(
-            i is None or i.dim != dim or i.ratio != info.ratio or i.outer > 1 for i in infos
-        ):
-            self._generic(node, [t for t in tensors if isinstance(t, fx.Node) and t in self.shard])
-            return
-        edges = [0]
-        for t, i in zip(tensors, infos):
-            edges += [edges[-1] + b for b in (i.bounds or (0, _shape(t)[dim]))[1:]]
-        self.shard[node] = Sharded(dim, info.ratio, tuple(edges))
-
-    _op_concat = _op_concatenate = _op_cat
-
-    def _op_chunk(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """Chunks of the sharded dim cut at a fused projection's part boundaries are each rank's share
-        of every part (a chunk of one rank's heads otherwise, which the generic path refuses)."""
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % len(_shape(src))
-        chunks = node.kwargs.get("chunks", node.args[1] if len(node.args) > 1 else None)
-        total = info.bounds[-1] if info.bounds else 0
-        if dim != info.dim or not total or any(i * total // chunks not in info.bounds for i in range(chunks + 1)):
-            self._generic(node, [src])
-            return
-        self.shard[node] = Sharded(info.dim, info.ratio)
-
     def _op_getitem(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         if _shape(src) is None:  # an element of split/chunk output
-            self._mark(node, info.dim, info)
+            pieces = self.pieces.get(src)
+            self._mark(node, info.dim, pieces[node.args[1]] if pieces else info)
             return
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         ndim, dim_in, dim_out = len(_shape(src)), 0, 0
@@ -397,30 +363,11 @@ class ShardPropagation(ModuleCalls):
                 dim_out += 1
                 continue
             if dim_in == info.dim:
-                if item != slice(None):
-                    self._slice_part(node, index, item, info)
-                self._mark(node, dim_out, info)
+                self._mark(node, dim_out, info if item == slice(None) else self._slice_part(node, index, item, info))
                 return
             dim_in += 1
             dim_out += 0 if isinstance(item, int) else 1
         self._mark(node, dim_out + info.dim - dim_in, info)
-
-    def _slice_part(self, node: fx.Node, index: tuple, item: Any, info: Sharded) -> None:
-        """``qkv[..., a:b]`` cutting a fused column at its part boundaries (Phi-3's q | k | v):
-        each rank holds 1/r of every part, so the local cut is at a/r, b/r."""
-        total = info.bounds[-1] if info.bounds else 0
-        edges = (
-            [0 if e is None else e % total if total else e for e in (item.start, item.stop)]
-            if isinstance(item, slice)
-            else []
-        )
-        if item.stop is None and edges:
-            edges[1] = total
-        if not edges or item.step not in (None, 1) or any(e not in info.bounds for e in edges):
-            raise self.fail(node, "indexes the sharded dim other than at a fused projection's part boundaries")
-        local = slice(*(None if e is None else self._divide(node, e, info.ratio) for e in (item.start, item.stop)))
-        new_index = tuple(local if i is item else i for i in index)
-        node.args = (node.args[0], new_index if isinstance(node.args[1], tuple) else local)
 
     def _op_repeat_interleave(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs["repeats"]
@@ -438,16 +385,33 @@ class ShardPropagation(ModuleCalls):
         self.shard[node] = Sharded(dim, self.tp_size)
 
     def _op_matmul(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """Attention written out (q @ k^T, softmax, @ v): the heads are a batch dim of both operands."""
+        """Attention written out (q @ k^T, softmax, @ v): the heads are a batch dim of both operands, or
+        of one, the other holding one head whole on every rank (multi-query attention's key)."""
         a, b = node.args[0], node.args[1]
         out_dim = len(_shape(node))
-        dims = {self.shard[t].dim - len(_shape(t)) for t in (a, b) if isinstance(t, fx.Node) and t in self.shard}
-        both = all(isinstance(t, fx.Node) and t in self.shard for t in (a, b))
-        if not both or len(dims) != 1 or next(iter(dims)) >= -2 or self.shard[a].ratio != self.shard[b].ratio:
+        split = [t for t in (a, b) if isinstance(t, fx.Node) and t in self.shard]
+        dims = {self.shard[t].dim - len(_shape(t)) for t in split}
+        if len(split) == 2 and len(dims) == 2:  # one may be a single head, whole on every rank
+            heads = min(dims)
+            split = [t for t in split if not self._one_whole_head(t, heads)]
+            dims = {self.shard[t].dim - len(_shape(t)) for t in split}
+        other = [t for t in (a, b) if t not in split]
+        if len(split) == 1 and other and not self._one_whole_head(other[0], next(iter(dims))):
+            split = []
+        if not split or len(dims) != 1 or next(iter(dims)) >= -2 or len({self.shard[t].ratio for t in split}) > 1:
             raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
-        if self.shard[a].outer != self.shard[b].outer:
+        if len({self.shard[t].outer for t in split}) > 1:
             raise self.fail(node, "multiplies tensors whose heads are folded differently")
-        self.shard[node] = Sharded(out_dim + next(iter(dims)), info.ratio, (), info.outer)
+        first = self.shard[split[0]]
+        self.shard[node] = Sharded(out_dim + next(iter(dims)), first.ratio, (), first.outer)
+
+    def _one_whole_head(self, t: Any, dim: int) -> bool:
+        """``t`` holds one head, the same on every rank, at ``dim`` (from the end) or broadcasts there."""
+        if not isinstance(t, fx.Node) or _shape(t) is None:
+            return False
+        info, shape = self.shard.get(t), _shape(t)
+        whole = info is None or info.ratio == 1 and not info.bounds and info.outer == 1
+        return whole and (len(shape) < -dim or shape[dim] == 1)
 
     _op___matmul__ = _op_matmul
     _op_bmm = _op_matmul
@@ -461,29 +425,25 @@ class ShardPropagation(ModuleCalls):
     _op_log_softmax = _op_softmax
 
     def _op_scaled_dot_product_attention(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        q, k = node.args[0], node.args[1]
+        """q split along its heads; k and v too, or one head whole on every rank that all of q's
+        heads read (multi-query attention's key and value, a replicated part of a fused column)."""
+        q, k, v = node.args[0], node.args[1], node.args[2]
         heads_dim = len(_shape(q)) - 3
-        for t in (q, k, node.args[2]):
-            if t not in self.shard or self.shard[t].dim != heads_dim:
+        if q not in self.shard or self.shard[q].dim != heads_dim:
+            raise self.fail(node, "gets q/k/v that are not all split along their heads dim")
+        for t in (k, v):
+            kv = self.shard.get(t) if isinstance(t, fx.Node) else None
+            one_head = self._one_whole_head(t, heads_dim - len(_shape(q)))
+            if kv is not None and kv.dim == heads_dim and not one_head:
+                if kv.ratio != self.shard[q].ratio and not node.kwargs.get("enable_gqa", False):
+                    raise self.fail(node, "gets different numbers of local query and key heads")
+            elif not one_head:
                 raise self.fail(node, "gets q/k/v that are not all split along their heads dim")
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if isinstance(mask, fx.Node) and _shape(mask) and len(_shape(mask)) == 4 and _shape(mask)[1] > 1:
             raise self.fail(node, "uses a per-head attention mask")
-        if self.shard[k].ratio != self.shard[q].ratio and not node.kwargs.get("enable_gqa", False):
-            raise self.fail(node, "gets different numbers of local query and key heads")
         self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
 
 
 _FOLDED_OK = {"view", "reshape", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}
 """The handlers that follow heads folded into the batch (``Sharded.outer``); other ops go by torch's rules."""
-
-
-def _part_bounds(region: RegionPlan, col: str) -> tuple[int, ...]:
-    """Global boundaries of a fused column's parts along its output features (0 ... size)."""
-    unit = region.unit_size[col]
-    parts = region.parts.get(col) or ((region.units[col],) * region.blocks[col] if region.blocks[col] > 1 else ())
-    bounds, edge = [0], 0
-    for units in parts:
-        edge += units * unit
-        bounds.append(edge)
-    return tuple(bounds) if parts else ()

@@ -58,7 +58,13 @@ def test_the_models_own_plan_agrees_and_a_disagreement_is_logged(caplog):
 def test_unequal_fused_parts_that_t_cannot_split_are_refused():
     with pytest.raises(
         ValueError,
-        match=r"tensor_parallel_size=4 does not divide every part of the fused "
-        r"'transformer.h.0.attn.qkv' \(4 \| 2 \| 2 units of 8\).*choose tensor_parallel_size from 1 or 2",
+        match=r"tensor_parallel_size=3 does not divide every part of the fused "
+        r"'transformer.h.0.attn.qkv' \(4 \| 2 \| 2 units of 8\).*choose tensor_parallel_size from 1, 2 or 4",
     ):
-        _plan("litgpt_llama", 4)
+        _plan("litgpt_llama", 3)
+
+
+def test_a_fused_part_of_fewer_heads_than_t_is_copied_to_the_ranks_sharing_it():
+    """q | k | v of 4 | 2 | 2 heads at t=4: one query head a rank; each key/value head on two ranks."""
+    style, detail = _entries(_plan("litgpt_llama", 4))["attn.qkv"]
+    assert (style, detail.split(" per rank")[0]) == ("colwise_fused:4|2|2", "1/4 heads, replicated x2")

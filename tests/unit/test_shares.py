@@ -35,6 +35,17 @@ def test_dense_weights_left_whole_under_tp_fail():
         check_moe_share({"held": full}, expected_moe_shares(full, T2, 2))
 
 
+def test_key_value_heads_copied_over_ranks_widen_the_bound_by_what_the_layout_copies():
+    """Fewer key/value heads than t: each rank holds one whole, as the layout reports (fit_utils
+    ``replicated_heads``); the bound grows by exactly that, not more."""
+    held = _model(dense_share=0.5)
+    held[LAYER.format(0) + "self_attn.k_proj.weight"] = (512, 2)  # whole: one KV head on both ranks
+    expected = expected_moe_shares(_model(), T2, 2)
+    check_moe_share({"held": held, "replicated": 256}, expected)
+    with pytest.raises(AssertionError, match=r"\(\+255 of key/value heads copied over ranks\)"):
+        check_moe_share({"held": held, "replicated": 255}, expected)
+
+
 def test_a_router_split_under_tp_fails():
     held = _model(dense_share=0.5, router_share=0.5)  # ranks would route the same token differently
     with pytest.raises(AssertionError, match="dense blocks parameters"):

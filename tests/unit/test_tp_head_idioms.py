@@ -168,22 +168,22 @@ def test_a_split_along_the_heads_is_refused_unless_cut_at_fused_part_boundaries(
     assert _plan(FusedBehindUnsqueeze) == {"qkv": "colwise_fused:3", "o": "rowwise"}
 
 
-def test_a_fused_projection_with_one_key_value_head_is_seen_and_kept_whole():
+def test_a_fused_projection_with_one_key_value_head_splits_its_queries():
     """Multi-query q | k | v in one Linear: the parts (4 | 1 | 1 heads) are found behind the unsqueeze;
-    the key/value head would stay whole beside the split queries, which a fused layout cannot hold."""
-    with pytest.warns(PartialSplitWarning, match=r"the fused 'qkv' holds parts of 4 \| 1 \| 1 heads of 4"):
-        assert _plan(functools.partial(FusedBehindUnsqueeze, 1), strict=False) == {
-            "qkv": "replicated",
-            "o": "replicated",
-        }
+    the query heads split, the one key/value head stays whole on every rank (its gradient summed)."""
+    assert _plan(functools.partial(FusedBehindUnsqueeze, 1)) == {"qkv": "colwise_fused:4|1|1", "o": "rowwise"}
     # a key of one head viewed as such is no part cut behind a size-1 dim: its halves are not parts
     assert _plan(OneKeyHeadHalves) == ATTENTION
+
+
+MULTI_QUERY = functools.partial(FusedBehindUnsqueeze, 1)
+COPIED_ROWS = (0, 0, 2 * SIZE)  # rows each rank holds whole: multi-query attention's key and value head
 
 
 def _step(distributed: bool) -> list[dict]:
     """One forward/backward of per-head-normed and of fused-behind-unsqueeze blocks at t=2, or in one process."""
     results = []
-    for block in (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze):
+    for block in (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY):
         torch.manual_seed(0)
         net, x = _net(block), _inputs()
         if distributed:
@@ -211,8 +211,8 @@ def test_per_head_norms_and_a_fused_projection_behind_unsqueeze_train_equal_to_o
 
     references = _step(False)
     for results in dist_pool(2).run(_step, True):
-        for result, ref in zip(results, references):
-            assert {n: 2 * rows for n, rows in result["rows"].items()} == ref["rows"]  # the heads really are split
+        for result, ref, copied in zip(results, references, COPIED_ROWS):
+            assert {n: 2 * rows - copied for n, rows in result["rows"].items()} == ref["rows"]  # heads really split
             assert result["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
             for name, expected in ref["grads"].items():
                 if noise_only(expected):  # the key bias: zero in exact arithmetic (softmax is shift invariant)
