@@ -168,3 +168,36 @@ def fit_token_lm(
         "state": {k: v.detach().clone() for k, v in state.items()},
         "warnings": [str(w.message) for w in caught if issubclass(w.category, PartialSplitWarning)],
     }
+
+
+class TokenLM:
+    """An embedding, the blocks ``make_blocks()`` builds (one block list, each ``x -> x``) and a head,
+    trained by SGD: the model of the plain-torch idiom tests (a LightningModule, built lazily)."""
+
+    def __new__(cls, make_blocks, vocab: int, hidden: int):
+        import lightning as L
+
+        class _TokenLM(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = torch.nn.Embedding(vocab, hidden)
+                self.blocks = torch.nn.ModuleList(make_blocks())
+                self.head = torch.nn.Linear(hidden, vocab)
+
+            def training_step(self, batch, batch_idx):
+                x = self.emb(batch[0])
+                for block in self.blocks:
+                    x = block(x)
+                return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.5)
+
+        return _TokenLM()
+
+
+def assert_same_state(whole: dict, split: dict, tol: float) -> None:
+    """The split run's consolidated state equals one process's, name for name, at ``tol``."""
+    assert whole["state"].keys() == split["state"].keys()
+    for name, value in whole["state"].items():
+        torch.testing.assert_close(split["state"][name], value, rtol=tol, atol=tol * 1e-1, msg=name)

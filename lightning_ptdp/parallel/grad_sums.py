@@ -54,14 +54,17 @@ def sum_tied_over_pp(
 
 
 def _replicated_kv(model: nn.Module) -> list[tuple[nn.Parameter, int, ShardLayout]]:
-    """(parameter, dim, layout) of column weights and biases with heads replicated over several TP
-    ranks (t > n_kv_heads, or multi-query attention's one KV head in a fused column), in model order."""
+    """(parameter, dim, layout) of split parameters with heads copied over several TP ranks (t >
+    n_kv_heads; multi-query attention's one KV head in a fused column; a conv over Mamba-2's x | B | C
+    held as its share), in model order."""
     return [
         (param, dim, layout)
         for layer in model.modules()
-        if isinstance(layer, ColumnParallelLinear) and layer.layout.replication > 1
         for attr, param in layer.named_parameters(recurse=False)
-        for _, dim, layout in (tp_layout(layer, attr),)
+        if not (isinstance(layer, RowParallelLinear) and attr == "bias")
+        for found in (tp_layout(layer, attr),)
+        if found is not None and found[2].replication > 1
+        for _, dim, layout in (found,)
     ]
 
 

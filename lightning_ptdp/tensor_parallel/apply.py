@@ -37,7 +37,7 @@ from lightning_ptdp.tensor_parallel.explicit_plan import (
     check_ties,
     rewrite,
 )
-from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, shard_feature_norm
+from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, GatheredModule, HeadSlices, shard_feature_norm
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     GatheredColumnLinear,
@@ -118,9 +118,8 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, check
     for region in regions:
         widest = max(region.units.values())
         for col in region.columns:
-            layout = ShardLayout(
-                region.blocks[col], region.units[col], region.unit_size[col], tp.size, region.parts.get(col, ())
-            )
+            parts, sizes = region.parts.get(col, ()), region.part_sizes.get(col, ())
+            layout = ShardLayout(region.blocks[col], region.units[col], region.unit_size[col], tp.size, parts, sizes)
             _set_submodule(block, col, column(block.get_submodule(col), layout))
         closing = block.get_submodule(region.row)
         in_features = closing.weight.shape[0] if is_conv1d(closing) else closing.in_features
@@ -129,9 +128,9 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, check
             linear = block.get_submodule(name)
             layout = ShardLayout(1, linear.out_features, 1, tp.size)
             _set_submodule(block, name, GatheredColumnLinear(linear, layout, tp))
-        for path, (dim, bounds) in region.stored_cuts.items():  # parameters each rank reads a share of
+        for path, (dim, bounds, ratios) in region.stored_cuts.items():  # parameters each rank reads a share of
             owner, _, leaf = path.rpartition(".")
-            hold_share(block.get_submodule(owner), leaf, dim, bounds, tp)
+            hold_share(block.get_submodule(owner), leaf, dim, bounds, tp, ratios)
 
 
 def _install_program(block: nn.Module, plan: BlockPlan, program: BlockProgram, tp: TPGroup, sp: bool) -> None:
@@ -317,7 +316,7 @@ def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, st
         *((_join(prefix, name), "replicated", PREFIX) for name in prefix_paths),
         *((_join(prefix, name), "replicated", WHOLE) for name in plan.replicated),
         *((_join(prefix, name), "replicated", KEPT) for kept in plan.kept_whole for name in kept.linears),
-        *((_join(prefix, name), "replicated", NORM if isinstance(n, FeatureNorm) else HEADS) for name, n in norms),
+        *((_join(prefix, name), "replicated", _module_text(n)) for name, n in norms),
     ]
 
 
@@ -327,6 +326,7 @@ HEADS = "per-head parameters: whole on every rank, each rank applies its heads' 
 GATHERED = "colwise_gathered"  # a prefix's Linear: this rank's output features, all-gathered
 PREFIX = "before a region's columns, on its input: whole on every rank, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
+ON_GATHERED = "over all heads' features: run whole on the gathered features, each rank keeping its share"
 
 
 def _layout_text(block: nn.Module, name: str) -> str:
@@ -336,6 +336,10 @@ def _layout_text(block: nn.Module, name: str) -> str:
     repl = f", replicated x{layout.replication}" if layout.replication > 1 else ""
     kind = "Conv1D (in, out)" if getattr(layer, "transposed", False) else "Linear"
     return f"{layout.local_units}/{layout.units} {what}{repl} per rank, {kind} weight {tuple(layer.weight.shape)}"
+
+
+def _module_text(norm: FeatureNorm | HeadSlices | GatheredModule) -> str:
+    return NORM if isinstance(norm, FeatureNorm) else ON_GATHERED if isinstance(norm, GatheredModule) else HEADS
 
 
 def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup) -> None:

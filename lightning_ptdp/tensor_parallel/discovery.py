@@ -150,13 +150,33 @@ def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | 
 
 
 def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int], one_head: bool) -> None:
-    """A fused projection split into unequal parts: each part's heads (or features) split over t.
+    """A fused projection split into unequal parts: each part's heads (or features) split over t, a part
+    cut again further on (after a conv over them: Mamba-2's x | B | C) counting as its pieces.
     ``one_head``: the parts were cut after a size-1 dim was added (a heads dim, as GPTBigCode's
     unsqueeze adds): a part never viewed into heads is one head (its single key/value head)."""
-    shapes = [_units_of(part, size, one_head) for part, size in zip(parts, sizes)]
-    unit_size = math.gcd(*(unit for _, unit in shapes))
-    region.parts[col] = tuple(size // unit_size for size in sizes)
-    region.blocks[col], region.units[col], region.unit_size[col] = len(sizes), max(region.parts[col]), unit_size
+    shapes = [shape for part, size in zip(parts, sizes) for shape in _part_shapes(part, size, one_head)]
+    unit_sizes = tuple(unit for _, unit in shapes)
+    if len(set(unit_sizes)) == 1:
+        region.parts[col] = tuple(units for units, _ in shapes)
+    else:  # parts of heads beside parts of groups or features: each of its own unit size
+        region.parts[col], region.part_sizes[col] = tuple(units for units, _ in shapes), unit_sizes
+    units = max(region.parts[col])
+    region.blocks[col], region.units[col], region.unit_size[col] = len(shapes), units, math.gcd(*unit_sizes)
+
+
+def _part_shapes(node: fx.Node, size: int, one_head: bool) -> list[tuple[int, int]]:
+    """(units, unit size) of one part of a fused column's output, or of each piece it is cut into
+    after ops that keep its features in place (a transpose, a depthwise conv): a split at that dim."""
+    cut, dim = _cut_at(node)
+    users = [u for u in cut.users if u.op != "output"]
+    if cut is not node and len(users) == 1 and _call_name(users[0]) in ("split", "chunk"):
+        user = users[0]
+        pieces = [(_shape(u) or ())[dim : dim + 1] for u in user.users]
+        lengths = [p[0] for p in pieces if p]
+        if _shape(user) is None and _split_dim(user) == dim and len(lengths) == len(user.users) > 1:
+            if sum(lengths) == size and len(set(lengths)) > 1:
+                return [s for u, n in zip(user.users, lengths) for s in _part_shapes(u, n, False)]
+    return [_units_of(node, size, one_head)]
 
 
 def _units_of(node: fx.Node, features: int, one_head: bool = False) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import fx
 
-from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, HeadSlices
+from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, GatheredModule, HeadSlices
 
 
 def _blocks_glob(block: str) -> str:
@@ -60,6 +60,11 @@ class Sharded:
     def part_ratio(self, index: int) -> int:
         return self.part_ratios[index] if self.part_ratios else self.ratio
 
+    @property
+    def local_width(self) -> int:
+        """This rank's size along ``dim`` where the tensor holds fused parts."""
+        return self.local_edge(self.bounds[-1])
+
     def local_edge(self, edge: int) -> int:
         """The local offset of the global part boundary ``edge``: each part before it at its ratio."""
         parts = zip(self.bounds, self.bounds[1:])
@@ -77,6 +82,13 @@ class OperandSlice:
     of_parameters: bool  # computed from the block's parameters alone (summed over tp after backward under SP)
     outer: int = 1  # ``dim`` holds this many blocks, each cut to this rank's heads (ALiBi's (B*nh, 1, T))
     bounds: tuple[int, ...] = ()  # fused parts along ``dim`` (0 ... width): this rank's share of each
+    part_ratios: tuple[int, ...] = ()  # each part's ratio where they differ (Sharded.part_ratios)
+
+    def local_width(self, tp_size: int) -> int:
+        """Its size along ``dim`` once cut: 1/t, or each fused part at its own ratio."""
+        if not self.part_ratios:
+            return self.width // tp_size
+        return sum((b - a) // r for a, b, r in zip(self.bounds, self.bounds[1:], self.part_ratios))
 
 
 @dataclass
@@ -91,9 +103,10 @@ class RegionPlan:
     units: dict[str, int] = field(default_factory=dict)
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
+    part_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # their unit sizes, where they differ
     partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
     # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
-    feature_norms: dict[str, FeatureNorm | HeadSlices] = field(default_factory=dict)
+    feature_norms: dict[str, FeatureNorm | HeadSlices | GatheredModule] = field(default_factory=dict)
     rewrites_shapes: bool = False  # a shape argument names a global size (only discovery rewrites it)
     operand_slices: dict[Any, list[OperandSlice]] = field(default_factory=dict)
     """Call site -> the whole per-head operands each rank slices (ALiBi's bias, a sink's logits)."""
@@ -102,8 +115,8 @@ class RegionPlan:
     cut_parameters: list[str] = field(default_factory=list)
     """Parameters (paths) of two or more dims cut to this rank's share where a call reads them (a
     depthwise conv's weight): held as that share (``stored_cuts``), else whole and named in the warning."""
-    stored_cuts: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
-    """Cut parameters each rank holds as its share alone: path -> (dim, fused part bounds)."""
+    stored_cuts: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    """Cut parameters each rank holds as its share alone: path -> (dim, fused part bounds, their ratios)."""
     sharded_sites: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """Call site -> (dim, global / local size) of its head-sharded result: a Python check of that result's
     whole shape against the global one still passes (replay.GlobalShape)."""

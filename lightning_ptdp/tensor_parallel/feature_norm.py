@@ -3,8 +3,9 @@
 A norm over all heads' features (OLMo-2's and OLMoE's q/k norms): each rank normalises its own
 features with the statistics of all of them, the sums all-reduced over the tp group. Per-head
 parameters (Cohere's (heads, head_dim) q/k norm, per-head scalars): each rank applies its heads'
-entries. The weights stay whole on every rank; their gradients are then partial on each rank and
-are summed over tp like a per-head norm's."""
+entries. Any other module over all heads' features (a gated group norm, an L2 norm): run whole on
+the gathered features, each rank keeping its share. The weights stay whole on every rank; their
+gradients are then partial on each rank and are summed over tp like a per-head norm's."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ptdp.core.dtypes import at_least_fp32
-from lightning_ptdp.tensor_parallel.collectives import TPGroup, sum_over_tp_region
+from lightning_ptdp.tensor_parallel.collectives import TPGroup, gather_features_from_tp_region, sum_over_tp_region
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -65,9 +67,31 @@ def feature_norm_of(module: nn.Module, features: int) -> Optional[FeatureNorm]:
     return None
 
 
-def shard_feature_norm(module: nn.Module, norm: FeatureNorm | HeadSlices, tp: TPGroup) -> None:
-    """Make ``module`` normalise this rank's contiguous 1/t of the features (its heads), or apply
-    its heads' slice of per-head parameters."""
+@dataclass(frozen=True)
+class GatheredModule:
+    """A module over all heads' features that no rule splits: the argument leaves ``inputs`` (this
+    rank's contiguous 1/t of the last dim) are all-gathered, the module runs whole on every rank, and
+    each keeps its 1/t of the output's last dim (the gather's backward sums the ranks' gradients)."""
+
+    inputs: tuple[int, ...]
+
+
+def shard_feature_norm(module: nn.Module, norm: FeatureNorm | HeadSlices | GatheredModule, tp: TPGroup) -> None:
+    """Make ``module`` normalise this rank's contiguous 1/t of the features (its heads), apply its
+    heads' slice of per-head parameters, or run whole on the gathered features."""
+    if isinstance(norm, GatheredModule):
+        whole_forward = module.forward
+
+        def gathered(*args, **kwargs):
+            leaves, spec = tree_flatten((args, kwargs))
+            leaves = [gather_features_from_tp_region(v, tp) if i in norm.inputs else v for i, v in enumerate(leaves)]
+            whole_args, whole_kwargs = tree_unflatten(leaves, spec)
+            out = whole_forward(*whole_args, **whole_kwargs)
+            local = out.shape[-1] // tp.size
+            return out.narrow(-1, tp.rank * local, local)
+
+        module.forward = gathered
+        return
     if isinstance(norm, HeadSlices):
         inner = module.forward
 

@@ -146,10 +146,10 @@ class FusedParts:
 def part_bounds(region: RegionPlan, col: str, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global boundaries of a fused column's parts along its output features (0 ... size), and each
     part's ratio where they differ (a part of fewer heads than t is replicated: ratio = its heads)."""
-    unit = region.unit_size[col]
     parts = region.parts.get(col) or ((region.units[col],) * region.blocks[col] if region.blocks[col] > 1 else ())
+    sizes = region.part_sizes.get(col) or (region.unit_size[col],) * len(parts)
     bounds, edge = [0], 0
-    for units in parts:
+    for units, unit in zip(parts, sizes):
         edge += units * unit
         bounds.append(edge)
     ratios = tuple(units // max(1, units // tp_size) for units in parts)

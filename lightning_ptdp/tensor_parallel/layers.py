@@ -35,7 +35,8 @@ class ShardLayout:
     features) of ``unit_size``. Rank r owns the same units of every block: units/t of them, or,
     when units < t (grouped-query KV heads), unit r // (t / units), replicated across ranks.
     ``part_units`` gives unequal parts instead (fused q | k | v with fewer KV heads: (a, g, g)),
-    each split or replicated by the same rule (multi-query attention's one KV head: whole on every rank).
+    each split or replicated by the same rule (multi-query attention's one KV head: whole on every rank),
+    each of its own unit size where ``part_unit_sizes`` says (Mamba-2's gate | x heads | B, C groups | dt).
     """
 
     blocks: int
@@ -43,6 +44,7 @@ class ShardLayout:
     unit_size: int
     tp_size: int
     part_units: tuple[int, ...] = ()
+    part_unit_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for units in self.parts:
@@ -57,8 +59,13 @@ class ShardLayout:
         return self.part_units or (self.units,) * self.blocks
 
     @property
+    def unit_sizes(self) -> tuple[int, ...]:
+        """Unit size of each part."""
+        return self.part_unit_sizes or (self.unit_size,) * len(self.parts)
+
+    @property
     def size(self) -> int:
-        return sum(self.parts) * self.unit_size
+        return sum(u * size for u, size in zip(self.parts, self.unit_sizes))
 
     @property
     def local_units(self) -> int:
@@ -73,8 +80,8 @@ class ShardLayout:
         """How many ranks hold each of this rank's indices (the same on every rank), part by part."""
         return torch.cat(
             [
-                torch.full((len(self.unit_indices(0, u)) * self.unit_size,), max(1, self.tp_size // u))
-                for u in self.parts
+                torch.full((len(self.unit_indices(0, u)) * size,), max(1, self.tp_size // u))
+                for u, size in zip(self.parts, self.unit_sizes)
             ]
         )
 
@@ -89,11 +96,11 @@ class ShardLayout:
     def segments(self, rank: int) -> list[tuple[int, int, int]]:
         """(offset in the shard, length, offset in the full dimension) of each part's piece."""
         out, local, start = [], 0, 0
-        for units in self.parts:
+        for units, size in zip(self.parts, self.unit_sizes):
             owned = self.unit_indices(rank, units)
-            length = len(owned) * self.unit_size
-            out.append((local, length, start + owned.start * self.unit_size))
-            local, start = local + length, start + units * self.unit_size
+            length = len(owned) * size
+            out.append((local, length, start + owned.start * size))
+            local, start = local + length, start + units * size
         return out
 
     def indices(self, rank: int) -> torch.Tensor:
@@ -117,13 +124,20 @@ def parameter_shard(module: nn.Module, attr: str) -> ParameterShard | None:
 
 
 @torch.no_grad()
-def hold_share(module: nn.Module, attr: str, dim: int, bounds: tuple[int, ...], tp: TPGroup) -> None:
+def hold_share(
+    module: nn.Module, attr: str, dim: int, bounds: tuple[int, ...], tp: TPGroup, part_ratios: tuple[int, ...] = ()
+) -> None:
     """Replace ``module.<attr>`` by this rank's share along ``dim`` (1/t of each fused part between
-    ``bounds``), the same share the replay would cut where a call reads it."""
+    ``bounds``, or 1/ratio where ``part_ratios`` gives each part's), the same share the replay would
+    cut where a call reads it."""
     whole = module._parameters[attr]
     edges = bounds or (0, whole.shape[dim])
     parts = tuple(b - a for a, b in zip(edges, edges[1:]))
-    layout = ShardLayout(len(parts), parts[0], 1, tp.size, parts if len(parts) > 1 else ())
+    if part_ratios:  # a part of ratio r: r units (each rank one of them, or one whole on t / r ranks)
+        sizes = tuple(n // r for n, r in zip(parts, part_ratios))
+        layout = ShardLayout(len(parts), max(part_ratios), 1, tp.size, part_ratios, sizes)
+    else:
+        layout = ShardLayout(len(parts), parts[0], 1, tp.size, parts if len(parts) > 1 else ())
     local = whole.index_select(dim, layout.indices(tp.rank).to(whole.device))
     module._parameters[attr] = _param(local, whole)
     module.__dict__.setdefault("_ptdp_parameter_shards", {})[attr] = ParameterShard(dim, layout, tp)

@@ -12,7 +12,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.tensor_parallel.discovery_types import Sharded, _shape
-from lightning_ptdp.tensor_parallel.feature_norm import feature_norm_of, head_slices_of
+from lightning_ptdp.tensor_parallel.feature_norm import GatheredModule, feature_norm_of, head_slices_of
 from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, on_meta, per_head_operands
 
 
@@ -42,12 +42,8 @@ class ModuleCalls:
             if tensors == [src] and not any(width in p.shape for p in module.parameters()):
                 self._parameterless(node, module, src, info, known=True)  # learned scalars: by its aten ops
             elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
-                norm = feature_norm_of(module, _shape(src)[-1])
-                if norm is None or info.bounds:
-                    raise self.fail(
-                        node, "has parameters over the sharded feature dim (and is no RMSNorm or LayerNorm over them)"
-                    )
-                self.region.feature_norms[node.target] = norm
+                norm = feature_norm_of(module, _shape(src)[-1]) if tensors == [src] else None
+                self.region.feature_norms[node.target] = norm or self._gathered(node, tensors, "has parameters")
             else:
                 self._per_head_parameters(node, module, src, info)
             # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
@@ -62,6 +58,20 @@ class ModuleCalls:
         if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
             self._parameterless(node, module, src, info)
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _gathered(self, node: fx.Node, tensors: list[fx.Node], why: str) -> GatheredModule:
+        """A module over all heads' features run whole on the gathered features, each rank keeping its
+        share of the output: every tensor it reads split evenly along the last dim, the output too."""
+        leaves = tree_flatten((node.args, node.kwargs))[0]
+        inputs = tuple(i for i, v in enumerate(leaves) if isinstance(v, fx.Node) and v in self.shard)
+        infos = [self.shard[leaves[i]] for i in inputs]
+        last = [len(_shape(leaves[i])) - 1 for i in inputs]
+        even = all(
+            (i.dim, i.ratio, i.bounds, i.outer) == (d, self.tp_size, (), 1) for i, d in zip(infos, last)
+        ) and len(inputs) == len(tensors)
+        if not even or _shape(node) is None or _shape(node)[-1] != _shape(leaves[inputs[0]])[-1]:
+            raise self.fail(node, f"{why} over the sharded feature dim (and is no RMSNorm or LayerNorm over them)")
+        return GatheredModule(inputs)
 
     def _folded_module(self, node: fx.Node, module: nn.Module, info: Sharded) -> None:
         """A module on rows holding heads folded in ((B*T*nh, hs): a gated norm over each head's features),
@@ -93,6 +103,10 @@ class ModuleCalls:
             dims = follow_call(on_meta(module), node.args, node.kwargs, {src: info.dim}, info.ratio)
         except OpRefused as refusal:
             if str(refusal).startswith("which discovery does not know") and not known:
+                return
+            if info.dim == len(_shape(src)) - 1 and not info.bounds:  # over all heads' features (an L2 norm)
+                why = f"runs {type(module).__name__}, which {refusal},"
+                self.region.feature_norms[node.target] = self._gathered(node, [src], why)
                 return
             raise self.fail(node, f"runs {type(module).__name__} on a head-sharded tensor, {refusal}") from None
         if dims[:1] != [info.dim]:

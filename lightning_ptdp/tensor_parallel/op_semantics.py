@@ -240,16 +240,29 @@ def _check_share(call: Callable, args: tuple, kwargs: dict, sharded: dict, ratio
 SLICE_RTOL = 1e-5  # fp32: each share's outputs are the same sums as the whole call's, in the kernel's order
 
 
-def share_of(x: torch.Tensor, dim: int, rank: int, ratio: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+def share_of(
+    x: torch.Tensor, dim: int, rank: int, ratio: int, bounds: tuple[int, ...] = (), part_ratios: tuple[int, ...] = ()
+) -> torch.Tensor:
     """Rank ``rank``'s share of ``x`` along ``dim``: 1/ratio of each fused part between ``bounds``
-    (0 ... size), or of the whole dim without them."""
+    (0 ... size), or of the whole dim without them; a part of its own ratio r (``part_ratios``) is
+    cut in r, rank ``rank`` taking piece rank * r // ratio (one whole part on ratio / r ranks)."""
     edges = bounds or (0, x.shape[dim])
-    pieces = [x.narrow(dim, a + rank * (b - a) // ratio, (b - a) // ratio) for a, b in zip(edges, edges[1:])]
+    pieces = []
+    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+        r = part_ratios[i] if part_ratios else ratio
+        pieces.append(x.narrow(dim, a + (rank * r // ratio) * ((b - a) // r), (b - a) // r))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def acts_per_slice(
-    call: Callable, args: tuple, kwargs: dict, source: fx.Node, dim: int, ratio: int, bounds: tuple[int, ...] = ()
+    call: Callable,
+    args: tuple,
+    kwargs: dict,
+    source: fx.Node,
+    dim: int,
+    ratio: int,
+    bounds: tuple[int, ...] = (),
+    part_ratios: tuple[int, ...] = (),
 ) -> tuple[int, dict[fx.Node, int], list[int]] | None:
     """Whether ``call`` acts on each 1/ratio share of ``source``'s sharded ``dim`` alone (of each fused
     part between ``bounds``), checked on random values: each share, with the same share of every
@@ -267,6 +280,8 @@ def acts_per_slice(
                 return None
             cut[node] = dims[0]
     divided = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
+    pieces = zip(bounds, bounds[1:]) if part_ratios else ()
+    local_width = sum((b - a) // r for (a, b), r in zip(pieces, part_ratios)) if part_ratios else width // ratio
     if width % ratio or not divided and not cut:
         return None
     try:
@@ -277,15 +292,18 @@ def acts_per_slice(
         found: set[int] | None = None
         dims = {source: dim, **cut}
         for r in range(ratio):
-            local = [share_of(values[v], dims[v], r, ratio, bounds) if isinstance(v, fx.Node) else v for v in leaves]
-            local = [v // ratio if i in divided else v for i, v in enumerate(local)]
+            local = [
+                share_of(values[v], dims[v], r, ratio, bounds, part_ratios) if isinstance(v, fx.Node) else v
+                for v in leaves
+            ]
+            local = [local_width if i in divided else v for i, v in enumerate(local)]
             local_args, local_kwargs = tree_unflatten(local, spec)
             got = call(*local_args, **local_kwargs)
             fits = set()
             for d in range(expected.dim()):
-                if got.shape[d] * ratio != expected.shape[d] or bounds and expected.shape[d] != width:
+                if got.shape[d] != expected.shape[d] * local_width // width or bounds and expected.shape[d] != width:
                     continue
-                want = share_of(expected, d, r, ratio, bounds)
+                want = share_of(expected, d, r, ratio, bounds, part_ratios)
                 if want.shape == got.shape and torch.allclose(got, want, rtol=SLICE_RTOL, atol=SLICE_RTOL):
                     fits.add(d)
             found = fits if found is None else found & fits

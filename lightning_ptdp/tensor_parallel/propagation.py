@@ -188,25 +188,26 @@ class ShardPropagation(FusedParts, ModuleCalls):
         (op_semantics.acts_per_slice: a depthwise conv over the heads' channels, its groups and weight
         cut to this rank's); marks its result sharded, recording the cuts for the replay."""
         info = self.shard[inputs[0]]
-        if (
-            len(inputs) != 1
-            or info.ratio != self.tp_size
-            or info.outer > 1
-            or info.part_ratios
-            or "site" not in node.meta
-        ):
+        if len(inputs) != 1 or info.ratio != self.tp_size or info.outer > 1 or "site" not in node.meta:
             return False
         call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
-        found = acts_per_slice(call, node.args, node.kwargs, inputs[0], info.dim, info.ratio, info.bounds)
+        found = acts_per_slice(
+            call, node.args, node.kwargs, inputs[0], info.dim, info.ratio, info.bounds, info.part_ratios
+        )
         if found is None:
             return False
         dim, cut, divided = found
         leaves, spec = tree_flatten((node.args, node.kwargs))
-        leaves = [self._divide(node, v, info.ratio) if i in divided else v for i, v in enumerate(leaves)]
+        local = info.local_width if info.part_ratios else None
+        leaves = [
+            (local if local is not None else self._divide(node, v, info.ratio)) if i in divided else v
+            for i, v in enumerate(leaves)
+        ]
+        self.region.rewrites_shapes |= bool(divided)
         node.args, node.kwargs = tree_unflatten(leaves, spec)
         if cut:
-            self._slice(node, cut, info.bounds)
-        self._mark(node, dim, Sharded(dim, info.ratio, info.bounds))
+            self._slice(node, cut, info.bounds, info.part_ratios)
+        self._mark(node, dim, Sharded(dim, info.ratio, info.bounds, 1, info.part_ratios))
         return True
 
     def _with_whole_operands(self, node: fx.Node, call: Any, sharded: dict, ratio: int) -> list | None:
@@ -228,7 +229,9 @@ class ShardPropagation(FusedParts, ModuleCalls):
             self._slice(node, whole)
         return dims
 
-    def _slice(self, node: fx.Node, whole: dict[fx.Node, int], bounds: tuple[int, ...] = ()) -> None:
+    def _slice(
+        self, node: fx.Node, whole: dict[fx.Node, int], bounds: tuple[int, ...] = (), ratios: tuple[int, ...] = ()
+    ) -> None:
         leaves = tree_flatten((node.args, node.kwargs))[0]
         source = next(n for n in self.gm.graph.nodes if n.name == self.region.input_node)
         outer = max((self.shard[i].outer for i in node.all_input_nodes if i in self.shard), default=1)
@@ -237,7 +240,9 @@ class ShardPropagation(FusedParts, ModuleCalls):
             made_from = ancestry(n)
             of_parameters = not any(m.op == "placeholder" for m in made_from)
             slices.append(
-                OperandSlice(leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer, bounds)
+                OperandSlice(
+                    leaves.index(n), d, _shape(n)[d], source in made_from, of_parameters, outer, bounds, ratios
+                )
             )
             for m in made_from:
                 if m.op == "get_attr" and len(_shape(m) or ()) >= 2 and m.target not in self.region.cut_parameters:
@@ -382,6 +387,8 @@ class ShardPropagation(FusedParts, ModuleCalls):
         node.args = (node.args[0], local, *node.args[2:]) if len(node.args) > 1 else node.args
         if len(node.args) < 2:
             node.kwargs = {**node.kwargs, "repeats": local}
+        if isinstance(node.kwargs.get("output_size"), int):  # the heads after repeating: this rank's
+            node.kwargs = {**node.kwargs, "output_size": self._divide(node, node.kwargs["output_size"], self.tp_size)}
         self.shard[node] = Sharded(dim, self.tp_size)
 
     def _op_matmul(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:

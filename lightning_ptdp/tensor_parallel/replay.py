@@ -400,12 +400,12 @@ def _own_heads(
                 leaves[cut.index] = whole.local()
                 continue
             whole = whole.whole()
-        if whole.shape[cut.dim] == cut.width // tp.size:
+        if whole.shape[cut.dim] == cut.local_width(tp.size):
             continue
         if whole.requires_grad and not (cut.made_inside or (on_shards and cut.of_parameters)):
             whole = C.copy_to_tp_region(whole, tp)
         if cut.bounds:  # a fused projection's parts: this rank's share of each
-            leaves[cut.index] = share_of(whole, cut.dim, tp.rank, tp.size, cut.bounds)
+            leaves[cut.index] = share_of(whole, cut.dim, tp.rank, tp.size, cut.bounds, cut.part_ratios)
             continue
         blocks = whole.unflatten(cut.dim, (cut.outer, cut.width // cut.outer))  # heads folded into the batch
         size = blocks.shape[cut.dim + 1] // tp.size

@@ -36,8 +36,8 @@ def _width_dims(node: fx.Node, width: int) -> list[int]:
     return [d for d, size in enumerate(_shape(node) or ()) if size == width]
 
 
-def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple] | None:
-    """(the parameter's dim, fused part bounds) when every use of it ends in one cut of the same width,
+def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple, tuple] | None:
+    """(the parameter's dim, fused part bounds, their ratios) when every use of it ends in one cut of the same width,
     through ops reading it alone, keeping exactly one dim of that width and naming no size of it (a
     squeeze, a transpose, an elementwise function; not a view to the config's head count, which the
     model's code would ask of the share too); None otherwise."""
@@ -53,20 +53,20 @@ def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple] | N
                 return None  # also read whole elsewhere
             cuts.append(cut)
             continue
-        if not node.users:
+        if not node.users and node is parameter:
             return None
-        for user in node.users:
+        for user in node.users:  # a value nothing reads (an argument a kernel wrapper ignored) ends a path
             if user.all_input_nodes != [node] or user.op not in ("call_function", "call_method"):
                 return None  # combined with another tensor, or a module's call: it may mix channels
             stack.append(user)
-    if not cuts or len({(c.width, c.bounds) for c in cuts}) != 1:
+    if not cuts or len({(c.width, c.bounds, c.part_ratios) for c in cuts}) != 1:
         return None
     width, bounds = cuts[0].width, cuts[0].bounds
     if any(len(_width_dims(n, width)) != 1 for n in seen):
         return None
     if any(width in _ints(n) for n in seen if n is not parameter):
         return None  # a size argument naming the whole width (a view to the config's head count)
-    return _width_dims(parameter, width)[0], bounds
+    return _width_dims(parameter, width)[0], bounds, cuts[0].part_ratios
 
 
 def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
@@ -77,8 +77,8 @@ def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
         return False
 
 
-def stored_cuts(gm: fx.GraphModule, region: RegionPlan) -> dict[str, tuple[int, tuple]]:
-    """Parameter path -> (dim, fused part bounds) of each cut parameter every rank can hold as its share."""
+def stored_cuts(gm: fx.GraphModule, region: RegionPlan) -> dict[str, tuple[int, tuple, tuple]]:
+    """Parameter path -> (dim, fused part bounds, their ratios) of each cut parameter every rank can hold as its share."""
     operands = _cut_operands(gm, region)
     found = {}
     for node in gm.graph.nodes:  # a bias as well as a weight; a buffer stays whole (no gradient, no state)

@@ -5,7 +5,8 @@ ordinary attention blocks, trained by the Trainer at t=2 with SP against one pro
 
 from __future__ import annotations
 
-import lightning as L
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -38,32 +39,18 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-class TinyLM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList([Block(False), Block(True), Block(True), Block(False)])
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def training_step(self, batch, batch_idx):
-        x = self.emb(batch[0])
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def fit(t: int) -> dict:
-    from tests.tp_utils import fit_token_lm
+    from tests.tp_utils import TokenLM, fit_token_lm
 
-    model, result = fit_token_lm(TinyLM, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=True)
+    make = functools.partial(TokenLM, lambda: [Block(False), Block(True), Block(True), Block(False)], VOCAB, HIDDEN)
+    model, result = fit_token_lm(make, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=True)
     return {**result, "shapes": {k: tuple(v.shape) for k, v in model.named_parameters()}}
 
 
 @pytest.mark.world_size(2)
 def test_a_block_keeping_a_region_whole_runs_on_the_whole_sequence_between_sp_blocks(dist_pool):
+    from tests.tp_utils import assert_same_state
+
     whole = fit(1)
     for split in dist_pool(2).run(fit, 2):
         (warning,) = split["warnings"]
@@ -71,5 +58,4 @@ def test_a_block_keeping_a_region_whole_runs_on_the_whole_sequence_between_sp_bl
         assert split["shapes"]["blocks.0.q.weight"] == (HIDDEN // 2, HIDDEN)  # split blocks stay split
         assert split["shapes"]["blocks.1.q.weight"] == (HIDDEN, HIDDEN)
         assert split["shapes"]["blocks.1.up.weight"] == (HIDDEN, HIDDEN)  # its MLP is split all the same
-        for name, value in whole["state"].items():
-            torch.testing.assert_close(split["state"][name], value, rtol=TOL, atol=TOL * 1e-1, msg=name)
+        assert_same_state(whole, split, TOL)

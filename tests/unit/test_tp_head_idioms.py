@@ -177,13 +177,13 @@ def test_a_fused_projection_with_one_key_value_head_splits_its_queries():
 
 
 MULTI_QUERY = functools.partial(FusedBehindUnsqueeze, 1)
-COPIED_ROWS = (0, 0, 2 * SIZE)  # rows each rank holds whole: multi-query attention's key and value head
+COPIED_ROWS = (0, 0, 2 * SIZE, 0)  # rows each rank holds whole: multi-query attention's key and value head
 
 
 def _step(distributed: bool) -> list[dict]:
     """One forward/backward of per-head-normed and of fused-behind-unsqueeze blocks at t=2, or in one process."""
     results = []
-    for block in (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY):
+    for block in (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY, L2NormedAttention):
         torch.manual_seed(0)
         net, x = _net(block), _inputs()
         if distributed:
@@ -239,9 +239,8 @@ class _UnitNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def test_a_parameterless_module_that_sums_over_the_heads_is_followed_like_a_call():
+def test_a_module_that_sums_over_all_heads_features_runs_whole_on_the_gathered_features():
     """Its forward's aten ops are followed (op_semantics.py): the sum over all heads' features would be
-    this rank's share only, so the region is refused, not split with a wrong norm."""
-    block = L2NormedAttention
-    with pytest.raises(TPDiscoveryError, match=r"runs _UnitNorm on a head-sharded tensor, which reduces across"):
-        _plan(block)
+    this rank's share only, so it runs whole on the all-gathered features, each rank keeping its share
+    (the region still splits; tests below train it against one process)."""
+    assert _plan(L2NormedAttention) == {**ATTENTION, "sub_norm": "replicated"}

@@ -1,0 +1,105 @@
+"""A state-space mixer in plain torch (Mamba-2's shape, as Zamba-2, Bamba, Falcon-H1 and Nemotron-H
+use it), trained by the Trainer at t=2 (with and without SP) against one process:
+
+- one projection fused of unequal parts, gate | x | B | C | dt, of different unit sizes (heads of
+  the head size, one group of the state size, a scalar per head), its x | B | C cut again after a
+  depthwise causal conv over them: x splits by heads while B and C, one group shared by every head,
+  stay whole on every rank (as does their share of the conv's weight and bias);
+- B and C repeated onto the heads with ``output_size`` naming the heads;
+- a recurrent state made from sizes alone, per-head parameters (dt bias, decay, skip);
+- a gated norm over all heads' features, viewed into groups by a size read from its input: run
+  whole on the gathered features, each rank keeping its share.
+
+Gradient clipping is on, at a norm every step exceeds: copied rows must count once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEQ, VOCAB, HIDDEN, HEADS, HEAD, STATE, GROUPS, KERNEL = 8, 16, 16, 4, 4, 4, 1, 3
+INNER = HEADS * HEAD
+CONV = INNER + 2 * GROUPS * STATE  # x | B | C
+TOL = 1e-5  # fp32: the same arithmetic up to summation order (t=2 splits each row's sum in two)
+CLIP = 0.05  # below every step's gradient norm: each update is scaled by the norm
+
+
+class GroupGatedNorm(nn.Module):
+    def __init__(self, width: int, group: int) -> None:
+        super().__init__()
+        self.weight, self.group = nn.Parameter(torch.linspace(0.5, 1.5, width)), group
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x = x * F.silu(gate)
+        *lead, width = x.shape
+        groups = x.view(*lead, width // self.group, self.group)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * groups.view(*lead, width)
+
+
+class StateSpaceMixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_in = nn.RMSNorm(HIDDEN)
+        self.in_proj = nn.Linear(HIDDEN, INNER + CONV + HEADS, bias=False)  # gate | x | B | C | dt
+        self.conv = nn.Conv1d(CONV, CONV, KERNEL, groups=CONV, padding=KERNEL - 1)
+        self.dt_bias = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 4.0, HEADS)))
+        self.D = nn.Parameter(torch.linspace(0.5, 1.5, HEADS))
+        self.norm = GroupGatedNorm(INNER, INNER // GROUPS)
+        self.out_proj = nn.Linear(INNER, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_in(x)
+        B, T, _ = h.shape
+        gate, xbc, dt = self.in_proj(h).split([INNER, CONV, HEADS], dim=-1)
+        xbc = F.silu(self.conv(xbc.transpose(1, 2))[..., :T]).transpose(1, 2)  # (B, T, CONV)
+        u, b, c = xbc.split([INNER, GROUPS * STATE, GROUPS * STATE], dim=-1)
+        u = u.view(B, T, HEADS, HEAD)  # (B, T, nh, hd)
+        b, c = (t.view(B, T, GROUPS, STATE).repeat_interleave(HEADS // GROUPS, 2, output_size=HEADS) for t in (b, c))
+        dt = F.softplus(dt + self.dt_bias)  # (B, T, nh)
+        decay = torch.exp(-torch.exp(self.A_log) * dt)
+        state = torch.zeros(B, HEADS, HEAD, STATE)  # the config's head count: 1/t of it on each rank
+        ys = []
+        for t in range(T):
+            state = (
+                decay[:, t, :, None, None] * state + (dt[:, t, :, None, None] * u[:, t, :, :, None]) * b[:, t, :, None]
+            )
+            ys.append((state * c[:, t, :, None]).sum(-1))  # (B, nh, hd)
+        y = torch.stack(ys, dim=1) + u * self.D[:, None]  # (B, T, nh, hd)
+        return x + self.out_proj(self.norm(y.reshape(B, T, INNER), gate))
+
+
+def fit(t: int, sequence_parallel: bool) -> dict:
+    from tests.tp_utils import TokenLM, fit_token_lm
+
+    make = functools.partial(TokenLM, lambda: [StateSpaceMixer(), StateSpaceMixer()], VOCAB, HIDDEN)
+    model, result = fit_token_lm(
+        make, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=sequence_parallel, gradient_clip_val=CLIP
+    )
+    mixer = model.blocks[0]
+    return {**result, "rows": {n: p.shape[0] for n, p in mixer.named_parameters() if n.startswith(("in_proj", "conv"))}}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
+def test_a_state_space_mixer_splits_its_heads_with_its_one_group_whole_equal_to_one_process(
+    dist_pool, sequence_parallel
+):
+    from tests.tp_utils import assert_same_state
+
+    whole = fit(1, False)
+    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+        assert split["warnings"] == []
+        conv_rows = INNER // 2 + 2 * GROUPS * STATE  # half the heads' channels, B's and C's whole
+        assert split["rows"] == {
+            "in_proj.weight": INNER // 2 + conv_rows + HEADS // 2,
+            "conv.weight": conv_rows,
+            "conv.bias": conv_rows,
+        }
+        assert_same_state(whole, split, TOL)
