@@ -393,7 +393,8 @@ class ShardPropagation(FusedParts, ModuleCalls):
 
     def _op_matmul(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
         """Attention written out (q @ k^T, softmax, @ v): the heads are a batch dim of both operands, or
-        of one, the other holding one head whole on every rank (multi-query attention's key)."""
+        of one, the other holding one head whole on every rank (multi-query attention's key) or all
+        heads whole (a per-head weight, cut to this rank's heads at the call by torch's rules)."""
         a, b = node.args[0], node.args[1]
         out_dim = len(_shape(node))
         split = [t for t in (a, b) if isinstance(t, fx.Node) and t in self.shard]
@@ -402,9 +403,11 @@ class ShardPropagation(FusedParts, ModuleCalls):
             heads = min(dims)
             split = [t for t in split if not self._one_whole_head(t, heads)]
             dims = {self.shard[t].dim - len(_shape(t)) for t in split}
-        other = [t for t in (a, b) if t not in split]
-        if len(split) == 1 and other and not self._one_whole_head(other[0], next(iter(dims))):
-            split = []
+        if len(split) == 1 and next(iter(dims)) < -2:
+            other = b if split[0] is a else a
+            if not self._one_whole_head(other, next(iter(dims))):
+                self._generic(node, split)  # a whole operand of all heads (Zamba's per-head x_proj): cut at the call
+                return
         if not split or len(dims) != 1 or next(iter(dims)) >= -2 or len({self.shard[t].ratio for t in split}) > 1:
             raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
         if len({self.shard[t].outer for t in split}) > 1:

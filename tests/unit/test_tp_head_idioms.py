@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.tensor_parallel import PartialSplitWarning, TPDiscoveryError, tensor_parallel_plan
+from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
 from tests.unit.test_op_semantics import ATTENTION, GRAD_REL, HEADS, LOSS_RTOL, SIZE, WIDTH, Attention, _inputs
 
 
@@ -139,16 +139,19 @@ def test_per_head_weights_are_sliced_to_each_ranks_heads(block):
     assert _plan(block) == NORMED
 
 
-def test_per_head_weights_whose_slice_is_no_share_keep_the_region_whole():
+def test_per_head_weights_whose_slice_is_no_share_run_whole_on_gathered_heads():
+    """Sliced per rank, HeadMix would give other values than its heads' share: q and k are instead
+    split by output features and gathered before the region (its prefix), their norms run whole, and
+    the scores of all heads are cut to each rank's heads where they meet the split values."""
     block = functools.partial(NormedAttention, HeadMix)
-    with pytest.raises(
-        TPDiscoveryError,
-        match=r"call_module\[target=q_norm\].* holds per-head parameters \(weight \(4, 4\)\), and sliced per rank "
-        r"it gives rank 0 other values than its heads' share of the whole module's output",
-    ):
-        _plan(block)
-    with pytest.warns(PartialSplitWarning, match=r"keeps q, k, v, o whole on every rank"):
-        assert _plan(block, strict=False) == dict.fromkeys(ATTENTION, "replicated")
+    assert _plan(block) == {
+        "q": "colwise_gathered",
+        "k": "colwise_gathered",
+        "q_norm": "replicated",
+        "k_norm": "replicated",
+        "v": "colwise",
+        "o": "rowwise",
+    }
 
 
 def test_a_per_head_parameter_of_the_block_itself_is_sliced_where_it_is_used():
@@ -176,14 +179,34 @@ def test_a_fused_projection_with_one_key_value_head_splits_its_queries():
     assert _plan(OneKeyHeadHalves) == ATTENTION
 
 
+class PerHeadMatmul(Attention):
+    """A weight per head, (nh, hs, hs), applied to the values by a matmul batched over the heads
+    (Zamba's per-head x_proj): cut to this rank's heads where the matmul reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_head = nn.Parameter(torch.randn(HEADS, SIZE, SIZE) / SIZE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(self.q(x)).transpose(1, 2), self.kv(self.k(x)), self.kv(self.v(x))
+        v = v @ self.per_head  # (B, nh, T, hs) @ (nh, hs, hs)
+        out = self.weights((q @ k.transpose(-2, -1)) * SIZE**-0.5) @ v
+        return x + self.o(out.transpose(1, 2).reshape(x.shape))
+
+
+def test_a_weight_per_head_in_a_matmul_batched_over_the_heads_is_cut_to_each_ranks_heads():
+    assert _plan(PerHeadMatmul) == ATTENTION
+
+
 MULTI_QUERY = functools.partial(FusedBehindUnsqueeze, 1)
-COPIED_ROWS = (0, 0, 2 * SIZE, 0)  # rows each rank holds whole: multi-query attention's key and value head
+COPIED_ROWS = (0, 0, 2 * SIZE, 0, 0, 0)  # rows each rank holds whole: multi-query attention's key and value head
 
 
 def _step(distributed: bool) -> list[dict]:
     """One forward/backward of per-head-normed and of fused-behind-unsqueeze blocks at t=2, or in one process."""
     results = []
-    for block in (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY, L2NormedAttention):
+    blocks = (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY, L2NormedAttention)
+    for block in (*blocks, PerHeadMatmul, functools.partial(NormedAttention, HeadMix)):
         torch.manual_seed(0)
         net, x = _net(block), _inputs()
         if distributed:
