@@ -41,6 +41,7 @@ from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, GatheredMod
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     GatheredColumnLinear,
+    InnerRowParallelLinear,
     RowParallelLinear,
     ShardLayout,
     VocabParallelEmbedding,
@@ -92,7 +93,7 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 @torch.no_grad()
 def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, checked: bool = False) -> None:
     """``checked``: the Linears were found to compute F.linear already (a meta copy cannot say so)."""
-    for name in (n for region in regions for n in (*region.columns, region.row)):
+    for name in (n for region in regions for n in (*region.columns, region.row, *region.inner_rows)):
         linear = block.get_submodule(name)
         if not checked and not is_conv1d(linear) and not acts_as(linear, nn.Linear):
             raise TPDiscoveryError(  # a shard runs F.linear: whatever else that forward does would be lost
@@ -128,6 +129,11 @@ def _shard_block(block: nn.Module, regions: list[RegionPlan], tp: TPGroup, check
             linear = block.get_submodule(name)
             layout = ShardLayout(1, linear.out_features, 1, tp.size)
             _set_submodule(block, name, GatheredColumnLinear(linear, layout, tp))
+        for name in region.inner_rows:  # reads the features contiguously split, as the row does
+            linear = block.get_submodule(name)
+            _set_submodule(
+                block, name, InnerRowParallelLinear(linear, ShardLayout(1, linear.in_features, 1, tp.size), tp)
+            )
         for path, (dim, bounds, ratios) in region.stored_cuts.items():  # parameters each rank reads a share of
             owner, _, leaf = path.rpartition(".")
             hold_share(block.get_submodule(owner), leaf, dim, bounds, tp, ratios)
@@ -300,7 +306,7 @@ def _shard_planned_block(
             shard_feature_norm(block.get_submodule(target), norm, tp)
     _install_program(block, plan, group.program, tp, sequence_parallel)
     for region in plan.regions:
-        for linear in (*region.columns, region.row):
+        for linear in (*region.columns, *region.inner_rows, region.row):
             report.entries.append((_join(name, linear), region.style(linear), _layout_text(block, linear)))
         for linear in region.gathered:
             report.entries.append((_join(name, linear), GATHERED, _layout_text(block, linear)))
@@ -367,7 +373,9 @@ def _partial_gradients(block: nn.Module, plan: BlockPlan, on_shards: bool) -> li
         for module in block.modules()
         if not isinstance(module, ColumnParallelLinear)
         for name, _ in module.named_parameters(recurse=False)
-        if not (isinstance(module, RowParallelLinear) and name == "weight") and parameter_shard(module, name) is None
+        if not (isinstance(module, RowParallelLinear) and name == "weight")
+        and parameter_shard(module, name) is None
+        and not isinstance(module, InnerRowParallelLinear)  # its bias's gradient is summed by its f already
     ]
 
 
@@ -397,7 +405,7 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
             warn_whole_regions(_join(path, str(group.indices[0])), blocks[group.indices[0]], plan, tp_size)
             for region in plan.regions:
                 widest = max(region.units.values())
-                for name in (*region.columns, region.row):
+                for name in (*region.columns, *region.inner_rows, region.row):
                     units = region.units.get(name, widest)
                     unit_size = region.unit_size.get(name, region.unit_size[max(region.units, key=region.units.get)])
                     what = "heads" if unit_size > 1 else "units"

@@ -275,7 +275,7 @@ def plan_block(
         except ValueError as error:  # t does not divide this pairing's heads: another pairing may do
             errors.append(error)
             continue
-        split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered))
+        split = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered, *r.inner_rows))
         if best is None or split > best[0]:
             best = (split, plan, {n: (n.args, n.kwargs, n.meta.get("fold")) for n in gm.graph.nodes})
         for trial in _without_failing_columns(gm, assignment, failures):
@@ -350,22 +350,17 @@ def _propagate(
         kept += [KeptWhole(_all_linears(gm, r), str(error)) for r, error in failures]
         failed_regions += failures
         for region in regions:
-            region.feature_norms.clear()
-            region.partial.clear()
-            region.operand_slices.clear()
-            region.sharded_outputs.clear()
-            region.sharded_sites.clear()
-            region.cut_parameters.clear()
-            region.rewrites_shapes = False
+            region.reset_propagation()
     for region in regions:
         region.stored_cuts = stored_cuts(gm, region)
+        region.prefix = [p for p in region.prefix if p not in region.stored_cuts]  # its own rows: no sum
     return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
 
 
 def _all_linears(gm: RecordedBlock, region: RegionPlan) -> list[str]:
     """The region's Linears, its prefix's included (what stays whole when it cannot be split)."""
     prefix = [t for t in (*region.gathered, *region.prefix) if is_linear_like(_target(gm, t))]
-    return [*region.columns, region.row, *prefix]
+    return [*region.columns, *region.inner_rows, region.row, *prefix]
 
 
 def _target(gm: RecordedBlock, target: str) -> object:
@@ -415,7 +410,7 @@ def _fitting(parts: tuple[int, ...]) -> str:
 def _own_forward(gm: RecordedBlock, region: RegionPlan, name: str) -> str | None:
     """Why a region holding a Linear subclass that computes more than F.linear (or trains another
     parameter) cannot be split: its shards run F.linear alone. None when every Linear is plain."""
-    for linear in (*region.columns, region.row):
+    for linear in (*region.columns, *region.inner_rows, region.row):
         module = gm.get_submodule(linear)
         if not is_conv1d(module) and not acts_as(module, nn.Linear):
             return (

@@ -125,11 +125,26 @@ class RegionPlan:
     paths, whole on every rank, their gradients summed over tp (each rank's holds its heads' part)."""
     gathered: list[str] = field(default_factory=list)
     """The prefix's Linears split by output features and gathered (layers.GatheredColumnLinear)."""
+    inner_rows: list[str] = field(default_factory=list)
+    """Linears reading the sharded features whose reduced output the region reads again (Mamba's x_proj):
+    row shards whose sum every rank then holds whole (layers.InnerRowParallelLinear)."""
+
+    def reset_propagation(self) -> None:
+        """Forget what following the sharded dim found (before following it again)."""
+        self.feature_norms.clear()
+        self.partial.clear()
+        self.operand_slices.clear()
+        self.sharded_outputs.clear()
+        self.sharded_sites.clear()
+        self.cut_parameters.clear()
+        self.rewrites_shapes = False
 
     def style(self, name: str) -> str:
         """The explicit-plan style of one of this region's Linears."""
         if name == self.row:
             return "rowwise"
+        if name in self.inner_rows:
+            return "rowwise_inner"
         if name in self.parts:
             return "colwise_fused:" + "|".join(map(str, self.parts[name]))
         return "colwise" if self.blocks[name] == 1 else f"colwise_fused:{self.blocks[name]}"

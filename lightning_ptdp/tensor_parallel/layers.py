@@ -228,6 +228,20 @@ class RowParallelLinear(nn.Module):
         return f"in_local={self.in_features}/{self.layout.size}, out={self.out_features}, tp={self.tp.size}"
 
 
+class InnerRowParallelLinear(RowParallelLinear):
+    """A row shard whose sum the region reads again (Mamba's x_proj, whose dt, B and C meet the heads):
+    all-reduced (g), its bias added once, then entered like the region's input (f: the gradient, each
+    rank's part from its heads, summed). The region goes on; the row after it ends it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
+        y = reduce_from_tp_region(F.linear(x, weight), self.tp)
+        return copy_to_tp_region(y if self.bias is None else y + self.bias, self.tp)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", inner"
+
+
 @dataclass(frozen=True)
 class VocabShard:
     """Rows [start, start + local) of a vocabulary padded to a multiple of t; rows >= vocab are padding."""

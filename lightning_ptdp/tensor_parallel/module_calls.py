@@ -21,10 +21,10 @@ class ModuleCalls:
 
     def _module(self, node: fx.Node, src: fx.Node) -> None:
         info = self.shard[src]
-        if node.target == self.region.row:
-            if info.dim != len(_shape(src)) - 1:
+        if node.target == self.region.row or node.target in self.region.inner_rows:
+            if info.dim != len(_shape(src)) - 1 or info.ratio != self.tp_size or info.bounds or info.outer > 1:
                 raise self.fail(node, "receives a tensor sharded along a dim other than its features")
-            return
+            return  # an inner row's output is whole on every rank, as the region's input is
         module = self.gm.get_submodule(node.target)
         if info.outer > 1:
             self._folded_module(node, module, info)

@@ -263,12 +263,14 @@ def acts_per_slice(
     ratio: int,
     bounds: tuple[int, ...] = (),
     part_ratios: tuple[int, ...] = (),
+    rewrite_needed: bool = True,
 ) -> tuple[int, dict[fx.Node, int], list[int]] | None:
     """Whether ``call`` acts on each 1/ratio share of ``source``'s sharded ``dim`` alone (of each fused
     part between ``bounds``), checked on random values: each share, with the same share of every
-    other tensor argument holding that dim's full size in one dim (a depthwise conv's weight [C, 1, k])
-    and each int argument naming that size at 1/ratio (its ``groups``), gives that share of one output
-    dim. Returns (that output dim, the arguments to cut {node: dim}, the argument leaves divided), or None."""
+    other tensor argument holding that dim's full size in one dim (a depthwise conv's weight [C, 1, k]),
+    the others whole, and each int argument naming that size at 1/ratio (its ``groups``), gives that share of one output
+    dim. Returns (that output dim, the arguments to cut {node: dim}, the argument leaves divided), or None
+    (also where nothing needs cutting or dividing, unless ``rewrite_needed`` is False)."""
     leaves, spec = tree_flatten((args, kwargs))
     width = _empty(source).shape[dim]
     cut: dict[fx.Node, int] = {}
@@ -276,24 +278,28 @@ def acts_per_slice(
         shape = getattr(node.meta.get("tensor_meta"), "shape", None) if isinstance(node, fx.Node) else None
         if node is not source and shape is not None:
             dims = [d for d, n in enumerate(shape) if n == width]
-            if len(dims) != 1:
+            if len(dims) > 1:
                 return None
-            cut[node] = dims[0]
+            if dims:  # none: read whole by every share (Mamba's dt_proj.weight @ its whole input)
+                cut[node] = dims[0]
     divided = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
     pieces = zip(bounds, bounds[1:]) if part_ratios else ()
     local_width = sum((b - a) // r for (a, b), r in zip(pieces, part_ratios)) if part_ratios else width // ratio
-    if width % ratio or not divided and not cut:
+    if width % ratio or rewrite_needed and not divided and not cut:
         return None
     try:
         generator = torch.Generator().manual_seed(0)
-        values = {n: _sample(n, generator) for n in (source, *cut)}
+        tensors = [n for n in leaves if isinstance(n, fx.Node) and n not in cut and n is not source]
+        values = {n: _sample(n, generator) for n in (source, *cut, *tensors)}  # the others whole
         whole = tree_unflatten([values.get(v, v) if isinstance(v, fx.Node) else v for v in leaves], spec)
         expected = call(*whole[0], **whole[1])
         found: set[int] | None = None
         dims = {source: dim, **cut}
         for r in range(ratio):
             local = [
-                share_of(values[v], dims[v], r, ratio, bounds, part_ratios) if isinstance(v, fx.Node) else v
+                (share_of(values[v], dims[v], r, ratio, bounds, part_ratios) if v in dims else values[v])
+                if isinstance(v, fx.Node)
+                else v
                 for v in leaves
             ]
             local = [local_width if i in divided else v for i, v in enumerate(local)]

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_ptdp.tensor_parallel.attention_ops import AttentionOps
 from lightning_ptdp.tensor_parallel.discovery_types import (
     OperandSlice,
     RegionPlan,
@@ -40,7 +41,7 @@ from lightning_ptdp.tensor_parallel.op_semantics import (
 log = logging.getLogger(__name__)
 
 
-class ShardPropagation(FusedParts, ModuleCalls):
+class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
     """Follow the sharded dimension from a region's columns to its row, rewriting shape arguments."""
 
     def __init__(self, gm: fx.GraphModule, region: RegionPlan, ratios: dict[str, int], tp_size: int, name: str):
@@ -64,6 +65,24 @@ class ShardPropagation(FusedParts, ModuleCalls):
         return error
 
     def run(self) -> None:
+        """Follow the region; where a tensor made from sizes alone reaches a sharded value only through
+        whole ones (a scan's zero state times a whole decay, then plus the sharded input), it is made
+        at this rank's share from the start and the region followed again."""
+        seeds, late = dict(self.shard), {}
+        recorded = {n: (n.args, n.kwargs) for n in self.gm.graph.nodes}
+        while True:
+            try:
+                return self._follow()
+            except _Restart as restart:
+                late.update(restart.fresh)
+            for n, (args, kwargs) in recorded.items():
+                n.args, n.kwargs = args, kwargs
+            self.shard, self.pieces = dict(seeds), {}
+            self.region.reset_propagation()
+            for n, (back, ratio) in late.items():
+                self._make_fresh(n, back, ratio)
+
+    def _follow(self) -> None:
         for node in list(self.gm.graph.nodes):
             sharded_inputs = [a for a in node.all_input_nodes if a in self.shard]
             if not sharded_inputs or node.op == "output" and not sharded_inputs:
@@ -91,20 +110,41 @@ class ShardPropagation(FusedParts, ModuleCalls):
         if shape is None or info.ratio == 1 or info.outer > 1 or info.bounds:
             return []
         back, width = info.dim - len(shape), shape[info.dim]
-        fresh = []
+        fresh, behind = [], {}
         for n in node.all_input_nodes:
-            made = _shape(n)
-            if n in self.shard or n.all_input_nodes or made is None or "site" not in n.meta or len(made) < -back:
+            if n in self.shard:
                 continue
-            leaves, spec = tree_flatten((n.args, n.kwargs))
-            named = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
-            if made[back] != width or list(made).count(width) != 1 or len(named) != 1:
-                continue
-            leaves[named[0]] = self._divide(n, width, info.ratio)
-            n.args, n.kwargs = tree_unflatten(leaves, spec)
-            self.shard[n] = Sharded(len(made) + back, info.ratio)
-            fresh.append(n)
+            if not n.all_input_nodes and self._makes_width(n, back, width):
+                self._make_fresh(n, back, info.ratio)
+                fresh.append(n)
+            elif n.all_input_nodes:  # a whole value: one made from sizes alone behind it meets the heads here
+                behind |= {m: (back, info.ratio) for m in ancestry(n) if m not in self.shard and self._made_of_sizes(m)}
+        behind = {m: v for m, v in behind.items() if self._makes_width(m, back, width)}
+        if behind:
+            raise _Restart(behind)
         return fresh
+
+    @staticmethod
+    def _made_of_sizes(n: fx.Node) -> bool:
+        return not n.all_input_nodes and n.op in ("call_function", "call_method") and "site" in n.meta
+
+    @staticmethod
+    def _makes_width(n: fx.Node, back: int, width: int) -> bool:
+        """``n`` is made from sizes alone with ``width`` at ``back`` (from the end), named once."""
+        made = _shape(n)
+        if made is None or "site" not in n.meta or len(made) < -back:
+            return False
+        named = [v for v in tree_flatten((n.args, n.kwargs))[0] if type(v) is int and v == width]
+        return made[back] == width and list(made).count(width) == 1 and len(named) == 1
+
+    def _make_fresh(self, n: fx.Node, back: int, ratio: int) -> None:
+        """Made at this rank's share: its size argument naming the width at 1/ratio, sharded there."""
+        made, width = _shape(n), _shape(n)[back]
+        leaves, spec = tree_flatten((n.args, n.kwargs))
+        named = next(i for i, v in enumerate(leaves) if type(v) is int and v == width)
+        leaves[named] = self._divide(n, width, ratio)
+        n.args, n.kwargs = tree_unflatten(leaves, spec)
+        self.shard[n] = Sharded(len(made) + back, ratio)
 
     def _output(self, node: fx.Node) -> None:
         """The block's hidden state must come out whole; an extra output that is head-sharded (eager
@@ -391,68 +431,13 @@ class ShardPropagation(FusedParts, ModuleCalls):
             node.kwargs = {**node.kwargs, "output_size": self._divide(node, node.kwargs["output_size"], self.tp_size)}
         self.shard[node] = Sharded(dim, self.tp_size)
 
-    def _op_matmul(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """Attention written out (q @ k^T, softmax, @ v): the heads are a batch dim of both operands, or
-        of one, the other holding one head whole on every rank (multi-query attention's key) or all
-        heads whole (a per-head weight, cut to this rank's heads at the call by torch's rules)."""
-        a, b = node.args[0], node.args[1]
-        out_dim = len(_shape(node))
-        split = [t for t in (a, b) if isinstance(t, fx.Node) and t in self.shard]
-        dims = {self.shard[t].dim - len(_shape(t)) for t in split}
-        if len(split) == 2 and len(dims) == 2:  # one may be a single head, whole on every rank
-            heads = min(dims)
-            split = [t for t in split if not self._one_whole_head(t, heads)]
-            dims = {self.shard[t].dim - len(_shape(t)) for t in split}
-        if len(split) == 1 and next(iter(dims)) < -2:
-            other = b if split[0] is a else a
-            if not self._one_whole_head(other, next(iter(dims))):
-                self._generic(node, split)  # a whole operand of all heads (Zamba's per-head x_proj): cut at the call
-                return
-        if not split or len(dims) != 1 or next(iter(dims)) >= -2 or len({self.shard[t].ratio for t in split}) > 1:
-            raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
-        if len({self.shard[t].outer for t in split}) > 1:
-            raise self.fail(node, "multiplies tensors whose heads are folded differently")
-        first = self.shard[split[0]]
-        self.shard[node] = Sharded(out_dim + next(iter(dims)), first.ratio, (), first.outer)
 
-    def _one_whole_head(self, t: Any, dim: int) -> bool:
-        """``t`` holds one head, the same on every rank, at ``dim`` (from the end) or broadcasts there."""
-        if not isinstance(t, fx.Node) or _shape(t) is None:
-            return False
-        info, shape = self.shard.get(t), _shape(t)
-        whole = info is None or info.ratio == 1 and not info.bounds and info.outer == 1
-        return whole and (len(shape) < -dim or shape[dim] == 1)
+class _Restart(Exception):
+    """Tensors made from sizes alone to make at this rank's share before following the region again."""
 
-    _op___matmul__ = _op_matmul
-    _op_bmm = _op_matmul
-
-    def _op_softmax(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        if dim is None or dim % len(_shape(src)) == info.dim:
-            raise self.fail(node, "normalises over the sharded dim")
-        self.shard[node] = Sharded(info.dim, info.ratio, (), info.outer)
-
-    _op_log_softmax = _op_softmax
-
-    def _op_scaled_dot_product_attention(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
-        """q split along its heads; k and v too, or one head whole on every rank that all of q's
-        heads read (multi-query attention's key and value, a replicated part of a fused column)."""
-        q, k, v = node.args[0], node.args[1], node.args[2]
-        heads_dim = len(_shape(q)) - 3
-        if q not in self.shard or self.shard[q].dim != heads_dim:
-            raise self.fail(node, "gets q/k/v that are not all split along their heads dim")
-        for t in (k, v):
-            kv = self.shard.get(t) if isinstance(t, fx.Node) else None
-            one_head = self._one_whole_head(t, heads_dim - len(_shape(q)))
-            if kv is not None and kv.dim == heads_dim and not one_head:
-                if kv.ratio != self.shard[q].ratio and not node.kwargs.get("enable_gqa", False):
-                    raise self.fail(node, "gets different numbers of local query and key heads")
-            elif not one_head:
-                raise self.fail(node, "gets q/k/v that are not all split along their heads dim")
-        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-        if isinstance(mask, fx.Node) and _shape(mask) and len(_shape(mask)) == 4 and _shape(mask)[1] > 1:
-            raise self.fail(node, "uses a per-head attention mask")
-        self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
+    def __init__(self, fresh: dict[fx.Node, tuple[int, int]]) -> None:
+        super().__init__()
+        self.fresh = fresh
 
 
 _FOLDED_OK = {"view", "reshape", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}

@@ -140,6 +140,7 @@ def _assign(
     columns (their outputs are whole on every rank, like the residual stream's)."""
     role: dict[fx.Node, str] = {}
     mixed: dict[fx.Node, str] = {}
+    inner: set[fx.Node] = set()  # rows whose reduced output a later row of their region also reads
     group = {n: n for n in linears}  # union-find over Linears joined by a column's (sharded) output
 
     def root(n: fx.Node) -> fx.Node:
@@ -155,6 +156,11 @@ def _assign(
                 mixed[node] = f"block '{name}': linear '{node.target}' reads a column-parallel linear's output"
             continue
         role[node] = "column" if "column" not in feeders else "row" if feeders == {"column"} else "whole"
+        rows_in = {u for u in upstream[node] if role[u] == "row"}
+        columns_in = {root(u) for u in upstream[node] if role[u] == "column"}
+        if feeders == {"column", "row"} and all(root(u) in columns_in for u in rows_in):
+            role[node] = "row"  # Mamba's out_proj: its region's x_proj reduced inside it, then read beside the heads
+            inner |= rows_in
         if role[node] == "whole":
             mixed[node] = (
                 f"block '{name}': linear '{node.target}' is fed both by a column-parallel linear and by the "
@@ -169,14 +175,14 @@ def _assign(
             members.setdefault(root(node), []).append(node)
     regions, kept = [], []
     for nodes in members.values():
-        rows = [n for n in nodes if role[n] == "row"]
+        rows = [n for n in nodes if role[n] == "row" and n not in inner]
         if len(nodes) == 1 and not rows:
             continue  # a column no Linear reads: replicated below
         reason = _unsplittable(nodes, rows, mixed, name, set(everything))
         entry = None
         if reason is None:
-            columns = [c for c in nodes if c is not rows[0]]
-            entry = _region_input(gm, columns, rows[0], upstream, whole, set(everything))
+            columns = [c for c in nodes if c is not rows[0] and c not in inner]
+            entry = _region_input(gm, columns, rows[0], upstream, whole, set(everything), inner)
             if entry is None:
                 reason = (
                     f"block '{name}': the column-parallel linears {sorted(c.target for c in columns)} of "
@@ -187,15 +193,16 @@ def _assign(
             continue
         source, prefix = entry
         row = rows[0]
-        region = RegionPlan([c.target for c in nodes if c is not row], row.target, source.name)
-        region.prefix = prefix
+        region = RegionPlan([c.target for c in nodes if c is not row and c not in inner], row.target, source.name)
+        region.prefix, region.inner_rows = prefix, [n.target for n in nodes if n in inner]
         regions.append(region)
     if whole and any(n in mixed for n in whole):
         kept.append(KeptWhole([n.target for n in whole if n in mixed], mixed[next(n for n in whole if n in mixed)]))
-    grouped = {t for r in regions for t in (*r.columns, r.row, *r.prefix)} | {t for k in kept for t in k.linears}
+    grouped = {t for r in regions for t in (*r.columns, r.row, *r.prefix, *r.inner_rows)}
+    grouped |= {t for k in kept for t in k.linears}
     order = {n.target: i for i, n in enumerate(everything)}
     regions.sort(key=lambda r: order[r.row])
-    split = sum(weight_count(gm, t) for r in regions for t in (*r.columns, r.row))
+    split = sum(weight_count(gm, t) for r in regions for t in (*r.columns, r.row, *r.inner_rows))
     replicated = [n.target for n in everything if n.target not in grouped]
     return Assignment(whole, regions, replicated, kept, role, split, (gm, everything, linears, upstream, name))
 
@@ -217,7 +224,13 @@ def _chain_openers(best: Assignment, linears: list, upstream: dict, everything: 
 
 
 def _region_input(
-    gm: RecordedBlock, columns: list[fx.Node], row: fx.Node, upstream: dict, whole: frozenset, linears: set[fx.Node]
+    gm: RecordedBlock,
+    columns: list[fx.Node],
+    row: fx.Node,
+    upstream: dict,
+    whole: frozenset,
+    linears: set[fx.Node],
+    inner: set[fx.Node] = frozenset(),
 ) -> tuple[fx.Node, list[str]] | None:
     """The one input the region enters (f, or the all-gather under SP) and its prefix: the latest
     tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (a
@@ -247,27 +260,30 @@ def _region_input(
             return None  # the residual stream around the input, or another region's Linear
         seen.add(node)
         stack.extend(node.all_input_nodes)
-    prefix = _whole_side(gm, source, columns, row, order)
+    prefix = _whole_side(gm, source, columns, row, order, inner)
     return None if prefix is None else (source, prefix)
 
 
-def _whole_side(gm: RecordedBlock, source: fx.Node, columns: list[fx.Node], row: fx.Node, order: dict) -> list | None:
-    """The parameters of what the region computes whole from its input: made from it, read by the
-    row, made from no column's output (the prefix's Linears and norms, a gate or recurrence beside
-    the heads); None when one is also used outside that side (its gradient would be summed twice)."""
+def _whole_side(
+    gm: RecordedBlock, source: fx.Node, columns: list[fx.Node], row: fx.Node, order: dict, inner: set = frozenset()
+) -> list | None:
+    """The parameters of what the region computes whole from its input, or from an inner row's
+    reduced output: made from them, read by the row, made from no column's output otherwise (the
+    prefix's Linears and norms, a gate or recurrence beside the heads, Mamba's dt from x_proj); None
+    when one is also used outside that side (its gradient would be summed twice)."""
     sharded, stack = set(columns), list(columns)
     while stack:
         for user in stack.pop().users:
-            if user not in sharded:
+            if user not in sharded and user not in inner:
                 sharded.add(user)
                 stack.append(user)
-    made, stack = {source}, [source]
+    made, stack = {source, *inner}, [source, *inner]
     while stack:
         for user in stack.pop().users:
             if user not in made:
                 made.add(user)
                 stack.append(user)
-    side = (made & ancestry(row)) - sharded - {source}
+    side = (made & ancestry(row)) - sharded - {source} - set(inner)
     owners = {n for n in side if n.op == "call_module" and weight_count(gm, n.target) > 0}
     # parameters read directly, or through values made of parameters alone (a conv's weight.unsqueeze(1));
     # a buffer (a position table also read by the heads) needs no gradient sum

@@ -5,15 +5,19 @@ else, or through an op that could mix its channels, stays whole and is cut at th
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from lightning_ptdp.tensor_parallel.discovery_types import OperandSlice, RegionPlan, _shape
+from lightning_ptdp.tensor_parallel.op_semantics import acts_per_slice
 
 
 def _cut_operands(gm: fx.GraphModule, region: RegionPlan) -> dict[fx.Node, tuple[OperandSlice, set[fx.Node]]]:
     """Each operand node the region's calls cut to this rank's share: its cut (contiguous, in the
-    batch's own layout: heads folded into the batch are left to the call) and the calls cutting it."""
+    batch's own layout: heads folded into the batch are left to the call) and the calls cutting it;
+    one made from the region's input too (Mamba's decay from dt) holds no parameter alone, which
+    ``_store_as_share`` checks."""
     sites = {n.meta["site"]: n for n in gm.graph.nodes if "site" in n.meta}
     found: dict[fx.Node, tuple[OperandSlice, set[fx.Node]]] = {}
     for site, slices in region.operand_slices.items():
@@ -23,7 +27,7 @@ def _cut_operands(gm: fx.GraphModule, region: RegionPlan) -> dict[fx.Node, tuple
         leaves = tree_flatten((call.args, call.kwargs))[0]
         for cut in slices:
             operand = leaves[cut.index]
-            if isinstance(operand, fx.Node) and cut.outer == 1 and not cut.made_inside:
+            if isinstance(operand, fx.Node) and cut.outer == 1:
                 found.setdefault(operand, (cut, set()))[1].add(call)
     return found
 
@@ -36,12 +40,15 @@ def _width_dims(node: fx.Node, width: int) -> list[int]:
     return [d for d, size in enumerate(_shape(node) or ()) if size == width]
 
 
-def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple, tuple] | None:
-    """(the parameter's dim, fused part bounds, their ratios) when every use of it ends in one cut of the same width,
-    through ops reading it alone, keeping exactly one dim of that width and naming no size of it (a
-    squeeze, a transpose, an elementwise function; not a view to the config's head count, which the
-    model's code would ask of the share too); None otherwise."""
-    cuts, stack, seen = [], [parameter], set()
+def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[tuple[int, tuple, tuple], set[str]] | None:
+    """((the parameter's dim, fused part bounds, their ratios), the other parameters it needs held
+    too) when every use of it ends in one cut of the same width, through ops keeping exactly one dim
+    of that width and naming no size of it (a squeeze, a transpose, an elementwise function; not a
+    view to the config's head count, which the model's code would ask of the share too). An op may
+    read other tensors: whole ones without that width (Mamba's dt_proj.weight @ dt_rank inputs), and
+    ones of that width made from other parameters alone (those held too), if it acts on each share
+    alone (checked on samples). None otherwise."""
+    cuts, stack, seen, mixing = [], [parameter], set(), []
     while stack:
         node = stack.pop()
         if node in seen:
@@ -56,17 +63,54 @@ def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[int, tuple, tup
         if not node.users and node is parameter:
             return None
         for user in node.users:  # a value nothing reads (an argument a kernel wrapper ignored) ends a path
-            if user.all_input_nodes != [node] or user.op not in ("call_function", "call_method"):
-                return None  # combined with another tensor, or a module's call: it may mix channels
+            if user.op not in ("call_function", "call_method"):
+                return None  # a module's call: it may mix channels
+            if user.all_input_nodes != [node]:
+                mixing.append((user, node))
             stack.append(user)
     if not cuts or len({(c.width, c.bounds, c.part_ratios) for c in cuts}) != 1:
         return None
     width, bounds = cuts[0].width, cuts[0].bounds
-    if any(len(_width_dims(n, width)) != 1 for n in seen):
-        return None
+    if any(len(_width_dims(n, width)) != 1 for n in seen if _shape(n) is not None or n.users):
+        return None  # (a call returning its input, ``w.float()`` of a float w, records no value)
     if any(width in _ints(n) for n in seen if n is not parameter):
         return None  # a size argument naming the whole width (a view to the config's head count)
-    return _width_dims(parameter, width)[0], bounds, cuts[0].part_ratios
+    partners: set[str] = set()
+    for user, node in mixing:
+        for other in user.all_input_nodes:
+            if other is not node and other not in seen and width in (_shape(other) or ()):
+                sources = _width_sources(other, width)
+                if sources is None:
+                    return None  # of that width, made from the block's inputs: read whole
+                partners |= sources
+        if not _acts_per_share(user, node, width):
+            return None
+    return (_width_dims(parameter, width)[0], bounds, cuts[0].part_ratios), partners
+
+
+def _width_sources(node: fx.Node, width: int) -> set[str] | None:
+    """The parameters a value of ``width`` gets that dim from (through values holding it), or None where
+    it comes from anything else (the block's inputs, a tensor made from sizes)."""
+    found, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or width not in (_shape(n) or ()):
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.add(n.target)
+        elif n.op != "call_function" and n.op != "call_method" or not n.all_input_nodes:
+            return None
+        else:
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def _acts_per_share(user: fx.Node, node: fx.Node, width: int) -> bool:
+    """Whether ``user`` gives each rank's share of its output from the shares of its inputs of ``width``."""
+    call = getattr(torch.Tensor, user.target) if user.op == "call_method" else user.target
+    dim = _width_dims(node, width)[0]
+    return acts_per_slice(call, user.args, user.kwargs, node, dim, 2, rewrite_needed=False) is not None
 
 
 def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
@@ -78,12 +122,15 @@ def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
 
 
 def stored_cuts(gm: fx.GraphModule, region: RegionPlan) -> dict[str, tuple[int, tuple, tuple]]:
-    """Parameter path -> (dim, fused part bounds, their ratios) of each cut parameter every rank can hold as its share."""
+    """Parameter path -> (dim, fused part bounds, their ratios) of each cut parameter every rank can hold
+    as its share: alone, or with the other parameters its values meet before the cut (held together)."""
     operands = _cut_operands(gm, region)
-    found = {}
+    found, needs = {}, {}
     for node in gm.graph.nodes:  # a bias as well as a weight; a buffer stays whole (no gradient, no state)
         if node.op == "get_attr" and operands and _is_parameter(gm, node.target):
             share = _store_as_share(node, operands)
             if share is not None:
-                found[node.target] = share
+                found[node.target], needs[node.target] = share
+    while any(not needs[p] <= set(found) for p in found):  # a partner kept whole keeps it whole too
+        found = {p: v for p, v in found.items() if needs[p] <= set(found)}
     return found

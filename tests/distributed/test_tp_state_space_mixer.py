@@ -1,5 +1,5 @@
-"""A state-space mixer in plain torch (Mamba-2's shape, as Zamba-2, Bamba, Falcon-H1 and Nemotron-H
-use it), trained by the Trainer at t=2 (with and without SP) against one process:
+"""State-space mixers in plain torch, trained by the Trainer at t=2 (with and without SP) against one
+process. Mamba-2's shape (as Zamba-2, Bamba, Falcon-H1 and Nemotron-H use it):
 
 - one projection fused of unequal parts, gate | x | B | C | dt, of different unit sizes (heads of
   the head size, one group of the state size, a scalar per head), its x | B | C cut again after a
@@ -9,6 +9,11 @@ use it), trained by the Trainer at t=2 (with and without SP) against one process
 - a recurrent state made from sizes alone, per-head parameters (dt bias, decay, skip);
 - a gated norm over all heads' features, viewed into groups by a size read from its input: run
   whole on the gathered features, each rank keeping its share.
+
+Mamba-1's shape (as Falcon-Mamba and Jamba use it): x_proj reads the split channels and its reduced
+dt | B | C are read beside them again (an inner row); dt_proj's weight, applied by a matmul to the
+whole dt, and the per-channel A and D are held as each rank's rows; the scan's state is zeros sized by
+a read of the channels' shape, and C is applied by a matmul of the channels' rows.
 
 Gradient clipping is on, at a norm every step exceeds: copied rows must count once.
 """
@@ -22,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SEQ, VOCAB, HIDDEN, HEADS, HEAD, STATE, GROUPS, KERNEL = 8, 16, 16, 4, 4, 4, 1, 3
+SEQ, VOCAB, HIDDEN, HEADS, HEAD, STATE, GROUPS, KERNEL, RANK = 8, 16, 16, 4, 4, 4, 1, 3, 2
 INNER = HEADS * HEAD
 CONV = INNER + 2 * GROUPS * STATE  # x | B | C
 TOL = 1e-5  # fp32: the same arithmetic up to summation order (t=2 splits each row's sum in two)
@@ -75,6 +80,49 @@ class StateSpaceMixer(nn.Module):
         return x + self.out_proj(self.norm(y.reshape(B, T, INNER), gate))
 
 
+class SelectiveScanMixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_in = nn.RMSNorm(HIDDEN)
+        self.in_proj = nn.Linear(HIDDEN, 2 * INNER, bias=False)  # x | z
+        self.conv = nn.Conv1d(INNER, INNER, KERNEL, groups=INNER, padding=KERNEL - 1)
+        self.x_proj = nn.Linear(INNER, RANK + 2 * STATE, bias=False)  # dt | B | C from all channels
+        self.dt_proj = nn.Linear(RANK, INNER)  # its weight read by a matmul, never called
+        self.A_log = nn.Parameter(torch.log(torch.arange(1.0, STATE + 1)).repeat(INNER, 1))
+        self.D = nn.Parameter(torch.linspace(0.5, 1.5, INNER))
+        self.out_proj = nn.Linear(INNER, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_in(x)
+        T = h.shape[1]
+        u, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)  # (B, C, T)
+        u = F.silu(self.conv(u)[..., :T])
+        dt, b, c = self.x_proj(u.transpose(1, 2)).split([RANK, STATE, STATE], dim=-1)  # whole on every rank
+        dt = F.softplus(self.dt_proj.weight @ dt.transpose(1, 2) + self.dt_proj.bias[:, None])  # (B, C, T)
+        A = -torch.exp(self.A_log)  # (C, N)
+        batch, channels, length = u.shape  # this rank's channels
+        state = torch.zeros(batch, channels, STATE)
+        ys = []
+        for t in range(length):
+            state = torch.exp(A * dt[:, :, t, None]) * state + (dt[:, :, t, None] * b[:, t, None]) * u[:, :, t, None]
+            ys.append(torch.matmul(state, c[:, t, :, None])[..., 0])  # (B, C)
+        y = torch.stack(ys, dim=-1) + u * self.D[:, None]
+        return x + self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
+def fit_selective(t: int, sequence_parallel: bool) -> dict:
+    from tests.tp_utils import TokenLM, fit_token_lm
+
+    make = functools.partial(TokenLM, lambda: [SelectiveScanMixer(), SelectiveScanMixer()], VOCAB, HIDDEN)
+    model, result = fit_token_lm(
+        make, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=sequence_parallel, gradient_clip_val=CLIP
+    )
+    mixer = model.blocks[0]
+    names = ("in_proj.weight", "conv.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
+    shapes = {n: tuple(p.shape) for n, p in mixer.named_parameters() if n in (*names, "x_proj.weight")}
+    return {**result, "shapes": shapes}
+
+
 def fit(t: int, sequence_parallel: bool) -> dict:
     from tests.tp_utils import TokenLM, fit_token_lm
 
@@ -101,5 +149,29 @@ def test_a_state_space_mixer_splits_its_heads_with_its_one_group_whole_equal_to_
             "in_proj.weight": INNER // 2 + conv_rows + HEADS // 2,
             "conv.weight": conv_rows,
             "conv.bias": conv_rows,
+        }
+        assert_same_state(whole, split, TOL)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
+def test_a_selective_scan_mixer_splits_its_channels_around_an_inner_row_equal_to_one_process(
+    dist_pool, sequence_parallel
+):
+    from tests.tp_utils import assert_same_state
+
+    whole = fit_selective(1, False)
+    half = INNER // 2
+    for split in dist_pool(2).run(fit_selective, 2, sequence_parallel):
+        assert split["warnings"] == []
+        assert split["shapes"] == {
+            "in_proj.weight": (INNER, HIDDEN),  # half of x and half of z
+            "conv.weight": (half, 1, KERNEL),
+            "x_proj.weight": (RANK + 2 * STATE, half),  # the inner row: this rank's channels
+            "dt_proj.weight": (half, RANK),  # rows of the channels, held as this rank's
+            "dt_proj.bias": (half,),
+            "A_log": (half, STATE),
+            "D": (half,),
+            "out_proj.weight": (HIDDEN, half),
         }
         assert_same_state(whole, split, TOL)

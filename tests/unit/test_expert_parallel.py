@@ -229,10 +229,11 @@ class MixedFeed(nn.Module):
         return x + self.out(up + self.back(up))
 
 
-def test_a_linear_fed_by_a_column_and_a_row_splits_with_the_column_before_the_region():
-    """Pairing again with ``up`` in the region's prefix (split by features, gathered) makes ``back`` a
-    column and ``out`` its row; ``up``'s whole output is cut per rank where it meets ``back``'s. The
-    idiom trains equal to one process in tests/distributed/test_tp_region_prefix.py (the same mechanism)."""
+def test_a_linear_fed_by_a_column_and_by_a_row_of_that_column_closes_the_region():
+    """``back`` reads ``up``'s split features: a row whose reduced output ``out`` reads again beside
+    ``up``'s, so it is an inner row (all-reduced, then entered like the region's input) and ``out``
+    closes the region; ``back``'s whole output is cut per rank where it meets ``up``'s. The idiom
+    trains equal to one process in tests/distributed/test_tp_state_space_mixer.py (Mamba-1's x_proj)."""
     import warnings
 
     from lightning_ptdp.tensor_parallel import PartialSplitWarning, tensor_parallel_plan
@@ -244,7 +245,7 @@ def test_a_linear_fed_by_a_column_and_a_row_splits_with_the_column_before_the_re
         warnings.simplefilter("error", PartialSplitWarning)
         report = tensor_parallel_plan(net, 2, probe, strict=True)
     styles = {path: style for path, style, _ in report.entries if path.startswith("1.")}
-    assert styles == {"1.*.up": "colwise_gathered", "1.*.back": "colwise", "1.*.out": "rowwise"}
+    assert styles == {"1.*.up": "colwise", "1.*.back": "rowwise_inner", "1.*.out": "rowwise"}
 
 
 def test_a_norm_over_all_heads_is_recognised_by_what_it_computes():

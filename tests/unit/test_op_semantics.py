@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+from lightning_ptdp.tensor_parallel import tensor_parallel_plan
 
 # fp32; t=2 splits the row Linear's sum in two: round-off only (test_tensor_parallel.py)
 LOSS_RTOL, GRAD_REL = 1e-5, 1e-5
@@ -135,24 +135,13 @@ def test_ops_no_handler_names_are_planned_from_torch_op_knowledge(block, styles)
     assert _styles(block) == styles
 
 
-@pytest.mark.parametrize(
-    ("block", "match"),
-    [
-        (
-            HeadsCat,
-            r"indexes the sharded dim other than at a fused projection's part boundaries",
-        ),
-        (
-            HeadsChunk,
-            r"applies 'chunk' to a head-sharded tensor, which runs aten.split.Tensor on inputs placed "
-            r"S\(1\), where torch's sharding rule needs R",
-        ),
-    ],
-    ids=["cat-along-heads", "chunk-of-heads"],
-)
-def test_ops_across_the_heads_are_refused_naming_op_rule_and_line(block, match):
-    with pytest.raises(TPDiscoveryError, match=r"\(called at .*test_op_semantics\.py:\d+ in weights\) " + match):
-        _styles(block)
+@pytest.mark.parametrize("block", [HeadsCat, HeadsChunk], ids=["cat-along-heads", "chunk-of-heads"])
+def test_scores_mixed_across_the_heads_are_computed_whole_and_cut_where_they_meet_the_values(block):
+    """Heads taken across a cat's parts, or paired across the chunks of all heads, have no rank's share:
+    q and k are split by features and gathered before the region, every rank computes all heads'
+    weights, and the matmul with the split values cuts them to the rank's heads (torch's rules).
+    tests/unit/test_tp_head_idioms.py trains both against one process."""
+    assert _styles(block) == {"q": "colwise_gathered", "k": "colwise_gathered", "v": "colwise", "o": "rowwise"}
 
 
 def _multi_query_step(distributed: bool) -> dict:

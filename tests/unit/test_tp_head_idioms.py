@@ -11,7 +11,18 @@ import torch
 import torch.nn as nn
 
 from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
-from tests.unit.test_op_semantics import ATTENTION, GRAD_REL, HEADS, LOSS_RTOL, SIZE, WIDTH, Attention, _inputs
+from tests.unit.test_op_semantics import (
+    ATTENTION,
+    GRAD_REL,
+    HEADS,
+    LOSS_RTOL,
+    SIZE,
+    WIDTH,
+    Attention,
+    HeadsCat,
+    HeadsChunk,
+    _inputs,
+)
 
 
 class HeadNorm(nn.Module):
@@ -199,14 +210,14 @@ def test_a_weight_per_head_in_a_matmul_batched_over_the_heads_is_cut_to_each_ran
 
 
 MULTI_QUERY = functools.partial(FusedBehindUnsqueeze, 1)
-COPIED_ROWS = (0, 0, 2 * SIZE, 0, 0, 0)  # rows each rank holds whole: multi-query attention's key and value head
+COPIED_ROWS = (0, 0, 2 * SIZE, 0, 0, 0, 0, 0)  # rows each rank holds whole: multi-query attention's key and value head
 
 
 def _step(distributed: bool) -> list[dict]:
     """One forward/backward of per-head-normed and of fused-behind-unsqueeze blocks at t=2, or in one process."""
     results = []
     blocks = (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY, L2NormedAttention)
-    for block in (*blocks, PerHeadMatmul, functools.partial(NormedAttention, HeadMix)):
+    for block in (*blocks, PerHeadMatmul, functools.partial(NormedAttention, HeadMix), HeadsCat, HeadsChunk):
         torch.manual_seed(0)
         net, x = _net(block), _inputs()
         if distributed:
