@@ -182,7 +182,7 @@ def _assign(
         entry = None
         if reason is None:
             columns = [c for c in nodes if c is not rows[0] and c not in inner]
-            entry = _region_input(gm, columns, rows[0], upstream, whole, set(everything), inner)
+            entry = _region_input(gm, columns, rows[0], upstream, whole, set(everything), inner & set(nodes))
             if entry is None:
                 reason = (
                     f"block '{name}': the column-parallel linears {sorted(c.target for c in columns)} of "

@@ -91,8 +91,13 @@ class SelectiveScanMixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1.0, STATE + 1)).repeat(INNER, 1))
         self.D = nn.Parameter(torch.linspace(0.5, 1.5, INNER))
         self.out_proj = nn.Linear(INNER, HIDDEN, bias=False)
+        self.norm_mlp, self.up, self.down = nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, INNER), nn.Linear(INNER, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mix(x)
+        return x + self.down(F.gelu(self.up(self.norm_mlp(x))))  # a region of its own after the mixer's
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm_in(x)
         T = h.shape[1]
         u, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)  # (B, C, T)
@@ -118,7 +123,16 @@ def fit_selective(t: int, sequence_parallel: bool) -> dict:
         make, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=sequence_parallel, gradient_clip_val=CLIP
     )
     mixer = model.blocks[0]
-    names = ("in_proj.weight", "conv.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
+    names = (
+        "in_proj.weight",
+        "conv.weight",
+        "dt_proj.weight",
+        "dt_proj.bias",
+        "A_log",
+        "D",
+        "out_proj.weight",
+        "up.weight",
+    )
     shapes = {n: tuple(p.shape) for n, p in mixer.named_parameters() if n in (*names, "x_proj.weight")}
     return {**result, "shapes": shapes}
 
@@ -173,5 +187,6 @@ def test_a_selective_scan_mixer_splits_its_channels_around_an_inner_row_equal_to
             "A_log": (half, STATE),
             "D": (half,),
             "out_proj.weight": (HIDDEN, half),
+            "up.weight": (half, HIDDEN),
         }
         assert_same_state(whole, split, TOL)
