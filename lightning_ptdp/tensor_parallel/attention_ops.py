@@ -77,5 +77,15 @@ class AttentionOps:
                 raise self.fail(node, "gets q/k/v that are not all split along their heads dim")
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if isinstance(mask, fx.Node) and _shape(mask) and len(_shape(mask)) == 4 and _shape(mask)[1] > 1:
-            raise self.fail(node, "uses a per-head attention mask")
+            self._per_head_mask(node, mask, _shape(q)[heads_dim], self.shard[q].ratio)  # recorded shapes: global
         self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
+
+    def _per_head_mask(self, node: fx.Node, mask: fx.Node, heads: int, ratio: int) -> None:
+        """A mask of one (T, S) per head (Doge's, made from its dynamic mask): split like q already, or
+        whole with all heads and cut to the rank's heads at the call."""
+        info = self.shard.get(mask)
+        if info is not None and (info.dim, info.ratio, info.bounds, info.outer) == (1, ratio, (), 1):
+            return
+        if info is not None or _shape(mask)[1] != heads or ratio != self.tp_size or "site" not in node.meta:
+            raise self.fail(node, "uses a per-head attention mask split otherwise than its heads")
+        self._slice(node, {mask: 1})

@@ -9,6 +9,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
 from tests.unit.test_op_semantics import (
@@ -209,15 +210,48 @@ def test_a_weight_per_head_in_a_matmul_batched_over_the_heads_is_cut_to_each_ran
     assert _plan(PerHeadMatmul) == ATTENTION
 
 
+class DynamicMaskAttention(Attention):
+    """Doge's: an additive mask per head made from all heads' values by a Linear (an inner row, whole
+    on every rank after its sum) and a per-head scale, cut to each rank's heads where SDPA reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dt = nn.Linear(WIDTH, HEADS, bias=False)
+        self.A = nn.Parameter(torch.linspace(0.5, 1.5, HEADS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(self.q(x)).transpose(1, 2), self.kv(self.k(x)), self.kv(self.v(x))
+        dt = self.dt(v.transpose(1, 2).reshape(x.shape))  # (B, T, nh) from every head's values
+        mask = (self.A * F.softplus(dt)).transpose(1, 2)[:, :, None, :].expand(-1, -1, x.shape[1], -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask (B, nh, T, S)
+        return x + self.o(out.transpose(1, 2).reshape(x.shape))
+
+
+def test_a_per_head_mask_made_by_an_inner_row_is_cut_to_each_ranks_heads():
+    # A, read whole beside the inner row's sum and cut with the mask, is on the region's whole side
+    assert _plan(DynamicMaskAttention) == {**ATTENTION, "dt": "rowwise_inner", "A": "replicated"}
+
+
 MULTI_QUERY = functools.partial(FusedBehindUnsqueeze, 1)
-COPIED_ROWS = (0, 0, 2 * SIZE, 0, 0, 0, 0, 0)  # rows each rank holds whole: multi-query attention's key and value head
+COPIED_ROWS = (
+    0,
+    0,
+    2 * SIZE,
+    0,
+    0,
+    0,
+    0,
+    0,
+    0,
+)  # rows each rank holds whole: multi-query attention's key and value head
 
 
 def _step(distributed: bool) -> list[dict]:
     """One forward/backward of per-head-normed and of fused-behind-unsqueeze blocks at t=2, or in one process."""
     results = []
     blocks = (functools.partial(NormedAttention, HeadNorm), FusedBehindUnsqueeze, MULTI_QUERY, L2NormedAttention)
-    for block in (*blocks, PerHeadMatmul, functools.partial(NormedAttention, HeadMix), HeadsCat, HeadsChunk):
+    more = (PerHeadMatmul, functools.partial(NormedAttention, HeadMix), HeadsCat, HeadsChunk, DynamicMaskAttention)
+    for block in (*blocks, *more):
         torch.manual_seed(0)
         net, x = _net(block), _inputs()
         if distributed:
