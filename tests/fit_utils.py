@@ -183,18 +183,13 @@ def fit_and_record(
 def replicated_heads(model: torch.nn.Module) -> int:
     """Elements this rank holds beyond its 1/t because a part of fewer heads than t (a key/value head)
     is copied to several ranks, as Megatron copies them: part of the layout's share, read from the layouts."""
-    from lightning_ptdp.tensor_parallel.consolidate import tp_layout
-    from lightning_ptdp.tensor_parallel.layers import RowParallelLinear
+    from lightning_ptdp.tensor_parallel.consolidate import split_parameters
 
     extra = 0.0
-    for module in model.modules():
-        for attr, param in module.named_parameters(recurse=False):
-            found = None if isinstance(module, RowParallelLinear) and attr == "bias" else tp_layout(module, attr)
-            if found is not None:
-                _, dim, layout = found
-                local = _local(param)
-                copies = layout.local_replication().double()
-                extra += local.numel() // local.shape[dim] * float((1 - 1 / copies).sum())
+    for _, param, dim, layout in split_parameters(model):
+        local = _local(param)
+        copies = layout.local_replication().double()
+        extra += local.numel() // local.shape[dim] * float((1 - 1 / copies).sum())
     return round(extra)
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from lightning_ptdp.core.comm import all_reduce_grads, flat_all_reduce, local_tensor
 from lightning_ptdp.pipeline.split import PipelineSplit
 from lightning_ptdp.tensor_parallel.collectives import TPGroup
-from lightning_ptdp.tensor_parallel.consolidate import tp_layout
+from lightning_ptdp.tensor_parallel.consolidate import split_parameters
 from lightning_ptdp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -55,17 +55,9 @@ def sum_tied_over_pp(
 
 def _replicated_kv(model: nn.Module) -> list[tuple[nn.Parameter, int, ShardLayout]]:
     """(parameter, dim, layout) of split parameters with heads copied over several TP ranks (t >
-    n_kv_heads; multi-query attention's one KV head in a fused column; a conv over Mamba-2's x | B | C
+    n_kv_heads; multi-query attention's one KV head in a fused column; a conv over heads beside one shared group
     held as its share), in model order."""
-    return [
-        (param, dim, layout)
-        for layer in model.modules()
-        for attr, param in layer.named_parameters(recurse=False)
-        if not (isinstance(layer, RowParallelLinear) and attr == "bias")
-        for found in (tp_layout(layer, attr),)
-        if found is not None and found[2].replication > 1
-        for _, dim, layout in (found,)
-    ]
+    return [(param, dim, layout) for _, param, dim, layout in split_parameters(model) if layout.replication > 1]
 
 
 def sum_partial_over_tp(model: nn.Module, partial: list[tuple[nn.Module, str]], tp: TPGroup) -> None:
@@ -127,16 +119,15 @@ def global_grad_norm(
     """
     weight: dict[int, Any] = {}  # None: replicated; a float: 1 / copies; (dim, tensor): 1 / copies of each index
     for layer in model.modules():
-        for attr, param in layer.named_parameters(recurse=False):
-            if isinstance(layer, RowParallelLinear) and attr == "bias":
-                weight[id(param)] = None
-            elif (found := tp_layout(layer, attr)) is not None:
-                _, dim, layout = found
-                copies = layout.local_replication()
-                uniform = bool((copies == copies[0]).all())
-                weight[id(param)] = 1.0 / float(copies[0]) if uniform else (dim, 1.0 / copies.double())
-            elif isinstance(layer, _TP_LAYERS):
-                weight[id(param)] = 1.0
+        if isinstance(layer, _TP_LAYERS):  # the vocabulary's shards; a row layer's bias is replicated
+            weight |= {
+                id(p): None if isinstance(layer, RowParallelLinear) and a == "bias" else 1.0
+                for a, p in layer.named_parameters(recurse=False)
+            }
+    for _, param, dim, layout in split_parameters(model):
+        copies = layout.local_replication()
+        uniform = bool((copies == copies[0]).all())
+        weight[id(param)] = 1.0 / float(copies[0]) if uniform else (dim, 1.0 / copies.double())
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     parts = torch.zeros((), dtype=torch.float64)

@@ -393,23 +393,19 @@ def check_reusable(module: torch.nn.Module, config: ParallelConfig, dims: Parall
 def check_zero_supported(module: torch.nn.Module, config: ParallelConfig, dims: ParallelDims) -> None:
     """Refused at setup, before any step: ZeRO 2/3 cannot shard KV heads copied over several TP ranks
     (t > n_kv_heads), whose copies' gradients must be summed over the tp group before the step."""
-    from lightning_ptdp.tensor_parallel.consolidate import tp_layout
-    from lightning_ptdp.tensor_parallel.layers import RowParallelLinear
+    from lightning_ptdp.tensor_parallel.consolidate import split_parameters
 
-    for name, layer in module.named_modules():
-        for attr, _ in layer.named_parameters(recurse=False):
-            found = None if isinstance(layer, RowParallelLinear) and attr == "bias" else tp_layout(layer, attr)
-            if found is None or found[2].replication == 1:
-                continue
-            layout = found[2]
-            heads = min(layout.parts)
-            fits = [t for t in range(1, heads + 1) if all(units % t == 0 for units in layout.parts)]
-            raise ValueError(
-                f"zero_stage={config.zero_stage} with tensor_parallel_size={dims.tp} > the {heads} key/value heads of "
-                f"'{name}': each KV head is replicated over {layout.replication} TP ranks, and ZeRO cannot sum "
-                f"those copies' sharded gradients. Use zero_stage=0 or 1, or tensor_parallel_size in {fits} (dividing the "
-                "KV heads)"
-            )
+    for name, _, _, layout in split_parameters(module):
+        if layout.replication == 1:
+            continue
+        heads = min(layout.parts)
+        fits = [t for t in range(1, heads + 1) if all(units % t == 0 for units in layout.parts)]
+        raise ValueError(
+            f"zero_stage={config.zero_stage} with tensor_parallel_size={dims.tp} > the {heads} key/value heads of "
+            f"'{name}': each KV head is replicated over {layout.replication} TP ranks, and ZeRO cannot sum "
+            f"those copies' sharded gradients. Use zero_stage=0 or 1, or tensor_parallel_size in {fits} (dividing the "
+            "KV heads)"
+        )
 
 
 def materialize_shards(module: torch.nn.Module, device: torch.device, pipeline: Optional[PipelineEngine]) -> None:

@@ -20,26 +20,25 @@ class AttentionOps:
         of one, the other holding one head whole on every rank (multi-query attention's key); any other
         product of one sharded operand follows torch's rules (a per-head weight cut at the call)."""
         a, b = node.args[0], node.args[1]
-        out_dim = len(_shape(node))
         split = [t for t in (a, b) if isinstance(t, fx.Node) and t in self.shard]
         dims = {self.shard[t].dim - len(_shape(t)) for t in split}
-        if len(split) == 2 and len(dims) == 2:  # one may be a single head, whole on every rank
-            heads = min(dims)
+        heads = min(dims)
+        if len(dims) == 2:  # one may be a single head, whole on every rank
             split = [t for t in split if not self._one_whole_head(t, heads)]
-            dims = {self.shard[t].dim - len(_shape(t)) for t in split}
-        if len(split) == 1 and not (
-            next(iter(dims)) < -2 and self._one_whole_head(b if split[0] is a else a, min(dims))
-        ):
-            # the heads against all of them whole (Zamba's per-head x_proj, cut at the call), or a product
-            # of this rank's rows or columns (Mamba's state @ C): torch's rules
+            heads = min((self.shard[t].dim - len(_shape(t)) for t in split), default=heads)
+        other = [t for t in (a, b) if t not in split]
+        if len(split) == 1 and not (heads < -2 and self._one_whole_head(other[0], heads)):
+            # the heads against all of them whole (a weight per head, cut at the call), or a product
+            # of this rank's rows or columns (a scan's state @ a whole C): torch's rules
             self._generic(node, split)
             return
-        if not split or len(dims) != 1 or next(iter(dims)) >= -2 or len({self.shard[t].ratio for t in split}) > 1:
+        infos = [self.shard[t] for t in split]
+        along = [i.dim - len(_shape(t)) for i, t in zip(infos, split)]
+        if not split or any(d != heads for d in along) or heads >= -2 or len({i.ratio for i in infos}) > 1:
             raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
-        if len({self.shard[t].outer for t in split}) > 1:
+        if len({i.outer for i in infos}) > 1:
             raise self.fail(node, "multiplies tensors whose heads are folded differently")
-        first = self.shard[split[0]]
-        self.shard[node] = Sharded(out_dim + next(iter(dims)), first.ratio, (), first.outer)
+        self.shard[node] = Sharded(len(_shape(node)) + heads, infos[0].ratio, (), infos[0].outer)
 
     def _one_whole_head(self, t: Any, dim: int) -> bool:
         """``t`` holds one head, the same on every rank, at ``dim`` (from the end) or broadcasts there."""
@@ -81,7 +80,7 @@ class AttentionOps:
         self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
 
     def _per_head_mask(self, node: fx.Node, mask: fx.Node, heads: int, ratio: int) -> None:
-        """A mask of one (T, S) per head (Doge's, made from its dynamic mask): split like q already, or
+        """A mask of one (T, S) per head (made from the values by an inner row): split like q already, or
         whole with all heads and cut to the rank's heads at the call."""
         info = self.shard.get(mask)
         if info is not None and (info.dim, info.ratio, info.bounds, info.outer) == (1, ratio, (), 1):

@@ -8,7 +8,7 @@ rank of the group.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,16 @@ def tp_layout(layer: nn.Module, attr: str) -> tuple[TPGroup, int, ShardLayout] |
     if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
         return layer.tp, shard_dim(layer, attr), layer.layout
     return None
+
+
+def split_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, int, ShardLayout]]:
+    """(module path, parameter, dim, layout) of every parameter tensor parallelism split, in model
+    order: a column/row layer's or a share held in place; a row layer's bias, whole on every rank, is none."""
+    for path, layer in model.named_modules():
+        for attr, param in layer.named_parameters(recurse=False):
+            found = None if isinstance(layer, RowParallelLinear) and attr == "bias" else tp_layout(layer, attr)
+            if found is not None:
+                yield path, param, found[1], found[2]
 
 
 def _owners_by_name(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

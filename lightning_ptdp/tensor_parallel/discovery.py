@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import operator
 
-import torch
 import torch.nn as nn
 from torch import fx
 
@@ -26,6 +25,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _call_name,
     _shape,
     ancestry,
+    callable_of,
     plan_hint,
     working_plan_hint,
 )
@@ -77,7 +77,7 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
                 continue
         units, unit_size = _units_of(parts[0], size // blocks)
         heads = _sliced_heads(parts[0], size, units) if blocks == 1 and units > 1 else None
-        if heads is not None:  # heads | key | value cut from the heads dim after the view (Falcon's MQA)
+        if heads is not None:  # heads | key | value cut from the heads dim after the view (multi-query)
             region.parts[col] = heads
             units, blocks = max(heads), len(heads)
         region.blocks[col], region.units[col], region.unit_size[col] = blocks, units, unit_size
@@ -151,7 +151,7 @@ def _slice_parts(node: fx.Node, size: int) -> tuple[list[fx.Node], list[int]] | 
 
 def _unequal_parts(region: RegionPlan, col: str, parts: list[fx.Node], sizes: list[int], one_head: bool) -> None:
     """A fused projection split into unequal parts: each part's heads (or features) split over t, a part
-    cut again further on (after a conv over them: Mamba-2's x | B | C) counting as its pieces.
+    cut again further on (after a conv over them: x | B | C of a state-space mixer) counting as its pieces.
     ``one_head``: the parts were cut after a size-1 dim was added (a heads dim, as GPTBigCode's
     unsqueeze adds): a part never viewed into heads is one head (its single key/value head)."""
     shapes = [shape for part, size in zip(parts, sizes) for shape in _part_shapes(part, size, one_head)]
@@ -380,7 +380,7 @@ def _read_outside(gm: RecordedBlock, regions: list[RegionPlan]) -> str:
         for user in nodes[region.input_node].users:
             if user in inside or user.op == "output":
                 continue
-            call = getattr(torch.Tensor, user.target) if user.op == "call_method" else user.target
+            call = callable_of(user)
             if user.op == "call_module" or not is_pointwise(call, user.args, user.kwargs):
                 return f"'{user.format_node()}' reads the input of the region ending in '{region.row}' outside it"
     return ""
@@ -397,14 +397,17 @@ def _gather_prefix(gm: RecordedBlock, region: RegionPlan, tp_size: int) -> None:
 
 
 def _divisors(n: int) -> str:
-    options = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+    return _either([d for d in range(1, n + 1) if n % d == 0])
 
 
 def _fitting(parts: tuple[int, ...]) -> str:
     """The t that split every part evenly or copy it evenly (fewer units than t)."""
-    options = [str(t) for t in range(1, max(parts) + 1) if all(u % t == 0 or t % u == 0 for u in parts)]
-    return ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+    return _either([t for t in range(1, max(parts) + 1) if all(u % t == 0 or t % u == 0 for u in parts)])
+
+
+def _either(options: list[int]) -> str:
+    """'1, 2 or 4'."""
+    return ", ".join(map(str, options[:-1])) + f" or {options[-1]}" if len(options) > 1 else str(options[0])
 
 
 def _own_forward(gm: RecordedBlock, region: RegionPlan, name: str) -> str | None:

@@ -6,9 +6,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx
 
 from lightning_ptdp.tensor_parallel.feature_norm import FeatureNorm, GatheredModule, HeadSlices
+from lightning_ptdp.tensor_parallel.op_semantics import local_edge
 
 
 def _blocks_glob(block: str) -> str:
@@ -67,8 +69,7 @@ class Sharded:
 
     def local_edge(self, edge: int) -> int:
         """The local offset of the global part boundary ``edge``: each part before it at its ratio."""
-        parts = zip(self.bounds, self.bounds[1:])
-        return sum((min(b, edge) - a) // self.part_ratio(i) for i, (a, b) in enumerate(parts) if a < edge)
+        return local_edge(edge, self.bounds, self.ratio, self.part_ratios)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,7 @@ class OperandSlice:
 
     def local_width(self, tp_size: int) -> int:
         """Its size along ``dim`` once cut: 1/t, or each fused part at its own ratio."""
-        if not self.part_ratios:
-            return self.width // tp_size
-        return sum((b - a) // r for a, b, r in zip(self.bounds, self.bounds[1:], self.part_ratios))
+        return local_edge(self.width, self.bounds or (0, self.width), tp_size, self.part_ratios)
 
 
 @dataclass
@@ -126,7 +125,7 @@ class RegionPlan:
     gathered: list[str] = field(default_factory=list)
     """The prefix's Linears split by output features and gathered (layers.GatheredColumnLinear)."""
     inner_rows: list[str] = field(default_factory=list)
-    """Linears reading the sharded features whose reduced output the region reads again (Mamba's x_proj):
+    """Linears reading the sharded features whose reduced output the region reads again (a scan's x_proj):
     row shards whose sum every rank then holds whole (layers.InnerRowParallelLinear)."""
 
     def reset_propagation(self) -> None:
@@ -194,6 +193,11 @@ def _call_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     return getattr(node.target, "__name__", str(node.target))
+
+
+def callable_of(node: fx.Node) -> Any:
+    """What a recorded call_function or call_method node calls (a method as its ``torch.Tensor`` function)."""
+    return getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
 
 
 def _shape_args(node: fx.Node) -> tuple[list, bool]:

@@ -96,7 +96,7 @@ class FusedParts:
 
     def _slice_part(self, node: fx.Node, index: tuple, item: Any, info: Sharded) -> Sharded:
         """``qkv[..., a:b]`` (or ``[..., [i], :]``, one unit) cutting a fused column at its part
-        boundaries (Phi-3's q | k | v, Falcon's heads | key | value): each rank holds its share of
+        boundaries (q | k | v, or heads | key | value after a view): each rank holds its share of
         every part, so the local cut is at the parts' local offsets. Returns the parts kept."""
         total = info.bounds[-1] if info.bounds else 0
         one = isinstance(item, list) and len(item) == 1 and type(item[0]) is int and total

@@ -36,7 +36,7 @@ class ShardLayout:
     when units < t (grouped-query KV heads), unit r // (t / units), replicated across ranks.
     ``part_units`` gives unequal parts instead (fused q | k | v with fewer KV heads: (a, g, g)),
     each split or replicated by the same rule (multi-query attention's one KV head: whole on every rank),
-    each of its own unit size where ``part_unit_sizes`` says (Mamba-2's gate | x heads | B, C groups | dt).
+    each of its own unit size where ``part_unit_sizes`` says (gate | x heads | B, C groups | dt per head).
     """
 
     blocks: int
@@ -229,7 +229,7 @@ class RowParallelLinear(nn.Module):
 
 
 class InnerRowParallelLinear(RowParallelLinear):
-    """A row shard whose sum the region reads again (Mamba's x_proj, whose dt, B and C meet the heads):
+    """A row shard whose sum the region reads again (a scan's x_proj, whose dt, B and C meet the channels):
     all-reduced (g), its bias added once, then entered like the region's input (f: the gradient, each
     rank's part from its heads, summed). The region goes on; the row after it ends it."""
 

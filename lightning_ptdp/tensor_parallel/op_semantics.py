@@ -240,6 +240,13 @@ def _check_share(call: Callable, args: tuple, kwargs: dict, sharded: dict, ratio
 SLICE_RTOL = 1e-5  # fp32: each share's outputs are the same sums as the whole call's, in the kernel's order
 
 
+def local_edge(edge: int, bounds: tuple[int, ...], ratio: int, part_ratios: tuple[int, ...] = ()) -> int:
+    """Where the global boundary ``edge`` of fused parts (``bounds``, 0 ... size) falls in a rank's
+    ``share_of``: each part before it at its ratio (its own where ``part_ratios`` gives one)."""
+    parts = enumerate(zip(bounds, bounds[1:]))
+    return sum((min(b, edge) - a) // (part_ratios[i] if part_ratios else ratio) for i, (a, b) in parts if a < edge)
+
+
 def share_of(
     x: torch.Tensor, dim: int, rank: int, ratio: int, bounds: tuple[int, ...] = (), part_ratios: tuple[int, ...] = ()
 ) -> torch.Tensor:
@@ -280,11 +287,10 @@ def acts_per_slice(
             dims = [d for d, n in enumerate(shape) if n == width]
             if len(dims) > 1:
                 return None
-            if dims:  # none: read whole by every share (Mamba's dt_proj.weight @ its whole input)
+            if dims:  # none: read whole by every share (a per-channel weight @ a whole input)
                 cut[node] = dims[0]
     divided = [i for i, v in enumerate(leaves) if type(v) is int and v == width]
-    pieces = zip(bounds, bounds[1:]) if part_ratios else ()
-    local_width = sum((b - a) // r for (a, b), r in zip(pieces, part_ratios)) if part_ratios else width // ratio
+    local_width = local_edge(width, bounds or (0, width), ratio, part_ratios)
     if width % ratio or rewrite_needed and not divided and not cut:
         return None
     try:

@@ -14,7 +14,6 @@ import logging
 import math
 from typing import Any
 
-import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -28,6 +27,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     _shape,
     _shape_args,
     ancestry,
+    callable_of,
 )
 from lightning_ptdp.tensor_parallel.fused_parts import FusedParts, part_bounds
 from lightning_ptdp.tensor_parallel.module_calls import ModuleCalls
@@ -68,7 +68,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         """Follow the region; where a tensor made from sizes alone reaches a sharded value only through
         whole ones (a scan's zero state times a whole decay, then plus the sharded input), it is made
         at this rank's share from the start and the region followed again."""
-        seeds, late = dict(self.shard), {}
+        seeds, late, self._behind = dict(self.shard), {}, {}
         recorded = {n: (n.args, n.kwargs) for n in self.gm.graph.nodes}
         while True:
             try:
@@ -77,7 +77,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
                 late.update(restart.fresh)
             for n, (args, kwargs) in recorded.items():
                 n.args, n.kwargs = args, kwargs
-            self.shard, self.pieces = dict(seeds), {}
+            self.shard, self.pieces, self._behind = dict(seeds), {}, {}
             self.region.reset_propagation()
             for n, (back, ratio) in late.items():
                 self._make_fresh(n, back, ratio)
@@ -118,15 +118,28 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
                 self._make_fresh(n, back, info.ratio)
                 fresh.append(n)
             elif n.all_input_nodes:  # a whole value: one made from sizes alone behind it meets the heads here
-                behind |= {m: (back, info.ratio) for m in ancestry(n) if m not in self.shard and self._made_of_sizes(m)}
+                behind |= dict.fromkeys(self._sized_behind(n), (back, info.ratio))
         behind = {m: v for m, v in behind.items() if self._makes_width(m, back, width)}
         if behind:
             raise _Restart(behind)
         return fresh
 
-    @staticmethod
-    def _made_of_sizes(n: fx.Node) -> bool:
-        return not n.all_input_nodes and n.op in ("call_function", "call_method") and "site" in n.meta
+    def _sized_behind(self, node: fx.Node) -> frozenset[fx.Node]:
+        """The tensors made from sizes alone that ``node`` is made of through whole values only (memoised:
+        every op meeting the heads asks of its whole operands, the same chains over and over)."""
+        stack = [(node, False)]
+        while stack:  # post-order over the whole values behind ``node`` not yet known: inputs first
+            n, ready = stack.pop()
+            if n in self._behind or n in self.shard:
+                continue
+            if not ready:
+                stack.append((n, True))
+                stack.extend((i, False) for i in n.all_input_nodes)
+                continue
+            made = not n.all_input_nodes and n.op in ("call_function", "call_method") and "site" in n.meta
+            inputs = [self._behind.get(i, frozenset()) for i in n.all_input_nodes if i not in self.shard]
+            self._behind[n] = frozenset({n} if made else ()).union(*inputs)
+        return self._behind.get(node, frozenset())
 
     @staticmethod
     def _makes_width(n: fx.Node, back: int, width: int) -> bool:
@@ -192,7 +205,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
             named = []
         if named and self._per_slice(node, inputs):  # the global size as an argument: groups = channels
             return
-        call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        call = callable_of(node)
         sharded = {i: self.shard[i].dim for i in inputs}
         try:  # a size argument naming the global size fails the run on the share there
             dims = follow_call(call, node.args, node.kwargs, sharded, ratio)
@@ -230,7 +243,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         info = self.shard[inputs[0]]
         if len(inputs) != 1 or info.ratio != self.tp_size or info.outer > 1 or "site" not in node.meta:
             return False
-        call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        call = callable_of(node)
         found = acts_per_slice(
             call, node.args, node.kwargs, inputs[0], info.dim, info.ratio, info.bounds, info.part_ratios
         )

@@ -159,7 +159,7 @@ def _assign(
         rows_in = {u for u in upstream[node] if role[u] == "row"}
         columns_in = {root(u) for u in upstream[node] if role[u] == "column"}
         if feeders == {"column", "row"} and all(root(u) in columns_in for u in rows_in):
-            role[node] = "row"  # Mamba's out_proj: its region's x_proj reduced inside it, then read beside the heads
+            role[node] = "row"  # its region's inner row was reduced inside it, then read beside the heads
             inner |= rows_in
         if role[node] == "whole":
             mixed[node] = (
@@ -269,7 +269,7 @@ def _whole_side(
 ) -> list | None:
     """The parameters of what the region computes whole from its input, or from an inner row's
     reduced output: made from them, read by the row, made from no column's output otherwise (the
-    prefix's Linears and norms, a gate or recurrence beside the heads, Mamba's dt from x_proj); None
+    prefix's Linears and norms, a gate or recurrence beside the heads, a scan's dt from an inner row); None
     when one is also used outside that side (its gradient would be summed twice)."""
     sharded, stack = set(columns), list(columns)
     while stack:

@@ -5,18 +5,17 @@ else, or through an op that could mix its channels, stays whole and is cut at th
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from lightning_ptdp.tensor_parallel.discovery_types import OperandSlice, RegionPlan, _shape
+from lightning_ptdp.tensor_parallel.discovery_types import OperandSlice, RegionPlan, _shape, callable_of
 from lightning_ptdp.tensor_parallel.op_semantics import acts_per_slice
 
 
 def _cut_operands(gm: fx.GraphModule, region: RegionPlan) -> dict[fx.Node, tuple[OperandSlice, set[fx.Node]]]:
     """Each operand node the region's calls cut to this rank's share: its cut (contiguous, in the
     batch's own layout: heads folded into the batch are left to the call) and the calls cutting it;
-    one made from the region's input too (Mamba's decay from dt) holds no parameter alone, which
+    one made from the region's input too (a scan's decay from dt) holds no parameter alone, which
     ``_store_as_share`` checks."""
     sites = {n.meta["site"]: n for n in gm.graph.nodes if "site" in n.meta}
     found: dict[fx.Node, tuple[OperandSlice, set[fx.Node]]] = {}
@@ -45,7 +44,7 @@ def _store_as_share(parameter: fx.Node, operands: dict) -> tuple[tuple[int, tupl
     too) when every use of it ends in one cut of the same width, through ops keeping exactly one dim
     of that width and naming no size of it (a squeeze, a transpose, an elementwise function; not a
     view to the config's head count, which the model's code would ask of the share too). An op may
-    read other tensors: whole ones without that width (Mamba's dt_proj.weight @ dt_rank inputs), and
+    read other tensors: whole ones without that width (a per-channel weight @ a whole input), and
     ones of that width made from other parameters alone (those held too), if it acts on each share
     alone (checked on samples). None otherwise."""
     cuts, stack, seen, mixing = [], [parameter], set(), []
@@ -108,7 +107,7 @@ def _width_sources(node: fx.Node, width: int) -> set[str] | None:
 
 def _acts_per_share(user: fx.Node, node: fx.Node, width: int) -> bool:
     """Whether ``user`` gives each rank's share of its output from the shares of its inputs of ``width``."""
-    call = getattr(torch.Tensor, user.target) if user.op == "call_method" else user.target
+    call = callable_of(user)
     dim = _width_dims(node, width)[0]
     return acts_per_slice(call, user.args, user.kwargs, node, dim, 2, rewrite_needed=False) is not None
 
