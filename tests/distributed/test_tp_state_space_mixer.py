@@ -8,7 +8,9 @@ process. Mamba-2's shape (as Zamba-2, Bamba, Falcon-H1 and Nemotron-H use it):
 - B and C repeated onto the heads with ``output_size`` naming the heads;
 - a recurrent state made from sizes alone, per-head parameters (dt bias, decay, skip);
 - a gated norm over all heads' features, viewed into groups by a size read from its input: run
-  whole on the gathered features, each rank keeping its share.
+  whole on the gathered features, each rank keeping its share;
+- the conv's weight read squeezed, as a kernel's fallback reads it, and also handed to the optional
+  kernel, absent, which reads nothing (held as each rank's channels all the same).
 
 Mamba-1's shape (as Falcon-Mamba and Jamba use it): x_proj reads the split channels and its reduced
 dt | B | C are read beside them again (an inner row); dt_proj's weight, applied by a matmul to the
@@ -47,6 +49,11 @@ class GroupGatedNorm(nn.Module):
         return self.weight * groups.view(*lead, width)
 
 
+def _fused_kernel(weight: torch.Tensor) -> torch.Tensor | None:
+    """A kernel the environment lacks (as a hub kernel's fallback returns None): reads nothing."""
+    return None
+
+
 class StateSpaceMixer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -63,7 +70,10 @@ class StateSpaceMixer(nn.Module):
         h = self.norm_in(x)
         B, T, _ = h.shape
         gate, xbc, dt = self.in_proj(h).split([INNER, CONV, HEADS], dim=-1)
-        xbc = F.silu(self.conv(xbc.transpose(1, 2))[..., :T]).transpose(1, 2)  # (B, T, CONV)
+        fused = _fused_kernel(self.conv.weight.squeeze(1))  # an optional kernel, absent: its argument unread
+        taps = self.conv.weight.squeeze(1)  # (CONV, KERNEL): the fallback's own read of the conv
+        xbc = F.conv1d(xbc.transpose(1, 2), taps.unsqueeze(1), self.conv.bias, padding=KERNEL - 1, groups=CONV)
+        xbc = F.silu(xbc[..., :T]).transpose(1, 2) if fused is None else fused  # (B, T, CONV)
         u, b, c = xbc.split([INNER, GROUPS * STATE, GROUPS * STATE], dim=-1)
         u = u.view(B, T, HEADS, HEAD)  # (B, T, nh, hd)
         b, c = (t.view(B, T, GROUPS, STATE).repeat_interleave(HEADS // GROUPS, 2, output_size=HEADS) for t in (b, c))
