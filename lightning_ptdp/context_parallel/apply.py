@@ -119,7 +119,7 @@ def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str, cuts: Weak
         if done is not None and done[0] == length:
             return done[1]
         dims = [d for d in range(value.dim()) if value.size(d) == length]
-        if not dims:
+        if not dims or _per_key(value, length):
             return value
         if len(dims) == 1 or dims[-2:] == [value.dim() - 2, value.dim() - 1]:
             cut = own_chunks(value, dims[0] if len(dims) == 1 else value.dim() - 2, cp)
@@ -133,7 +133,15 @@ def _cut(value: Any, length: int, cp: CPGroup, block: str, what: str, cuts: Weak
     if isinstance(value, (tuple, list)):
         items = [_cut(v, length, cp, block, what, cuts) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):  # e.g. rotary tables per attention kind
+        return {key: _cut(v, length, cp, block, what, cuts) for key, v in value.items()}
     return value
+
+
+def _per_key(value: torch.Tensor, length: int) -> bool:
+    """A row over the keys broadcast over the queries, ``[..., 1, length]`` (a key-padding mask, an
+    ALiBi bias per key): every rank's queries read all of it, so it stays whole."""
+    return value.dim() >= 3 and value.size(-1) == length and value.size(-2) == 1
 
 
 def _leave_blocks(block: str, cp: CPGroup, cut_tail: bool) -> Any:

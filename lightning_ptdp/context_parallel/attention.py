@@ -26,6 +26,8 @@ _BIASED = {
     torch.Tensor.baddbmm,
 }  # bias + a @ b: scores with their bias in one call, heads folded into the batch
 _MATMULS = {*_PRODUCTS, *_BIASED, torch.einsum}
+_CONVS = {F.conv1d, torch.conv1d}
+_NEW_TENSORS = {torch.Tensor.new_ones, torch.Tensor.new_zeros, torch.Tensor.new_full, torch.Tensor.new_empty}
 _FIX = (
     "set attn_implementation='sdpa' (transformers) or call F.scaled_dot_product_attention, or context_parallel_size=1"
 )
@@ -74,10 +76,12 @@ class ContextAttention(TorchFunctionMode):
                 squares = []
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if func in _CONVS:
+            self._check_convolution(*args, **kwargs)
         if func in _PRODUCTS and len(args) >= 2:
             return self._product(func, args, kwargs)
-        if func in _BIASED and len(args) >= 3:
-            return self._biased_product(func, args, kwargs)
+        if func in _BIASED:
+            return self._biased_product(func, *_batches_positional(args, kwargs))
         if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
             if self._is_key_mask(args[0]):
                 args = (args[0], self._whole_keys(args[1]))
@@ -89,7 +93,7 @@ class ContextAttention(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out.dim() >= 2:
             if squares and out.shape[-2:] == (self.length, self.length):
                 self.squares.append(out)  # what the block computes from it by position stays whole
-            elif out.shape[-2:] == (self.local, self.local) and not _any_tensor((args, kwargs)):
+            elif out.shape[-2:] == (self.local, self.local) and _from_sizes(func, args, kwargs, out):
                 out = self._whole_square(func, args, kwargs, out)  # made from sizes alone
         self._check_positions(func, out)
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
@@ -100,6 +104,16 @@ class ContextAttention(TorchFunctionMode):
                     f"it splits scaled_dot_product_attention calls and q @ k^T ... @ v written with matmul. {_FIX}"
                 )
         return out
+
+    def _check_convolution(self, x: Any, weight: Any, *args: Any, **kwargs: Any) -> None:
+        """A convolution over the sequence ([batch, channels, local tokens], a kernel of more than one
+        token: a state-space mixer's or a short conv's) mixes neighbours across the rank's chunks."""
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.size(-1) == self.local and weight.size(-1) > 1:
+            raise ValueError(
+                f"context parallelism: {self.block} convolves over the {self.local} tokens it holds (kernel "
+                f"{weight.size(-1)}) at {_user_line()}; a convolution over the sequence would need its neighbours "
+                "on the other ranks, which context parallelism does not exchange. Use context_parallel_size=1"
+            )
 
     def _check_positions(self, func: Any, out: Any) -> None:
         if func is torch.arange and isinstance(out, torch.Tensor) and out.numel() == self.local and out.dim() == 1:
@@ -138,10 +152,12 @@ class ContextAttention(TorchFunctionMode):
     def _product(self, func, args, kwargs):
         a, b = args[0], args[1]
         plain = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3
-        if plain and not isinstance(a, torch.nn.Parameter) and not isinstance(b, torch.nn.Parameter):
+        if plain and not _of_parameter(a) and not _of_parameter(b):
             if a.size(-1) == self.length and b.size(-2) == self.local:  # weights [.., local, length] @ v
                 b = gather_keys_values(b, b.dim() - 2, self.cp)
-            elif a.size(-2) == self.local and b.size(-1) == self.local:  # q @ k^T: the keys along the last dim
+            elif b.size(-1) == self.local and self.local in a.shape[:-1]:
+                # q @ k^T: the keys along the last dim; the queries are a's rows, or a batch dim of it
+                # (scores per query and head, [B, T, H, d] @ [B, 1, d, T], a sparse-attention indexer's)
                 self.calls += 1
                 b = gather_keys_values(b, b.dim() - 1, self.cp)
             return func(a, b, *args[2:], **kwargs)
@@ -150,7 +166,7 @@ class ContextAttention(TorchFunctionMode):
     def _biased_product(self, func, args, kwargs):
         """``baddbmm(bias, q, k^T)``: the scores gather their keys as ``q @ k^T`` does, and a bias with a
         column per local key (zeros sized from the local length, a mask) gathers its columns with them."""
-        bias, a, b = args[:3]
+        bias, a, b = (*args, None, None, None)[:3]
         if all(isinstance(t, torch.Tensor) for t in (bias, a, b)) and a.dim() == b.dim() == 3:
             if a.size(-2) == self.local and b.size(-1) == self.local:
                 self.calls += 1
@@ -260,8 +276,34 @@ class ContextAttention(TorchFunctionMode):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **common)
 
 
+def _batches_positional(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``baddbmm(bias, batch1=q, batch2=k)`` as ``baddbmm(bias, q, k)``."""
+    if len(args) == 1 and "batch1" in kwargs and "batch2" in kwargs:
+        kwargs = dict(kwargs)
+        args = (args[0], kwargs.pop("batch1"), kwargs.pop("batch2"))
+    return args, kwargs
+
+
 def _any_tensor(value: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+
+
+def _from_sizes(func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """A call that reads no tensor's values: a factory (``torch.ones(T, T)``), or a boolean mask made by
+    a ``Tensor.new_*`` method, whose tensor gives only the device (a float ``x.new_empty(..., d)`` is a
+    buffer like ``x``, whose last dim is features however long)."""
+    if func in _NEW_TENSORS and args and isinstance(args[0], torch.Tensor):
+        args = args[1:] if out.dtype == torch.bool else args
+    return not _any_tensor((args, kwargs))
+
+
+def _of_parameter(x: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.view(...)``, ``weight.t()``): never a sequence."""
+    while x is not None:
+        if isinstance(x, torch.nn.Parameter):
+            return True
+        x = x._base
+    return False
 
 
 class ChunkMasks:

@@ -23,14 +23,20 @@ class Block(nn.Module):
         self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
         self.proj = nn.Linear(HIDDEN, HIDDEN)
         self.pos = nn.Embedding(SEQ + 2, HIDDEN)
+        if kind == "conv":  # a short causal conv over the sequence, per channel
+            self.conv = nn.Conv1d(HIDDEN, HIDDEN, 3, padding=2, groups=HIDDEN)
         if kind == "rope_cache":  # torchtitan's layout: [positions, cos | sin], one head of HIDDEN features
             angle = torch.arange(SEQ + 2)[:, None] * 0.1 ** torch.arange(HIDDEN)[None, :]
             self.register_buffer("rope", torch.cat([angle.cos(), angle.sin()], dim=-1), persistent=False)
 
-    def forward(self, x: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, table: torch.Tensor | dict | None = None) -> torch.Tensor:
         B, T, C = x.shape
         if self.kind == "mlp":  # no attention at all
             return x + self.proj(F.gelu(self.qkv(x)[..., :C]))
+        if self.kind == "conv":
+            x = x + self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)
+        if self.kind == "positions_dict":  # learned positions the model passes in a dict
+            x = x + table["positions"]
         if self.kind == "arange":  # positions from the length the block sees
             x = x + self.pos(torch.arange(T, device=x.device))
         q, k, v = self.qkv(x).split(C, dim=2)
@@ -50,6 +56,19 @@ class Block(nn.Module):
             window = torch.ones_like(mask).tril(diagonal=-WINDOW)
             mask += window.masked_fill_(window.bool(), float("-inf"))
             y = ((q @ k.transpose(-2, -1)) * (C // HEADS) ** -0.5 + mask).softmax(-1) @ v
+        elif self.kind == "alibi_folded":  # BLOOM: heads folded into the batch, a per-key bias, baddbmm by keyword
+            qf, kf, vf = (t.reshape(B * HEADS, T, C // HEADS) for t in (q, k, v))
+            scores = table.baddbmm(batch1=qf, batch2=kf.transpose(1, 2), alpha=(C // HEADS) ** -0.5)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ vf).view(B, HEADS, T, C // HEADS)
+        elif self.kind == "indexer":  # sparse attention: keys scored per query and head, the top 4 kept
+            scores = torch.matmul(q.transpose(1, 2), k.mean(1).transpose(-1, -2).unsqueeze(1))  # [B, T, H, T]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            index = scores.relu().sum(2).masked_fill(~causal, float("-inf"))  # [B, T, T]
+            top = index.topk(4, dim=-1).indices
+            dropped = top.new_ones((B, T, T), dtype=torch.bool).scatter(-1, top, False)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() & ~dropped
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
         elif self.kind == "einsum":  # attention written with einsum
             weights = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
             y = torch.einsum("bhqk,bhkd->bhqd", weights, v)
@@ -74,6 +93,11 @@ class TinyLM(L.LightningModule):
         if self.kind == "alibi":  # [heads, 1, ALIBI_KEYS]: a slope per head times the key's distance from the end
             slopes = 2.0 ** -torch.arange(1, HEADS + 1, dtype=x.dtype)
             table = slopes[:, None, None] * torch.arange(1 - ALIBI_KEYS, 1, dtype=x.dtype)
+        elif self.kind == "alibi_folded":  # [batch * heads, 1, T]: exactly as long as the sequence
+            slopes = (2.0 ** -torch.arange(1, HEADS + 1, dtype=x.dtype)).repeat(x.size(0))
+            table = slopes[:, None, None] * torch.arange(1 - x.size(1), 1, dtype=x.dtype)
+        elif self.kind == "positions_dict":
+            table = {"positions": 0.1 * torch.sin(torch.arange(x.size(1) * HIDDEN, dtype=x.dtype)).view(1, -1, HIDDEN)}
         for block in self.blocks:
             x = block(x) if table is None else block(x, table)
         if self.kind == "recurrent":  # the blocks again (recurrent depth), from their output plus the input
@@ -118,6 +142,7 @@ REFUSALS = {
     r".*Compute positions before the blocks and pass them in",
     "einsum": r"blocks\.0 multiplies two \[16, 16\] sequence-by-sequence operands at .*einsum.*"
     r"set attn_implementation='sdpa'",
+    "conv": r"blocks\.0 convolves over the 16 tokens it holds \(kernel 3\) at .*test_context_parallel_refusals\.py",
 }
 
 
@@ -168,3 +193,14 @@ def test_a_sequence_not_divisible_by_2c_is_refused_on_every_rank(dist_pool):
     with pytest.raises(RankFailure, match=r"sequence length 30 is not divisible by 2 \* context_parallel_size = 4"):
         dist_pool(2).run(fit, "sdpa", 2, SEQ)
     dist_pool(2).run(fit, "sdpa", 2)  # and 32 tokens train: the refusal is about the length alone
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["alibi_folded", "indexer", "positions_dict"])
+def test_key_side_tables_and_per_query_scores_train_as_one_process(dist_pool, kind):
+    """alibi_folded: a per-key bias [batch * heads, 1, T] as long as the sequence stays whole (its rows are
+    broadcast over the queries), read by ``baddbmm`` with keyword batches. indexer: scores with the queries
+    in a batch dim (``[B, T, H, d] @ [B, 1, d, T]``) gather their keys, and a boolean mask made by
+    ``new_ones`` from the local sizes is made over every key. positions_dict: a dict input is cut as a
+    tuple is. Before: a shape error inside the block (refused by the certificate)."""
+    assert_c2_equals_one_process(dist_pool, kind)
