@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks.results import RESULTS, code_version, paired_ratio, stats, write_section
+from tests.matrix import FULL
 
 ROOT = Path(__file__).resolve().parents[2]
+# the sections the default suite runs (a process group of 2 and of 4 ranks, each contender alternated,
+# the allocator's figures); every section under PTDP_FULL_MATRIX=1 (compile alone is a third of the run)
+CORE = ("dp", "tp", "pipeline", "memory")
 
 
 def _spreads(node) -> list[dict]:
@@ -33,6 +37,8 @@ def _spreads(node) -> list[dict]:
 def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
     from benchmarks.run_all import SECTIONS
 
+    ran = list(SECTIONS) if FULL else [name for name in SECTIONS if name in CORE]
+    only = [] if FULL else ["--only", ",".join(ran)]
     repository_results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n\n<!-- section:gpu-suite -->\nGPU figures\n<!-- /section:gpu-suite -->\n")
@@ -48,6 +54,7 @@ def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
             str(results),
             "--json",
             str(tmp_path / "run_all.json"),
+            *only,
         ],
         cwd=ROOT,
         env=env,
@@ -60,10 +67,12 @@ def test_quick_run_writes_every_section_with_medians_and_spreads(tmp_path):
     record = json.loads((tmp_path / "run_all.json").read_text())
     assert json.loads(proc.stdout) == record
     assert record["info"]["quick"] and record["info"]["torch"] and "cores visible" in record["info"]["cpu"]
-    assert list(record["sections"]) == list(SECTIONS)
+    assert list(record["sections"]) == ran
     text = results.read_text()
     assert "<!-- section:gpu-suite -->\nGPU figures\n<!-- /section:gpu-suite -->" in text  # others' sections kept
-    assert "<!-- section:cpu-run -->" in text and "minutes" in text
+    assert all((f"<!-- section:{name} -->" in text) == (name in ran) for name in SECTIONS)
+    # the whole run's summary: a subset leaves it alone (written: test_a_whole_run_writes_its_summary)
+    assert ("<!-- section:cpu-run -->" in text and "minutes" in text) == FULL
     for name, result in record["sections"].items():
         spreads = _spreads(result)
         assert spreads, name
@@ -141,6 +150,37 @@ def test_every_results_section_names_its_commit():
     assert not missing, f"RESULTS.md sections without the commit their figures came from: {missing}"
     outside = re.sub(r"<!-- section:([\w-]+) -->.*?<!-- /section:\1 -->", "", text, flags=re.DOTALL)
     assert "None yet" not in outside, "RESULTS.md still says no GPU figures exist next to the GPU section"
+
+
+def test_a_whole_run_writes_its_summary(monkeypatch, tmp_path):
+    """Every section run (each stood in for here; the quick run above runs them), the summary names each
+    with its time; the pools are opened one at a time, each closed."""
+    from benchmarks import run_all
+
+    opened = []
+
+    class Pool:
+        def __init__(self, world_size: int) -> None:
+            self.world_size, self.closed = world_size, False
+            assert all(pool.closed for pool in opened), "two pools open at once"
+            opened.append(self)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr("lightning_ptdp.testing.DistributedPool", Pool)
+    monkeypatch.setattr(
+        run_all, "run_section", lambda name, quick, pools: {"elapsed_s": 61.0, "load_average_after": (0, 0, 0)}
+    )
+    monkeypatch.setattr(run_all, "section_markdown", lambda name, result, info, command: f"## {name}\n")
+    results = tmp_path / "R.md"
+    assert run_all.main(["--cpu", "--quick", "--results", str(results)]) == 0
+    text = results.read_text()
+    summary = text.split("<!-- section:cpu-run -->")[1].split("<!-- /section:cpu-run -->")[0]
+    assert "python -m benchmarks.run_all --cpu --quick`" in summary and " minutes " in summary
+    assert all(f"{name} 61 s" in summary and f"<!-- section:{name} -->" in text for name in run_all.SECTIONS)
+    assert sorted(pool.world_size for pool in opened) == sorted({s[3] for s in run_all.SECTIONS.values()} - {1})
+    assert all(pool.closed for pool in opened)
 
 
 def test_quick_without_results_writes_nothing(monkeypatch):
