@@ -1,5 +1,5 @@
 """Shared fixtures. ``dist_pool(n)`` hands out a pool of n gloo ranks, kept alive between tests
-(one pool at a time: asking for another size closes the previous one)."""
+(the two sizes used last: asking for a third size closes the one used longest ago)."""
 
 from __future__ import annotations
 
@@ -21,23 +21,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 POOL_THREAD_LIMIT = 100
 
 
+# Pools kept at once. A test that saves on one size and resumes on another goes back and forth between
+# two pools; starting one costs each rank torch's and the models' imports (measured 8-18 s on the 2-core
+# machine, most of test_resume.py's time), an idle one a few of its gloo threads' wake-ups.
+POOLS_KEPT = 2
+
+
 class _PoolCache:
     def __init__(self) -> None:
-        self.pool: DistributedPool | None = None
+        self.pools: dict[int, DistributedPool] = {}  # by world size, the one used last at the end
 
     def __call__(self, world_size: int) -> DistributedPool:
-        stale = self.pool is not None and self.pool.threads() > POOL_THREAD_LIMIT
-        if self.pool is not None and (self.pool.world_size != world_size or not self.pool.alive or stale):
-            self.pool.close(force=not self.pool.alive)
-            self.pool = None
-        if self.pool is None:
-            self.pool = DistributedPool(world_size)
-        return self.pool
+        pool = self.pools.pop(world_size, None)
+        if pool is not None and (not pool.alive or pool.threads() > POOL_THREAD_LIMIT):
+            pool.close(force=not pool.alive)
+            pool = None
+        if pool is None:
+            while len(self.pools) >= POOLS_KEPT:
+                self.pools.pop(next(iter(self.pools))).close()
+            pool = DistributedPool(world_size)
+        self.pools[world_size] = pool
+        return pool
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        while self.pools:
+            self.pools.popitem()[1].close()
 
 
 _POOLS = _PoolCache()
@@ -51,7 +59,7 @@ def dist_pool():
 
 @pytest.fixture(autouse=True)
 def _no_idle_pool(request):
-    """A test outside tests/distributed closes the pool first: the distributed tests run together (see
+    """A test outside tests/distributed closes the pools first: the distributed tests run together (see
     below), and an idle pool's gloo threads would take CPU from every test after them."""
     if "distributed" not in request.node.nodeid.split("/"):
         _POOLS.close()
