@@ -121,20 +121,20 @@ def mine_rank(slots: tuple, mine: tuple) -> int:
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("family", sampled(["hf_mixtral", "moe_llama"], 2))  # stacked rows; ModuleList: full run
-def test_a_balanced_checkpoint_resumes_under_another_placement_and_e(dist_pool, tmp_path, family):
+def test_a_balanced_checkpoint_resumes_under_another_placement_and_e(dist_pool, tmp_path, tmp_path_factory, family):
     """Saved sharded at d4-e4 with the experts moved every step (replicas on several ranks), resumed
     at d2-e2 without balancing and at d4-e4 with it: the losses continue as if uninterrupted, the final
     weights and optimizer state equal the uninterrupted run's, and the consolidated file holds each
     expert once under the model's own keys."""
     from lightning_ptdp.checkpoint.command import consolidate
-    from tests.distributed.test_expert_parallel import LOSS_RTOL, STEPS_PER_EPOCH, run_moe_epochs
+    from tests.distributed.test_expert_parallel import LOSS_RTOL, STEPS_PER_EPOCH, run_moe_epochs, uninterrupted
     from tests.distributed.test_resume import assert_same_training_state
 
     balanced = {"expert_balance": BALANCE}
-    path, end = str(tmp_path / "moe.ckpt"), str(tmp_path / "end.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family=family)[0]
+    path = str(tmp_path / "moe.ckpt")
+    whole, end = uninterrupted(dist_pool, tmp_path_factory, family)
     first = dist_pool(4).run(run_moe_epochs, 4, 4, 1, path, None, "sharded", family, 0, balanced)[0]
-    assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    assert first == pytest.approx(whole[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     saved = consolidate(path)
     name = {
         "hf_mixtral": "net.model.model.layers.0.mlp.experts.gate_up_proj",
@@ -146,5 +146,5 @@ def test_a_balanced_checkpoint_resumes_under_another_placement_and_e(dist_pool, 
     for devices, e, layout in ((2, 2, None), (4, 4, balanced)):
         resumed = str(tmp_path / f"d{devices}-e{e}.ckpt")
         losses = dist_pool(devices).run(run_moe_epochs, devices, e, 2, resumed, path, "sharded", family, 0, layout)[0]
-        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
+        assert losses == pytest.approx(whole[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
         assert_same_training_state(resumed, end, path)

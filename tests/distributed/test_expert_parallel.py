@@ -251,21 +251,33 @@ def run_moe_epochs(
     return recorder.losses
 
 
+_UNINTERRUPTED: dict[str, tuple[list, str]] = {}
+
+
+def uninterrupted(dist_pool, tmp_path_factory, family: str) -> tuple[list, str]:
+    """``family`` trained 2 epochs at d2 without EP, what every resumed run must continue: its per-step
+    losses and its final checkpoint. Once a session, shared by the MoE resume tests (test_expert_balance.py's too)."""
+    if family not in _UNINTERRUPTED:
+        end = str(tmp_path_factory.mktemp(f"uninterrupted-{family}") / "end.ckpt")
+        _UNINTERRUPTED[family] = (dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family=family)[0], end)
+    return _UNINTERRUPTED[family]
+
+
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize(  # sharded: each storage of experts (ModuleList modules; stacked rows: full run); full: one
     ("family", "fmt"), sampled([("moe_llama", "sharded"), ("hf_mixtral", "sharded"), ("hf_mixtral", "full")], 2)
 )
-def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
+def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, tmp_path_factory, fmt, family):
     """Saved at d2 e2 (each rank writing its experts: rows of stacked tensors, or its modules of a
     ModuleList), resumed at e2, at e1 (every rank holding all experts) and at d4 e4: the losses
     continue as if uninterrupted (fp32: within LOSS_RTOL)."""
     from lightning_ptdp.checkpoint.command import consolidate
     from tests.distributed.test_resume import assert_same_training_state
 
-    path, end = str(tmp_path / "moe.ckpt"), str(tmp_path / "end.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family=family)[0]
+    path = str(tmp_path / "moe.ckpt")
+    whole, end = uninterrupted(dist_pool, tmp_path_factory, family)
     first = dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, fmt, family)[0]
-    assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+    assert first == pytest.approx(whole[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
     if fmt == "sharded":
         saved = consolidate(path)  # put together with no process group: every expert, and its Adam moments
         names = {
@@ -278,25 +290,25 @@ def test_checkpoints_resume_with_e_changed(dist_pool, tmp_path, fmt, family):
     for devices, e in ((2, 2), (2, 1), (4, 4)):  # then the weights and optimizer state at the end, whole
         resumed = str(tmp_path / f"d{devices}-e{e}.ckpt")
         losses = dist_pool(devices).run(run_moe_epochs, devices, e, 2, resumed, path, fmt, family)[0]
-        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
+        assert losses == pytest.approx(whole[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (devices, e)
         assert_same_training_state(resumed, end, path)
 
 
 @pytest.mark.world_size(4)
-def test_a_moe_checkpoint_resumes_with_t_and_p_changed(dist_pool, tmp_path):
+def test_a_moe_checkpoint_resumes_with_t_and_p_changed(dist_pool, tmp_path, tmp_path_factory):
     """Saved at d2 e2 (sharded: each rank its experts), resumed at t2 d2 e2 and at p2 d2 e2 (4 ranks):
     the losses continue as if uninterrupted (fp32: within LOSS_RTOL)."""
     from tests.distributed.test_resume import assert_same_training_state
 
-    path, end = str(tmp_path / "moe.ckpt"), str(tmp_path / "end.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family="hf_mixtral")[0]
+    path = str(tmp_path / "moe.ckpt")
+    whole, end = uninterrupted(dist_pool, tmp_path_factory, "hf_mixtral")
     dist_pool(2).run(run_moe_epochs, 2, 2, 1, path, None, "sharded", "hf_mixtral")
     pipelined = {"pipeline_parallel_size": 2, "micro_batch_size": 2, "pipeline_schedule": "1f1b"}
     for name, layout in (("t2", {"tensor_parallel_size": 2}), ("p2", pipelined)):
         resumed = str(tmp_path / f"{name}.ckpt")
         results = dist_pool(4).run(run_moe_epochs, 4, 2, 2, resumed, path, "sharded", "hf_mixtral", 0, layout)
         losses = next(r for r in results if r)  # under PP the last stage records them
-        assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), layout
+        assert losses == pytest.approx(whole[STEPS_PER_EPOCH:], rel=LOSS_RTOL), layout
         assert_same_training_state(resumed, end, path)  # the weights and optimizer state at the end, whole
 
 
@@ -324,7 +336,9 @@ def expert_optimizer_state(devices: int, e: int) -> dict:
 
 
 @pytest.mark.world_size(4)
-def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_on_another_layout(dist_pool, tmp_path):
+def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_on_another_layout(
+    dist_pool, tmp_path, tmp_path_factory
+):
     """d4 e2 ZeRO-1: each rank holds Adam moments for 1/d of the experts (its 1/e of them,
     sharded over the d/e ranks holding them) and 1/d of the rest; saved there (sharded; also full
     under PTDP_FULL_MATRIX=1), resumed at d2 e2 without ZeRO and at d4 e2 ZeRO-1, the losses continue as if uninterrupted."""
@@ -338,16 +352,15 @@ def test_zero1_shards_the_experts_state_over_the_ranks_sharing_them_and_resumes_
     assert [h["experts"] for h in held] == [experts // 4] * 4
     from tests.distributed.test_resume import assert_same_training_state
 
-    end = str(tmp_path / "end.ckpt")
-    uninterrupted = dist_pool(2).run(run_moe_epochs, 2, 1, 2, end, None, family="hf_mixtral")[0]
+    whole, end = uninterrupted(dist_pool, tmp_path_factory, "hf_mixtral")
     for fmt in sampled(("sharded", "full"), 2):  # full files with e changed: test_checkpoints_resume_with_e_changed
         path = str(tmp_path / f"zero1-{fmt}.ckpt")
         first = dist_pool(4).run(run_moe_epochs, 4, 2, 1, path, None, fmt, "hf_mixtral", 1)[0]
-        assert first == pytest.approx(uninterrupted[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
+        assert first == pytest.approx(whole[:STEPS_PER_EPOCH], rel=LOSS_RTOL)
         for devices, zero in ((4, 1), (2, 0)):  # then the weights and optimizer state at the end, whole
             resumed = str(tmp_path / f"{fmt}-d{devices}-zero{zero}.ckpt")
             losses = dist_pool(devices).run(run_moe_epochs, devices, 2, 2, resumed, path, fmt, "hf_mixtral", zero)[0]
-            assert losses == pytest.approx(uninterrupted[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (fmt, devices, zero)
+            assert losses == pytest.approx(whole[STEPS_PER_EPOCH:], rel=LOSS_RTOL), (fmt, devices, zero)
             assert_same_training_state(resumed, end, path)
 
 
