@@ -17,8 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Threads per worker past which a pool starts afresh. Torch keeps every process group a test makes (its
 # DTensor caches name them, so a task cannot destroy its own), and each gloo group's threads wake every few
-# milliseconds: measured 380 threads in each of 8 idle workers, 14% of a core each.
-POOL_THREAD_LIMIT = 100
+# milliseconds: measured 380 threads in each of 8 idle workers, 14% of a core each; 95 and 245 threads in
+# each of 4, 1.4% and 3.5%. A fit adds about 9 threads a worker, and a restart costs each rank its imports
+# again (5-20 s on the 2-core machine): past 100 a pool restarted every 10 or so tests.
+POOL_THREAD_LIMIT = 250
 
 
 # Pools kept at once. A test that saves on one size and resumes on another goes back and forth between
