@@ -48,16 +48,28 @@ class WholeBlock:
     kwargs: dict
 
 
+@dataclass(frozen=True)
+class SummedGradients:
+    """Under tensor parallelism alone: its group, and the parameters held whole whose gradients the step
+    sums over it (``TPReport.partial_grad_params``): the certificate finishes them the same way."""
+
+    group: Any
+    partial: frozenset  # ids of the parameters
+
+
 @dataclass
 class CertificateReport:
     blocks: list[str] = field(default_factory=list)
-    errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (output, input grad)
+    errors: dict[str, tuple[float, ...]] = field(default_factory=dict)  # block -> (output, input, parameter grad)
     seconds: float = 0.0
     copied_bytes: int = 0  # the whole copies' parameters and buffers, held until the check ends
 
     def summary(self) -> str:
-        worst = ", ".join(f"{name} {out:.1e}/{grad:.1e}" for name, (out, grad) in self.errors.items())
-        return f"{len(self.blocks)} block structure(s) equal to whole (output/input-gradient error: {worst}) in {self.seconds:.2f}s"
+        worst = ", ".join(f"{name} " + "/".join(f"{e:.1e}" for e in errors) for name, errors in self.errors.items())
+        return (
+            f"{len(self.blocks)} block structure(s) equal to whole (output/input/parameter-gradient error: {worst}) "
+            f"in {self.seconds:.2f}s"
+        )
 
 
 _REWRITTEN = ("_ptdp_tp", "_ptdp_ep", "_ptdp_cp")
@@ -126,34 +138,48 @@ def capture_whole_blocks(model: nn.Module, inputs: BlockInputs) -> list[WholeBlo
     return wholes
 
 
-def certify(wholes: list[WholeBlock], axes: str, cp_group: Optional[tuple[Any, int]] = None) -> CertificateReport:
+def certify(
+    wholes: list[WholeBlock],
+    axes: str,
+    cp_group: Optional[tuple[Any, int]] = None,
+    summed: Optional[SummedGradients] = None,
+) -> CertificateReport:
     """Compare each rewritten block with its whole copy; every rank of the layout runs this at once
     and all refuse alike (the largest error over the ranks decides). ``cp_group`` (group, c) under
     context parallelism: a rank's input gradient is its own chunks times c, so the sum over cp is c
-    times the whole one."""
+    times the whole one. ``summed`` (tensor parallelism alone): the gradients of the parameters every
+    rank holds whole are compared too, those the step sums over tp summed first."""
     report, start = CertificateReport(), time.perf_counter()
     report.copied_bytes = sum(
         t.numel() * t.element_size() for w in wholes for t in (*w.copy.parameters(), *w.copy.buffers())
     )
-    errors, failures = [], {}
+    errors, failures, worst_parameter = [], {}, {}
     for whole in wholes:
         block = whole.blocks[whole.index]
+        held = _held_whole(block, whole.copy) if summed is not None else []
         with _as_only_block(block, whole.blocks):
-            ours = _run(block, whole.args, whole.kwargs)
-        theirs = _run(whole.copy, whole.args, whole.kwargs)
+            ours = _run(block, whole.args, whole.kwargs, [p for _, p, _ in held])
+        theirs = _run(whole.copy, whole.args, whole.kwargs, [c for _, _, c in held])
+        ours_ran = not isinstance(ours, BaseException)
+        mine = _summed_parameter_grads(held, ours[2] if ours_ran else None, summed)  # a collective: every rank
         if isinstance(theirs, BaseException):
             log.info("plan certificate skipped for '%s': the block fails whole too (%s)", whole.name, theirs)
-            errors += [0.0, 0.0]
+            errors += [0.0, 0.0, 0.0]
             continue
-        if isinstance(ours, BaseException):
+        if not ours_ran:
             failures[whole.name] = ours
-            errors += [float("inf"), float("inf")]
+            errors += [float("inf")] * 3
             continue
-        out, grad = ours
+        out, grad, _ = ours
         if cp_group is not None and grad is not None:
             dist.all_reduce(grad, group=cp_group[0])
             grad = grad / cp_group[1]
-        errors += [_error(out, theirs[0]), _error(grad, theirs[1])]
+        parameter_errors = {  # a parameter the block does not use: no gradient, or zeros where summed
+            name: _error(_or_zeros(g, p), _or_zeros(t, p)) for (name, p, _), g, t in zip(held, mine, theirs[2])
+        }
+        worst = max(parameter_errors, key=parameter_errors.get, default=None)
+        worst_parameter[whole.name] = worst
+        errors += [_error(out, theirs[0]), _error(grad, theirs[1]), parameter_errors.get(worst, 0.0)]
         report.blocks.append(whole.name)
     errors += [float(whole.name in failures) for whole in wholes]  # raised on some rank: no rank diagnoses
     if dist.is_available() and dist.is_initialized():
@@ -161,14 +187,57 @@ def certify(wholes: list[WholeBlock], axes: str, cp_group: Optional[tuple[Any, i
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         errors = worst.tolist()
     for k, whole in enumerate(wholes):
-        report.errors[whole.name] = (errors[2 * k], errors[2 * k + 1])
-        raised = errors[2 * len(wholes) + k] > 0
-        _refuse(whole, axes, errors[2 * k : 2 * k + 2], failures.get(whole.name), raised)
+        report.errors[whole.name] = tuple(errors[3 * k : 3 * k + 3])
+        raised = errors[3 * len(wholes) + k] > 0
+        _refuse(
+            whole, axes, errors[3 * k : 3 * k + 3], failures.get(whole.name), raised, worst_parameter.get(whole.name)
+        )
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional[BaseException], raised: bool) -> None:
+def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else torch.zeros_like(like)
+
+
+def _held_whole(block: nn.Module, copy_of_block: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    """(name, parameter, the copy's) of each trained parameter the rewritten block holds whole (the copy's
+    shape): norms, biases after a reduction, per-head weights kept whole, a bank every head reads."""
+    theirs = dict(copy_of_block.named_parameters())
+    return [
+        (name, p, theirs[name])
+        for name, p in block.named_parameters()
+        if p.requires_grad and name in theirs and theirs[name].shape == p.shape and not p.is_meta
+    ]
+
+
+def _summed_parameter_grads(
+    held: list, grads: Optional[list], summed: Optional[SummedGradients]
+) -> list[Optional[torch.Tensor]]:
+    """Each held parameter's gradient as the step finishes it: summed over tp where the step sums it
+    (one flat all-reduce, which every rank joins, zeros where its block raised)."""
+    if summed is None or not held:
+        return list(grads or [])
+    grads = list(grads) if grads is not None else [None] * len(held)
+    partial = [k for k, (_, p, _) in enumerate(held) if id(p) in summed.partial]
+    if partial:
+        flat = torch.cat(
+            [(grads[k] if grads[k] is not None else torch.zeros_like(held[k][1])).flatten() for k in partial]
+        )
+        dist.all_reduce(flat, group=summed.group)
+        for k, piece in zip(partial, flat.split([held[k][1].numel() for k in partial])):
+            grads[k] = piece.view_as(held[k][1])
+    return grads
+
+
+def _refuse(
+    whole: WholeBlock,
+    axes: str,
+    errors: list[float],
+    failure: Optional[BaseException],
+    raised: bool,
+    worst_parameter: Optional[str] = None,
+) -> None:
     fix = (
         "Keep that axis at 1 for this model, or split it by hand (tp_plan / ep_plan); certify_plan=False skips "
         "this check"
@@ -182,7 +251,8 @@ def _refuse(whole: WholeBlock, axes: str, errors: list[float], failure: Optional
         ) from failure
     dtype = next((p.dtype for p in whole.copy.parameters() if p.is_floating_point()), torch.float32)
     tolerance = CERTIFICATE_RTOL.get(dtype, CERTIFICATE_RTOL[torch.float32])
-    for what, error in zip(("output", "input gradient"), errors):
+    what_parameter = f"gradient of {worst_parameter}" if worst_parameter else "parameter gradient"
+    for what, error in zip(("output", "input gradient", what_parameter), errors):
         if error > tolerance:
             first_op = "" if raised else _first_op_note(whole, errors[0], tolerance)
             raise PlanCertificateError(
@@ -248,8 +318,9 @@ def _error(ours: Optional[torch.Tensor], theirs: Optional[torch.Tensor]) -> floa
     return ((ours.double() - theirs.double()).norm() / scale).item()
 
 
-def _run(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """(first output, gradient of the residual input) of ``block`` in eval mode, or the exception."""
+def _run(block: nn.Module, args: tuple, kwargs: dict, params: list = ()) -> Any:
+    """(first output, gradient of the residual input, gradients of ``params``) of ``block`` in eval mode,
+    or the exception."""
     training = block.training
     try:
         block.train(False)
@@ -265,12 +336,14 @@ def _run(block: nn.Module, args: tuple, kwargs: dict) -> Any:
                 out = out.whole()
             out = out.as_subclass(torch.Tensor) if type(out) is not torch.Tensor else out
             cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
-            grad = (
-                torch.autograd.grad((out * cotangent).sum(), hidden, allow_unused=True)[0]
-                if hidden is not None and out.requires_grad
-                else None
+            wanted = ([hidden] if hidden is not None else []) + list(params)
+            grads = (
+                list(torch.autograd.grad((out * cotangent).sum(), wanted, allow_unused=True))
+                if wanted and out.requires_grad
+                else [None] * len(wanted)
             )
-        return out.detach(), grad
+            grad = grads.pop(0) if hidden is not None else None
+        return out.detach(), grad, grads
     except Exception as error:  # noqa: BLE001 - reported with the block's name by certify
         return error
     finally:

@@ -30,7 +30,13 @@ from lightning_ptdp.expert_parallel import EPGroup, EPReport, ExpertCalls, apply
 from lightning_ptdp.expert_parallel.placement import SPARE_SLOT
 from lightning_ptdp.expert_parallel.rebalance import ExpertBalancer
 from lightning_ptdp.kernels import apply_kernels
-from lightning_ptdp.parallel.certificate import CertificateReport, certify, layout_axes, whole_blocks_to_certify
+from lightning_ptdp.parallel.certificate import (
+    CertificateReport,
+    SummedGradients,
+    certify,
+    layout_axes,
+    whole_blocks_to_certify,
+)
 from lightning_ptdp.parallel.compile import apply_compile, warn_checkpoint_break
 from lightning_ptdp.parallel.float8 import Float8Report, apply_float8
 from lightning_ptdp.parallel.fused_loss import FusedLossReport, HeadUses, apply_fused_loss, lm_head_path
@@ -198,7 +204,11 @@ def parallelize(
             )
         if wholes:  # step 1d: each rewritten block against its whole copy, before anything wraps it
             cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
-            result.certificate = certify(wholes, layout_axes(config, dims), cp_group)
+            summed = None
+            if dims.tp > 1 and dims.cp == 1 and dims.ep == 1:  # t alone: whole parameters' gradients too
+                partial = frozenset(id(getattr(m, n)) for m, n in result.tp_report.partial_grad_params)
+                summed = SummedGradients(result.tp_group.group, partial)
+            result.certificate = certify(wholes, layout_axes(config, dims), cp_group, summed)
             log.info("plan certificate: %s", result.certificate.summary())
         del wholes, inputs, census
         # the whole copies and probe inputs may sit in reference cycles (a module holding a bound method

@@ -328,7 +328,7 @@ def _replicated_entries(prefix: str, plan: BlockPlan) -> list[tuple[str, str, st
 
 WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), or a routed expert"
 KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
-HEADS = "per-head parameters: whole on every rank, each rank applies its heads' slice, gradients summed over tp"
+HEADS = "per-head parameters: each rank holds its heads' slice (the module's others whole, gradients summed over tp)"
 GATHERED = "colwise_gathered"  # a prefix's Linear: this rank's output features, all-gathered
 PREFIX = "before a region's columns, on its input: whole on every rank, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"

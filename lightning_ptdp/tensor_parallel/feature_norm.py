@@ -1,11 +1,11 @@
 """Modules whose weights span the heads tensor parallelism splits, each rank applying its slice.
 
-A norm over all heads' features (OLMo-2's and OLMoE's q/k norms): each rank normalises its own
+A norm over all heads' features (a q/k norm over every head): each rank normalises its own
 features with the statistics of all of them, the sums all-reduced over the tp group. Per-head
-parameters (Cohere's (heads, head_dim) q/k norm, per-head scalars): each rank applies its heads'
-entries. Any other module over all heads' features (a gated group norm, an L2 norm): run whole on
-the gathered features, each rank keeping its share. The weights stay whole on every rank; their
-gradients are then partial on each rank and are summed over tp like a per-head norm's."""
+parameters (a (heads, head_dim) q/k norm, per-head scalars): each rank holds its heads' entries.
+Any other module over all heads' features (a gated group norm, an L2 norm): run whole on the
+gathered features, each rank keeping its share. Weights held whole have partial gradients on each
+rank, summed over tp."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ptdp.core.dtypes import at_least_fp32
 from lightning_ptdp.tensor_parallel.collectives import TPGroup, gather_features_from_tp_region, sum_over_tp_region
+from lightning_ptdp.tensor_parallel.layers import hold_share
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -92,14 +93,10 @@ def shard_feature_norm(module: nn.Module, norm: FeatureNorm | HeadSlices | Gathe
 
         module.forward = gathered
         return
-    if isinstance(norm, HeadSlices):
-        inner = module.forward
-
-        def sliced(*args, **kwargs):
-            with norm.of_rank(module, tp.rank, tp.size):
-                return inner(*args, **kwargs)
-
-        module.forward = sliced
+    if isinstance(norm, HeadSlices):  # each rank holds its heads' entries, as a stored cut: its own gradient
+        for name, dim in norm.dims:
+            path, _, leaf = name.rpartition(".")
+            hold_share(module.get_submodule(path), leaf, dim, (), tp)
         return
     local = norm.features // tp.size
     start = tp.rank * local
@@ -139,19 +136,28 @@ class HeadSlices:
                 owner._parameters[leaf] = whole
 
     @torch.no_grad()
-    def mismatch(self, module: nn.Module, shape: tuple[int, ...], dim: int, size: int) -> Optional[str]:
+    def mismatch(
+        self, module: nn.Module, shape: tuple[int, ...], dim: int, size: int, call: Optional[Callable] = None
+    ) -> Optional[str]:
         """Why each rank's share of an input of ``shape`` (split along ``dim``) through the sliced
-        module is not that share of the whole output, on a CPU copy with random weights; or None."""
+        module is not that share of the whole output, on a CPU copy with random weights; or None.
+        ``call(x)``: the module's (args, kwargs) around that input (whole ones beside it: positions)."""
         sample_module = _cpu_copy(module)
         generator = torch.Generator().manual_seed(0)
         kept = [1 if d < dim else s for d, s in enumerate(shape)]  # leading (batch, position) dims: one each
         sample = torch.randn(kept, generator=generator)
         local = self.heads // size
+        call = call or (lambda x: ((x,), {}))
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            args, kwargs = call(x)
+            return sample_module(*args, **kwargs)
+
         try:
-            whole = sample_module(sample)
+            whole = run(sample)
             for rank in range(size):
                 with self.of_rank(sample_module, rank, size):
-                    share = sample_module(sample.narrow(dim, rank * local, local))
+                    share = run(sample.narrow(dim, rank * local, local))
                 if not torch.allclose(share, whole.narrow(dim, rank * local, local), rtol=1e-5, atol=1e-6):
                     return f"gives rank {rank} other values than its heads' share of the whole module's output"
         except Exception as err:  # the user's module may raise anything

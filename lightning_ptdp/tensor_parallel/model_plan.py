@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 _SAME = {
     "colwise": ("colwise", "colwise_rep", "local_colwise", "packed_colwise"),
     "rowwise": ("rowwise", "rowwise_rep", "local_rowwise"),
+    "replicated": ("replicate", "replicated"),  # transformers' name for a module every rank holds whole
 }
 
 

@@ -6,13 +6,15 @@ folded heads must keep each row in place. A mixin of ``ShardPropagation`` (propa
 from __future__ import annotations
 
 import operator
+from typing import Any, Callable
 
+import torch
 import torch.nn as nn
 from torch import fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ptdp.tensor_parallel.discovery_types import Sharded, _shape
-from lightning_ptdp.tensor_parallel.feature_norm import GatheredModule, feature_norm_of, head_slices_of
+from lightning_ptdp.tensor_parallel.feature_norm import GatheredModule, HeadSlices, feature_norm_of, head_slices_of
 from lightning_ptdp.tensor_parallel.op_semantics import OpRefused, follow_call, on_meta, per_head_operands
 
 
@@ -48,13 +50,20 @@ class ModuleCalls:
                 self._per_head_parameters(node, module, src, info)
             # applied to this rank's heads only (a per-head q/k norm, or its slice of a norm over
             # all heads or of per-head weights): its gradient sums over the group, once (a module called twice)
-            if node.target not in self.region.partial:
-                self.region.partial.append(node.target)
+            held = self.region.feature_norms.get(node.target)
+            held = {name for name, _ in held.dims} if isinstance(held, HeadSlices) else set()
+            paths = (
+                [f"{node.target}.{n}" for n, _ in module.named_parameters() if n not in held] if held else [node.target]
+            )
+            self.region.partial.extend(p for p in paths if p not in self.region.partial)
         if _shape(node) is None:  # a tuple (rotary on q and k): output i is input i, same shape
             self._tuple_module(node)
             return
         if _shape(node) != _shape(src):
-            raise self.fail(node, "changes the shape of a sharded tensor")
+            if node.target in self.region.feature_norms or info.bounds or _shape(node) is None:
+                raise self.fail(node, "changes the shape of a sharded tensor")
+            self._shared_weights(node, module, tensors, info)  # weights all heads share, a new shape
+            return
         if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
             self._parameterless(node, module, src, info)
         self.shard[node] = Sharded(info.dim, info.ratio)
@@ -72,6 +81,21 @@ class ModuleCalls:
         if not even or _shape(node) is None or _shape(node)[-1] != _shape(leaves[inputs[0]])[-1]:
             raise self.fail(node, f"{why} over the sharded feature dim (and is no RMSNorm or LayerNorm over them)")
         return GatheredModule(inputs)
+
+    def _shared_weights(self, node: fx.Node, module: nn.Module, tensors: list[fx.Node], info: Sharded) -> None:
+        """A module that reshapes the head-sharded tensor with weights all heads share (per-head states
+        mixing a shared bank into a bias per head and key, beside whole positions): followed by the aten
+        ops its forward runs, as any call (each share checked on samples)."""
+        sharded = {t: self.shard[t].dim for t in tensors if t in self.shard}
+        if any(self.shard[t].ratio != info.ratio or self.shard[t].bounds for t in sharded):
+            raise self.fail(node, "changes the shape of tensors sharded in different ways")
+        try:
+            dims = follow_call(on_meta(module), node.args, node.kwargs, sharded, info.ratio)
+        except OpRefused as refusal:
+            raise self.fail(node, f"changes the shape of a sharded tensor, {refusal}") from None
+        if len(dims) != 1 or dims[0] is None:
+            raise self.fail(node, f"changes the shape of a sharded tensor into {len(dims)} outputs sharded {dims}")
+        self.shard[node] = Sharded(dims[0], info.ratio)
 
     def _folded_module(self, node: fx.Node, module: nn.Module, info: Sharded) -> None:
         """A module on rows holding heads folded in ((B*T*nh, hs): a gated norm over each head's features),
@@ -114,15 +138,19 @@ class ModuleCalls:
 
     def _per_head_parameters(self, node: fx.Node, module: nn.Module, src: fx.Node, info: Sharded) -> None:
         """Parameters with one entry per head (a (heads, head_dim) q/k norm weight, per-head scalars):
-        each rank applies its heads' slice, checked on a sample against the whole module."""
+        each rank holds its heads' slice, checked on a sample against the whole module (with the whole
+        tensors it also reads, positions, as samples)."""
         slices = head_slices_of(module, _shape(src), info.dim)
         if slices is None:  # one weight shared by all heads (a per-head q/k norm over head_dim)
             return
         inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         names = ", ".join(f"{name} {tuple(module.get_parameter(name).shape)}" for name, _ in slices.dims)
-        if inputs != [src] or _shape(node) != _shape(src):
-            raise self.fail(node, f"holds per-head parameters ({names}) and reads or returns more than one tensor")
-        mismatch = slices.mismatch(module, _shape(src), info.dim, self.tp_size)
+        others = [a for a in inputs if a is not src]
+        if any(a in self.shard for a in others) or _shape(node) != _shape(src):
+            raise self.fail(
+                node, f"holds per-head parameters ({names}) and reads or returns more than one sharded tensor"
+            )
+        mismatch = slices.mismatch(module, _shape(src), info.dim, self.tp_size, _sample_call(node, src))
         if mismatch is not None:
             raise self.fail(node, f"holds per-head parameters ({names}), and sliced per rank it {mismatch}")
         self.region.feature_norms[node.target] = slices
@@ -136,3 +164,21 @@ class ModuleCalls:
                 raise self.fail(node, "returns tensors that do not match its head-sharded inputs one for one")
             if source in self.shard:
                 self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
+
+
+def _sample_call(node: fx.Node, src: fx.Node) -> Callable[[torch.Tensor], tuple[Any, Any]]:
+    """The recorded call's (args, kwargs) around a sample of ``src``; each other tensor it reads (whole on
+    every rank: positions, a scale) a sample with every dim 1 (broadcasting as its leading dims did),
+    zeros where integer (a valid index or position), ones otherwise."""
+
+    def other(value: Any) -> Any:
+        meta = value.meta.get("tensor_meta") if isinstance(value, fx.Node) else None
+        if meta is None or not hasattr(meta, "shape"):
+            return value
+        fill = torch.zeros if not meta.dtype.is_floating_point else torch.ones
+        return fill([1] * len(meta.shape), dtype=meta.dtype)
+
+    def call(x: torch.Tensor) -> tuple[Any, Any]:
+        return tree_map(lambda v: x if v is src else other(v), (node.args, node.kwargs))
+
+    return call

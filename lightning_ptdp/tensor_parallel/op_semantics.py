@@ -93,9 +93,13 @@ def follow_call(call: Callable, args: tuple, kwargs: dict, sharded: dict[fx.Node
             f"which discovery does not know (it fails on meta tensors: {type(err).__name__}: {err})"
         ) from err
     placed = {id(made[n]): Shard(d) for n, d in sharded.items()}
+    spread: dict[int, set[int]] = {}  # whole tensors expanded from size 1: {id: the dims}
     for func, f_args, f_kwargs, out in trace.ops:
+        if func is torch.ops.aten.expand.default and isinstance(out, torch.Tensor):
+            base = f_args[0]
+            spread[id(out)] = {d for d in range(out.dim()) if _size_at(base, d - out.dim()) == 1 < out.size(d)}
         if any(id(t) in placed for t in _tensors((f_args, f_kwargs))):
-            _follow_aten(func, f_args, f_kwargs, out, placed, ratio)
+            _follow_aten(func, f_args, f_kwargs, out, placed, ratio, spread)
     if result is None:  # __setitem__: the tensor it wrote into
         result = made[next(a for a in args if isinstance(a, fx.Node))]
     outs = _tensors(result)
@@ -152,7 +156,14 @@ def _dim(placement: Placement | None) -> int | None:
     return placement.dim
 
 
-def _follow_aten(func: Any, args: tuple, kwargs: dict, out: Any, placed: dict[int, Placement], ratio: int) -> None:
+def _size_at(x: torch.Tensor, back: int) -> int:
+    """``x``'s size at ``back`` counted from the end; 1 where ``x`` has no such dim (broadcasting)."""
+    return x.size(back) if x.dim() >= -back else 1
+
+
+def _follow_aten(
+    func: Any, args: tuple, kwargs: dict, out: Any, placed: dict[int, Placement], ratio: int, spread: dict | None = None
+) -> None:
     # the tag first (any op torch calls pointwise, with a DTensor rule or not), then DTensor's per-op rules: kept by torch
     if torch.Tag.pointwise in func.tags and all(
         type(placed.get(id(t), Shard(0))) is Shard for t in _tensors((args, kwargs))
@@ -175,6 +186,18 @@ def _follow_aten(func: Any, args: tuple, kwargs: dict, out: Any, placed: dict[in
     except Exception as err:  # no strategy registered, or one that rejects these inputs
         raise OpRefused(f"which discovery does not know ({func} has no sharding rule: {type(err).__name__})") from err
     wanted = sharding.redistribute_schema
+    if (
+        wanted is not None
+        and _placements(wanted) != _placements(schema)
+        and _cut_free(args, kwargs, wanted, placed, spread or {})
+    ):
+        # a whole operand expanded from size 1 along the dim the rule wants sharded: each rank's cut is free
+        for tensor, placement in zip(_tensors((args, kwargs)), _placements(wanted)):
+            if not placement.is_replicate():
+                placed[id(tensor)] = placement
+        schema = OpSchema(func, tree_map(spec, args), tree_map(spec, kwargs), schema_info=info)
+        sharding = propagator.propagate_op_sharding_non_cached(schema)
+        wanted = sharding.redistribute_schema
     if wanted is not None and _placements(wanted) != _placements(schema):  # not merely localised size args
         given = ", ".join(map(str, _placements(schema)))
         raise OpRefused(
@@ -189,6 +212,18 @@ def _follow_aten(func: Any, args: tuple, kwargs: dict, out: Any, placed: dict[in
             placed.pop(id(tensor), None)
         else:
             placed[id(tensor)] = placement
+
+
+def _cut_free(args: tuple, kwargs: dict, wanted: OpSchema, placed: dict, spread: dict) -> bool:
+    """Whether every redistribution ``wanted`` asks for is Replicate -> Shard(d) of a tensor expanded
+    from size 1 along d (the same values at every index there, so each rank's slice is its share)."""
+    tensors, wants = _tensors((args, kwargs)), _placements(wanted)
+    if len(tensors) != len(wants):
+        return False
+    moves = [(t, w) for t, w in zip(tensors, wants) if placed.get(id(t), Replicate()) != w]
+    return bool(moves) and all(
+        id(t) not in placed and type(w) is Shard and w.dim in spread.get(id(t), ()) for t, w in moves
+    )
 
 
 def _placements(schema: OpSchema) -> list:

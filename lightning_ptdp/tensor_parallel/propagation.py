@@ -72,7 +72,8 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         recorded = {n: (n.args, n.kwargs) for n in self.gm.graph.nodes}
         while True:
             try:
-                return self._follow()
+                self._follow()
+                return self._whole_parameters_read()
             except _Restart as restart:
                 late.update(restart.fresh)
             for n, (args, kwargs) in recorded.items():
@@ -101,6 +102,27 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
             info = self.shard.get(node)
             if info is not None and "site" in node.meta and _shape(node) is not None and not info.part_ratios:
                 self.region.sharded_sites[node.meta["site"]] = (info.dim, info.ratio)
+
+    def _whole_parameters_read(self) -> None:
+        """Parameters held whole that an op on sharded values reads, directly or through values made of
+        parameters alone (a bank of profiles every head's states multiply): each rank's gradient of them
+        holds its heads' part, summed over tp like a module's applied to local heads (``partial``). Not
+        those cut at the call (their copy into the region sums them) nor cut parameters."""
+        params = dict(self.gm.block.named_parameters())
+        for node, info in list(self.shard.items()):
+            leaves = tree_flatten((node.args, node.kwargs))[0]
+            sliced = {leaves[s.index] for s in self.region.operand_slices.get(node.meta.get("site"), ())}
+            for operand in node.all_input_nodes:
+                made_from = ancestry(operand)
+                if operand in self.shard or operand in sliced or any(m.op == "placeholder" for m in made_from):
+                    continue
+                read = list(dict.fromkeys(m.target for m in made_from if m.op == "get_attr" and m.target in params))
+                cut = (*self.region.stored_cuts, *self.region.cut_parameters, *self.region.partial)
+                read = [t for t in read if t not in cut]  # a cut parameter: each rank reads its own share
+                if read and (info.ratio != self.tp_size or any(r != self.tp_size for r in info.part_ratios)):
+                    # a sum over tp would count the copied heads' part once per copy
+                    raise self.fail(node, f"reads the whole parameter {read[0]} beside heads copied on several ranks")
+                self.region.partial.extend(read)
 
     def _fresh_operands(self, node: fx.Node, src: fx.Node) -> list[fx.Node]:
         """Tensors made from sizes alone (``torch.zeros(b, heads, k, v)``, a recurrent state) read with a

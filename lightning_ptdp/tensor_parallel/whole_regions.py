@@ -62,7 +62,10 @@ def warn_whole_regions(
     ]
     idle = uncalled(block, plan)
     cut = [p for r in plan.regions for p in r.cut_parameters if p not in r.stored_cuts]
-    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle and not cut:
+    shared = [  # matrices every head reads whole (a bank of profiles mixed per head): replicated by design
+        t for r in plan.regions for t in r.partial if any(getattr(m, n).dim() >= 2 for m, n in parameters_at(block, t))
+    ]
+    if not plan.kept_whole and share <= MOSTLY_WHOLE and not side and not idle and not cut and not shared:
         return
     kept = [m for k in plan.kept_whole for m in k.linears]
     what = f"keeps {', '.join(kept)} whole on every rank" if kept else "splits little of it"
@@ -72,6 +75,8 @@ def warn_whole_regions(
         what = f"keeps {', '.join(idle)} whole on every rank (the recorded forward never ran them)"
     elif cut and not kept:
         what = f"keeps {', '.join(cut)} whole on every rank (each rank reads its heads' share where it is used)"
+    elif shared and not kept:
+        what = f"keeps {', '.join(shared)} whole on every rank (every head reads all of it; gradients summed over tp)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
     split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
     sp = (

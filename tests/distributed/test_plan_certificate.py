@@ -35,6 +35,8 @@ class Block(nn.Module):
         # rotary-like tables as a plain tensor attribute (not a buffer), sliced by the length the block sees
         self.angles = torch.outer(torch.arange(SEQ, dtype=torch.float32), torch.ones(HEAD_DIM)) / 3
         self.causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)
+        if kind == "shared_bank":  # one matrix every head's queries multiply
+            self.bank = nn.Parameter(torch.eye(HEAD_DIM) + 0.1 * torch.randn(HEAD_DIM, HEAD_DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -44,6 +46,8 @@ class Block(nn.Module):
         q, k, v = (t.view(B, T, -1, HEAD_DIM) for t in (q, k, v))  # this rank's heads
         if self.kind == "per_head_weight":
             q = self.head_scale(q)
+        if self.kind == "shared_bank":
+            q = q @ self.bank
         if self.kind == "local_positions":
             angle = self.angles[:T]  # positions 0..T-1 of what this rank holds, not of the sequence
             q, k = q * torch.cos(angle)[:, None], k * torch.cos(angle)[:, None]
@@ -99,6 +103,11 @@ CASES = {
     "per_head_weight": (  # an explicit plan that splits the heads but leaves their [heads, head_dim] weight whole
         {"tensor_parallel_size": 2, "tp_plan": {"blocks.*.[qkv]": "colwise", "blocks.*.proj": "rowwise"}},
         r"plan certificate: block 'blocks\.0' under the layout t=2 (raised RuntimeError|differs from the same block)",
+    ),
+    "shared_bank": (  # an explicit plan that splits the heads; the bank's gradient is each rank's heads' part
+        {"tensor_parallel_size": 2, "tp_plan": {"blocks.*.[qkv]": "colwise", "blocks.*.proj": "rowwise"}},
+        r"plan certificate: block 'blocks\.0' under the layout t=2 differs from the same block run whole: its "
+        r"gradient of bank is off by .*the forward agrees \(the difference is in the backward\)",
     ),
 }
 

@@ -68,3 +68,17 @@ def test_a_fused_part_of_fewer_heads_than_t_is_copied_to_the_ranks_sharing_it():
     """q | k | v of 4 | 2 | 2 heads at t=4: one query head a rank; each key/value head on two ranks."""
     style, detail = _entries(_plan("litgpt_llama", 4))["attn.qkv"]
     assert (style, detail.split(" per rank")[0]) == ("colwise_fused:4|2|2", "1/4 heads, replicated x2")
+
+
+def test_a_module_both_plans_keep_whole_agrees(caplog):
+    """transformers names a module every rank holds whole "replicate"; discovery says "replicated"."""
+    from types import SimpleNamespace
+
+    from lightning_ptdp.tensor_parallel.model_plan import cross_check
+
+    net = torch.nn.Module()
+    net.config = SimpleNamespace(base_model_tp_plan={"embed": "replicate"})
+    with caplog.at_level(logging.WARNING):
+        (entry,) = cross_check(net, [("embed", "replicated", "whole")])
+    assert entry == ("embed", "replicated", "whole; model's tp plan agrees (replicate)")
+    assert "differs" not in caplog.text
