@@ -76,7 +76,8 @@ def _world_size(item: pytest.Item) -> int:
     for key in ("devices", "world_size", "tp", "dp"):
         if isinstance(params.get(key), int):
             return params[key]
-    return 0
+    # unmarked: the size most tests use (a test on another size is marked), not ahead of every group
+    return 2 if "dist_pool" in getattr(item, "fixturenames", ()) else 0
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -233,6 +233,7 @@ def one_step_measured(strategy_kwargs: dict, devices: int, family: str = "gpt") 
     }
 
 
+@pytest.mark.world_size(4)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_each_tp_rank_sends_its_share_of_the_activation(dist_pool, sequence_parallel):
     """Between stages, with sequence parallelism, each TP rank sends b*s*h/t values per
