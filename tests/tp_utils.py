@@ -188,6 +188,7 @@ class TokenLM:
                 x = self.emb(batch[0])
                 for block in self.blocks:
                     x = block(x)
+                    x = x[0] if isinstance(x, (tuple, list)) else x  # a block returning [h, weights]
                 return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
 
             def configure_optimizers(self):

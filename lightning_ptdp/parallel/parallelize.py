@@ -205,7 +205,7 @@ def parallelize(
         if wholes:  # step 1d: each rewritten block against its whole copy, before anything wraps it
             cp_group = (mesh["cp"].get_group(), dims.cp) if dims.cp > 1 else None
             summed = None
-            if dims.tp > 1 and dims.cp == 1 and dims.ep == 1:  # t alone: whole parameters' gradients too
+            if dims.tp > 1 and dims.cp == dims.ep == 1 and not config.sequence_parallel:  # t alone, no SP
                 partial = frozenset(id(getattr(m, n)) for m, n in result.tp_report.partial_grad_params)
                 summed = SummedGradients(result.tp_group.group, partial)
             result.certificate = certify(wholes, layout_axes(config, dims), cp_group, summed)

@@ -353,8 +353,9 @@ def _enter_sequence_parallel(blocks: list[nn.Module], tp: TPGroup) -> None:
         return (C.scatter_to_sp_region(args[0], tp), *args[1:]), kwargs
 
     def gather_output(module: nn.Module, args: tuple, output: Any):
-        if isinstance(output, tuple):
-            return (C.gather_from_sp_region_split_grad(output[0], tp), *output[1:])
+        if isinstance(output, (tuple, list)):  # the hidden states first (a list: [h] + attention weights)
+            items = [C.gather_from_sp_region_split_grad(output[0], tp), *output[1:]]
+            return items if isinstance(output, list) else tuple(items)
         return C.gather_from_sp_region_split_grad(output, tp)
 
     blocks[0].register_forward_pre_hook(split_input, with_kwargs=True)

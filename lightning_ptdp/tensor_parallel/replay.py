@@ -79,7 +79,24 @@ class Rewrite:
                 raise TPDiscoveryError(
                     self._mismatch(f"passes {leaves[i]} where {glob} (global) or {loc} (local) was expected")
                 )
-        return tree_unflatten(leaves, spec)
+        return tree_unflatten(self._read_locally(leaves), spec)
+
+    def _read_locally(self, leaves: list) -> list:
+        """A view's sizes computed from a size read of the shard (``x.size(-1) // n_head``: the local
+        features over the global head count) where the recording read the global one: each such leaf,
+        1/ratio of its recorded value, is that value, when only then do the sizes hold the tensor's elements."""
+        tensor = leaves[0] if leaves and isinstance(leaves[0], torch.Tensor) else None
+        ratios = {g // l for g, l in zip(self.global_leaves, self.local_leaves) if _split_size(g, l)}
+        if tensor is None or len(ratios) != 1:
+            return leaves
+        ratio = ratios.pop()
+        sizes = [i for i, v in enumerate(leaves) if type(v) is int and type(self.global_leaves[i]) is int]
+        kept = [i for i in sizes if self.global_leaves[i] == self.local_leaves[i]]  # not the sharded dim's
+        read = [i for i in kept if leaves[i] != self.global_leaves[i] and leaves[i] * ratio == self.global_leaves[i]]
+        if not read or -1 in (leaves[i] for i in sizes) or math.prod(leaves[i] for i in sizes) == tensor.numel():
+            return leaves
+        fixed = [self.local_leaves[i] if i in read else v for i, v in enumerate(leaves)]
+        return fixed if math.prod(fixed[i] for i in sizes) == tensor.numel() else leaves
 
     def _refolds(self, leaves: list) -> bool:
         """Size leaves neither all global nor all local, whose product is the local one (loops, not
@@ -95,6 +112,10 @@ class Rewrite:
             f"tensor parallelism: the call to {getattr(self.site.func, '__name__', self.site.func)} at "
             f"{self.site.where()} {why}; the block must run the same code path as the recorded forward"
         )
+
+
+def _split_size(glob: Any, loc: Any) -> bool:
+    return type(glob) is int and type(loc) is int and 0 < loc < glob and glob % loc == 0
 
 
 @dataclass(frozen=True)

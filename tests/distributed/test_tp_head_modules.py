@@ -6,13 +6,16 @@
 - a bank all heads share (``proj [d_rel, extent]``) mixed into a bias per head, query and key, gathered
   by the distance ``q - k`` expanded over the heads by the sharded tensor's own size: the expanded index
   is cut with the heads it is broadcast over, and the bank's gradient (each rank's heads' part) is
-  summed over tp. The bank stays whole on every rank (each head reads all of it), which the warning says. The bank is called as a module of its own in one block and read inline, in the module
+  summed over tp. The bank stays whole on every rank (each head reads all of it), which the warning says;
+- heads split by a size read of the shard over the global head count, ``x.size(-1) // n_head`` (the local
+  features, where the recording read all of them), in a block that returns a list ``[h, weights]``. The bank is called as a module of its own in one block and read inline, in the module
   holding the states' projection, in the other.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -98,13 +101,36 @@ class Block(nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(B, T, HIDDEN))
 
 
+class SizeReadBlock(nn.Module):
+    """GPT-1's attention: heads split by ``x.size(-1) // n_head``, written out, the block returning a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.qkv, self.o = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("causal", torch.ones(SEQ, SEQ).tril().view(1, 1, SEQ, SEQ), persistent=False)
+
+    @staticmethod
+    def split_heads(x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, nh, T, hs)
+        return x.view(*x.size()[:-1], HEADS, x.size(-1) // HEADS).permute(0, 2, 1, 3)
+
+    def forward(self, x: torch.Tensor) -> list:
+        q, k, v = (self.split_heads(t) for t in self.qkv(self.norm(x)).split(HIDDEN, dim=2))
+        w = (q @ k.transpose(-1, -2)) / math.sqrt(v.size(-1))
+        w = (w * self.causal + -1e4 * (1 - self.causal)).softmax(-1)
+        y = (w @ v).permute(0, 2, 1, 3).contiguous()
+        y = y.view(*y.size()[:-2], y.size(-2) * y.size(-1))
+        return [x + self.o(y), w]
+
+
 def fit(t: int, sequence_parallel: bool) -> dict:
     from tests.tp_utils import TokenLM, fit_token_lm
 
-    make = functools.partial(TokenLM, lambda: [Block(inline=False), Block(inline=True)], VOCAB, HIDDEN)
+    blocks = lambda: [Block(inline=False), Block(inline=True), SizeReadBlock()]  # noqa: E731
+    make = functools.partial(TokenLM, blocks, VOCAB, HIDDEN)
     model, result = fit_token_lm(make, vocab=VOCAB, seq=SEQ, t=t, sequence_parallel=sequence_parallel)
-    module, inline = model.blocks
-    shapes = [module.q.weight, module.r.weight, inline.q.weight, inline.rel.linear.weight]
+    module, inline, size_read = model.blocks
+    shapes = [module.q.weight, module.r.weight, inline.q.weight, inline.rel.linear.weight, size_read.qkv.weight]
     return {**result, "split": [tuple(w.shape) for w in shapes] + [type(b.o).__name__ for b in model.blocks]}
 
 
@@ -120,6 +146,6 @@ def test_head_modules_beside_whole_positions_split_by_heads_equal_to_one_process
             "tensor parallelism (t=2) keeps bank",
             "tensor parallelism (t=2) keeps rel.proj",
         ]
-        halves = [(HIDDEN // 2, HIDDEN), (HEADS // 2 * D_REL, HIDDEN)] * 2
-        assert split["split"] == halves + ["RowParallelLinear"] * 2
+        halves = [(HIDDEN // 2, HIDDEN), (HEADS // 2 * D_REL, HIDDEN)] * 2 + [(3 * HIDDEN // 2, HIDDEN)]
+        assert split["split"] == halves + ["RowParallelLinear"] * 3
         assert_same_state(whole, split, TOL)
