@@ -202,12 +202,16 @@ def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def _held_whole(block: nn.Module, copy_of_block: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
     """(name, parameter, the copy's) of each trained parameter the rewritten block holds whole (the copy's
-    shape): norms, biases after a reduction, per-head weights kept whole, a bank every head reads."""
+    shape, and no TP layout: a shard of copied key/value heads may have every row, and its gradient is
+    summed by the copies' own rule): norms, biases after a reduction, a bank every head reads."""
+    from lightning_ptdp.tensor_parallel.consolidate import split_parameters
+
     theirs = dict(copy_of_block.named_parameters())
+    split = {id(p) for _, p, _, _ in split_parameters(block)}  # shards, even where one holds every row
     return [
         (name, p, theirs[name])
         for name, p in block.named_parameters()
-        if p.requires_grad and name in theirs and theirs[name].shape == p.shape and not p.is_meta
+        if p.requires_grad and name in theirs and theirs[name].shape == p.shape and not p.is_meta and id(p) not in split
     ]
 
 

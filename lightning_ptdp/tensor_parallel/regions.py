@@ -99,13 +99,25 @@ def find_regions(gm: RecordedBlock, name: str) -> list[Assignment]:
     linears = [n for n in everything if n not in routed]
     upstream = {n: found[n][0] for n in linears}
     base = best = _assign(gm, everything, linears, upstream, frozenset(), name)
+    # a column whose output reaches Linears only mixed with the residual stream (a hyper-connection's
+    # injection weights, a gate): replicated, and the Linears paired again as if it were the stream
+    fed = {n: [m for m in linears if n in upstream[m]] for n in linears}
+    alone = frozenset(  # not one read after a mixed Linear: pairing again may make that one a column
+        n
+        for n in linears
+        if base.roles[n] == "column" and _only_mixed(fed[n], base.roles) and not _only_mixed(upstream[n], base.roles)
+    )
+    if alone and base.kept:
+        trial = _assign(gm, everything, linears, upstream, frozenset(), name, alone)
+        if trial.split > base.split:
+            base = best = trial
     tried = {frozenset()}
     for _ in range(len(linears)):  # each round adds the openers of the chains still pairing wrongly
         whole = best.whole | _chain_openers(best, linears, upstream, set(everything))
         if whole in tried:
             break
         tried.add(whole)
-        trial = _assign(gm, everything, linears, upstream, whole, name)
+        trial = _assign(gm, everything, linears, upstream, whole, name, best.alone)
         if trial.split <= best.split:
             break
         best = trial
@@ -124,20 +136,28 @@ class Assignment:
     roles: dict
     split: int
     context: tuple = field(repr=False, default=())  # what _assign read, to pair again
+    alone: frozenset = frozenset()  # Linears replicated before pairing: their outputs count as the stream's
 
     def with_whole(self, more: set[str]) -> Assignment:
         """The pairing with the Linears named ``more`` also whole (a column whose sharded output an op
         cannot take: a sparse-attention indexer's scores over all its heads)."""
         gm, everything, linears, upstream, name = self.context
         extra = {n for n in linears if n.target in more}
-        return _assign(gm, everything, linears, upstream, self.whole | extra, name)
+        return _assign(gm, everything, linears, upstream, self.whole | extra, name, self.alone)
 
 
 def _assign(
-    gm: RecordedBlock, everything: list, linears: list, upstream: dict, whole: frozenset, name: str
+    gm: RecordedBlock,
+    everything: list,
+    linears: list,
+    upstream: dict,
+    whole: frozenset,
+    name: str,
+    alone: frozenset = frozenset(),
 ) -> Assignment:
     """Roles in graph order, given the Linears ``whole`` that run on their region's input before its
-    columns (their outputs are whole on every rank, like the residual stream's)."""
+    columns (their outputs are whole on every rank, like the residual stream's), and the Linears
+    ``alone``, replicated outside any region (their outputs too)."""
     role: dict[fx.Node, str] = {}
     mixed: dict[fx.Node, str] = {}
     inner: set[fx.Node] = set()  # rows whose reduced output a later row of their region also reads
@@ -149,7 +169,10 @@ def _assign(
         return n
 
     for node in linears:
-        feeders = {role[u] for u in upstream[node]} - {"prefix"}
+        feeders = {role[u] for u in upstream[node]} - {"prefix", "alone"}
+        if node in alone:
+            role[node] = "alone"
+            continue
         if node in whole:
             role[node] = "prefix"
             if "column" in feeders:
@@ -171,7 +194,7 @@ def _assign(
                 group[root(u)] = root(node)
     members: dict[fx.Node, list[fx.Node]] = {}
     for node in linears:
-        if role[node] != "prefix":
+        if role[node] not in ("prefix", "alone"):
             members.setdefault(root(node), []).append(node)
     regions, kept = [], []
     for nodes in members.values():
@@ -204,7 +227,13 @@ def _assign(
     regions.sort(key=lambda r: order[r.row])
     split = sum(weight_count(gm, t) for r in regions for t in (*r.columns, r.row, *r.inner_rows))
     replicated = [n.target for n in everything if n.target not in grouped]
-    return Assignment(whole, regions, replicated, kept, role, split, (gm, everything, linears, upstream, name))
+    context = (gm, everything, linears, upstream, name)
+    return Assignment(whole, regions, replicated, kept, role, split, context, alone)
+
+
+def _only_mixed(readers: list[fx.Node], roles: dict) -> bool:
+    """Whether every Linear a column's output reaches reads it mixed with the residual stream."""
+    return bool(readers) and all(roles[r] == "whole" for r in readers)
 
 
 def weight_count(gm: RecordedBlock, target: str) -> int:
