@@ -161,7 +161,7 @@ def certify(
             ours = _run(block, whole.args, whole.kwargs, [p for _, p, _ in held])
         theirs = _run(whole.copy, whole.args, whole.kwargs, [c for _, _, c in held])
         ours_ran = not isinstance(ours, BaseException)
-        mine = _summed_parameter_grads(held, ours[2] if ours_ran else None, summed)  # a collective: every rank
+        finished = _finished_parameter_grads(held, ours[2] if ours_ran else None, summed)  # a collective: every rank
         if isinstance(theirs, BaseException):
             log.info("plan certificate skipped for '%s': the block fails whole too (%s)", whole.name, theirs)
             errors += [0.0, 0.0, 0.0]
@@ -174,8 +174,9 @@ def certify(
         if cp_group is not None and grad is not None:
             dist.all_reduce(grad, group=cp_group[0])
             grad = grad / cp_group[1]
-        parameter_errors = {  # a parameter the block does not use: no gradient, or zeros where summed
-            name: _error(_or_zeros(g, p), _or_zeros(t, p)) for (name, p, _), g, t in zip(held, mine, theirs[2])
+        parameter_errors = {
+            name: _wrongly_finished(step, other, _or_zeros(t, p))
+            for (name, p, _), (step, other), t in zip(held, finished, theirs[2])
         }
         worst = max(parameter_errors, key=parameter_errors.get, default=None)
         worst_parameter[whole.name] = worst
@@ -215,23 +216,29 @@ def _held_whole(block: nn.Module, copy_of_block: nn.Module) -> list[tuple[str, n
     ]
 
 
-def _summed_parameter_grads(
+def _finished_parameter_grads(
     held: list, grads: Optional[list], summed: Optional[SummedGradients]
-) -> list[Optional[torch.Tensor]]:
-    """Each held parameter's gradient as the step finishes it: summed over tp where the step sums it
-    (one flat all-reduce, which every rank joins, zeros where its block raised)."""
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(as the step finishes it, the other way) of each held parameter's gradient: its sum over tp where
+    the step sums it, else this rank's own. One flat all-reduce, which every rank joins (zeros where its
+    block raised or a parameter got no gradient)."""
     if summed is None or not held:
-        return list(grads or [])
-    grads = list(grads) if grads is not None else [None] * len(held)
-    partial = [k for k, (_, p, _) in enumerate(held) if id(p) in summed.partial]
-    if partial:
-        flat = torch.cat(
-            [(grads[k] if grads[k] is not None else torch.zeros_like(held[k][1])).flatten() for k in partial]
-        )
-        dist.all_reduce(flat, group=summed.group)
-        for k, piece in zip(partial, flat.split([held[k][1].numel() for k in partial])):
-            grads[k] = piece.view_as(held[k][1])
-    return grads
+        return []
+    local = [g if g is not None else torch.zeros_like(p) for g, (_, p, _) in zip(grads or [None] * len(held), held)]
+    total = torch.cat([g.flatten() for g in local])
+    dist.all_reduce(total, group=summed.group)
+    totals = [piece.view_as(g) for piece, g in zip(total.split([g.numel() for g in local]), local)]
+    return [(t, g) if id(p) in summed.partial else (g, t) for (_, p, _), g, t in zip(held, local, totals)]
+
+
+def _wrongly_finished(step: torch.Tensor, other: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The error of a gradient the step finishes wrongly: left partial where its sum over tp is the whole
+    one, or summed where this rank's own already is; 0 for any other difference (the output and input
+    gradient checks, and training, judge those: a router's gradient may follow rules this check does not
+    model)."""
+    tolerance = CERTIFICATE_RTOL.get(theirs.dtype, CERTIFICATE_RTOL[torch.float32])
+    error = _error(step, theirs)
+    return error if error > tolerance and _error(other, theirs) <= tolerance else 0.0
 
 
 def _refuse(
