@@ -197,6 +197,16 @@ class TokenLM:
         return _TokenLM()
 
 
+def t2_runs(dist_pool: Any, fit: Any, sequence_parallel: bool, tol: float) -> list[dict]:
+    """Each rank's ``fit(2, sequence_parallel)``, whose whole state is checked against one process's
+    ``fit(1, False)`` at ``tol``: the idiom tests then check what each layout split and warned."""
+    whole = fit(1, False)
+    splits = dist_pool(2).run(fit, 2, sequence_parallel)
+    for split in splits:
+        assert_same_state(whole, split, tol)
+    return splits
+
+
 def assert_same_state(whole: dict, split: dict, tol: float) -> None:
     """The split run's consolidated state equals one process's, name for name, at ``tol``."""
     assert whole["state"].keys() == split["state"].keys()

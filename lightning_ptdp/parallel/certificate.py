@@ -23,6 +23,7 @@ from lightning_ptdp.context_parallel.tail import SequenceShard
 from lightning_ptdp.core.blocks import find_block_lists, residual_input, with_input
 from lightning_ptdp.core.census import BlockInputs, copy_object
 from lightning_ptdp.parallel.certificate_diff import agreed_first, first_difference
+from lightning_ptdp.tensor_parallel.consolidate import split_parameters
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ def _held_whole(block: nn.Module, copy_of_block: nn.Module) -> list[tuple[str, n
     """(name, parameter, the copy's) of each trained parameter the rewritten block holds whole (the copy's
     shape, and no TP layout: a shard of copied key/value heads may have every row, and its gradient is
     summed by the copies' own rule): norms, biases after a reduction, a bank every head reads."""
-    from lightning_ptdp.tensor_parallel.consolidate import split_parameters
-
     theirs = dict(copy_of_block.named_parameters())
     split = {id(p) for _, p, _, _ in split_parameters(block)}  # shards, even where one holds every row
     return [
@@ -224,7 +223,7 @@ def _finished_parameter_grads(
     block raised or a parameter got no gradient)."""
     if summed is None or not held:
         return []
-    local = [g if g is not None else torch.zeros_like(p) for g, (_, p, _) in zip(grads or [None] * len(held), held)]
+    local = [_or_zeros(g, p) for g, (_, p, _) in zip(grads or [None] * len(held), held)]
     total = torch.cat([g.flatten() for g in local])
     dist.all_reduce(total, group=summed.group)
     totals = [piece.view_as(g) for piece, g in zip(total.split([g.numel() for g in local]), local)]

@@ -108,17 +108,15 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         parameters alone (a bank of profiles every head's states multiply): each rank's gradient of them
         holds its heads' part, summed over tp like a module's applied to local heads (``partial``). Not
         those cut at the call (their copy into the region sums them) nor cut parameters."""
-        params = dict(self.gm.block.named_parameters())
+        made_of = _parameters_made_of(self.gm.graph, dict(self.gm.block.named_parameters()))
+        cut = {*self.region.stored_cuts, *self.region.cut_parameters}  # each rank reads its own share of these
         for node, info in list(self.shard.items()):
             leaves = tree_flatten((node.args, node.kwargs))[0]
             sliced = {leaves[s.index] for s in self.region.operand_slices.get(node.meta.get("site"), ())}
             for operand in node.all_input_nodes:
-                made_from = ancestry(operand)
-                if operand in self.shard or operand in sliced or any(m.op == "placeholder" for m in made_from):
+                if operand in self.shard or operand in sliced or made_of.get(operand) is None:
                     continue
-                read = list(dict.fromkeys(m.target for m in made_from if m.op == "get_attr" and m.target in params))
-                cut = (*self.region.stored_cuts, *self.region.cut_parameters, *self.region.partial)
-                read = [t for t in read if t not in cut]  # a cut parameter: each rank reads its own share
+                read = [t for t in made_of[operand] if t not in cut and t not in self.region.partial]
                 if read and (info.ratio != self.tp_size or any(r != self.tp_size for r in info.part_ratios)):
                     # a sum over tp would count the copied heads' part once per copy
                     raise self.fail(node, f"reads the whole parameter {read[0]} beside heads copied on several ranks")
@@ -477,3 +475,19 @@ class _Restart(Exception):
 
 _FOLDED_OK = {"view", "reshape", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}
 """The handlers that follow heads folded into the batch (``Sharded.outer``); other ops go by torch's rules."""
+
+
+def _parameters_made_of(graph: fx.Graph, params: dict) -> dict[fx.Node, tuple[str, ...] | None]:
+    """For each node, the parameters (paths, in graph order) it is made of when it is made of no block
+    input (None otherwise): one pass in graph order, so each operand's answer is a lookup."""
+    made_of: dict[fx.Node, tuple[str, ...] | None] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            made_of[node] = None
+            continue
+        inputs = [made_of[i] for i in node.all_input_nodes]
+        own = (node.target,) if node.op == "get_attr" and node.target in params else ()
+        made_of[node] = (
+            None if any(i is None for i in inputs) else tuple(dict.fromkeys((*own, *(t for i in inputs for t in i))))
+        )
+    return made_of

@@ -60,6 +60,13 @@ class Rewrite:
     fold: tuple = ()
     """A view's size leaves: any values with the local product get the local ones (after heads folded
     into the batch, a batch computed as the folded size over the global head count is 1/t of it)."""
+    ratio: int | None = field(init=False, compare=False)
+    """Global / local size of the leaves discovery divided, where one ratio divides them all (set once:
+    ``apply`` runs at every call, and dynamo traces it)."""
+
+    def __post_init__(self) -> None:
+        ratios = {g // l for g, l in zip(self.global_leaves, self.local_leaves) if _split_size(g, l)}
+        object.__setattr__(self, "ratio", ratios.pop() if len(ratios) == 1 else None)
 
     def apply(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -85,11 +92,9 @@ class Rewrite:
         """A view's sizes computed from a size read of the shard (``x.size(-1) // n_head``: the local
         features over the global head count) where the recording read the global one: each such leaf,
         1/ratio of its recorded value, is that value, when only then do the sizes hold the tensor's elements."""
-        tensor = leaves[0] if leaves and isinstance(leaves[0], torch.Tensor) else None
-        ratios = {g // l for g, l in zip(self.global_leaves, self.local_leaves) if _split_size(g, l)}
-        if tensor is None or len(ratios) != 1:
+        tensor, ratio = leaves[0] if leaves and isinstance(leaves[0], torch.Tensor) else None, self.ratio
+        if tensor is None or ratio is None:
             return leaves
-        ratio = ratios.pop()
         sizes = [i for i, v in enumerate(leaves) if type(v) is int and type(self.global_leaves[i]) is int]
         kept = [i for i in sizes if self.global_leaves[i] == self.local_leaves[i]]  # not the sharded dim's
         read = [i for i in kept if leaves[i] != self.global_leaves[i] and leaves[i] * ratio == self.global_leaves[i]]

@@ -47,10 +47,8 @@ def fit(t: int, sequence_parallel: bool) -> dict:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
 def test_a_gate_mixed_into_the_stream_stays_whole_and_the_mlp_after_it_splits(dist_pool, sequence_parallel):
-    from tests.tp_utils import assert_same_state
+    from tests.tp_utils import t2_runs
 
-    whole = fit(1, False)
-    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+    for split in t2_runs(dist_pool, fit, sequence_parallel, TOL):
         assert split["warnings"] == []
         assert split["split"] == [(HIDDEN // 2, HIDDEN), (HIDDEN, HIDDEN), (2, HIDDEN), "RowParallelLinear"]
-        assert_same_state(whole, split, TOL)

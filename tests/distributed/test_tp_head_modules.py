@@ -137,10 +137,9 @@ def fit(t: int, sequence_parallel: bool) -> dict:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
 def test_head_modules_beside_whole_positions_split_by_heads_equal_to_one_process(dist_pool, sequence_parallel):
-    from tests.tp_utils import assert_same_state
+    from tests.tp_utils import t2_runs
 
-    whole = fit(1, False)
-    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+    for split in t2_runs(dist_pool, fit, sequence_parallel, TOL):
         # the banks stay whole on every rank, said once per block structure: nothing else does
         assert [w.split(" whole on every rank")[0] for w in split["warnings"]] == [
             "tensor parallelism (t=2) keeps bank",
@@ -148,4 +147,3 @@ def test_head_modules_beside_whole_positions_split_by_heads_equal_to_one_process
         ]
         halves = [(HIDDEN // 2, HIDDEN), (HEADS // 2 * D_REL, HIDDEN)] * 2 + [(3 * HIDDEN // 2, HIDDEN)]
         assert split["split"] == halves + ["RowParallelLinear"] * 3
-        assert_same_state(whole, split, TOL)

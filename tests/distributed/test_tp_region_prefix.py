@@ -135,8 +135,9 @@ def fit(t: int, sequence_parallel: bool) -> dict:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
 def test_chained_and_side_inputs_split_equal_to_one_process(dist_pool, sequence_parallel):
-    whole = fit(1, False)
-    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+    from tests.tp_utils import t2_runs
+
+    for split in t2_runs(dist_pool, fit, sequence_parallel, TOL):
         assert split["layers"] == {
             "q_a": "GatheredColumnLinear",  # the chain's opener: split by output features, gathered
             "kv_a": "Linear",  # 11 outputs: whole on every rank, its gradient summed over tp
@@ -148,8 +149,6 @@ def test_chained_and_side_inputs_split_equal_to_one_process(dist_pool, sequence_
         assert split["sink_q"] == (HIDDEN // 2, HIDDEN)
         (warning,) = split["warnings"]  # every region splits; only kv_a's 11 outputs stay whole, and say so
         assert "keeps kv_a, k_rot_taps whole on every rank (computed from a region's input beside its heads)" in warning
-        for name, value in whole["state"].items():
-            torch.testing.assert_close(split["state"][name], value, rtol=TOL, atol=TOL * 1e-1, msg=name)
 
 
 def test_a_low_rank_chain_is_one_region_with_its_openers_before_the_columns():

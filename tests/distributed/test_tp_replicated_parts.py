@@ -71,11 +71,9 @@ def fit(t: int, sequence_parallel: bool) -> dict:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["t2", "t2-sp"])
 def test_a_fused_projection_with_one_key_head_splits_its_queries_equal_to_one_process(dist_pool, sequence_parallel):
-    from tests.tp_utils import assert_same_state
+    from tests.tp_utils import t2_runs
 
-    whole = fit(1, False)
-    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+    for split in t2_runs(dist_pool, fit, sequence_parallel, TOL):
         assert split["warnings"] == []
         assert split["qkv"] == [(HIDDEN // 2 + 2 * HEAD, HIDDEN)] * 2  # half the query heads, the key and value whole
         assert split["o"] == ["RowParallelLinear"] * 2
-        assert_same_state(whole, split, TOL)

@@ -163,10 +163,9 @@ def fit(t: int, sequence_parallel: bool) -> dict:
 def test_a_state_space_mixer_splits_its_heads_with_its_one_group_whole_equal_to_one_process(
     dist_pool, sequence_parallel
 ):
-    from tests.tp_utils import assert_same_state
+    from tests.tp_utils import t2_runs
 
-    whole = fit(1, False)
-    for split in dist_pool(2).run(fit, 2, sequence_parallel):
+    for split in t2_runs(dist_pool, fit, sequence_parallel, TOL):
         assert split["warnings"] == []
         conv_rows = INNER // 2 + 2 * GROUPS * STATE  # half the heads' channels, B's and C's whole
         assert split["rows"] == {
@@ -174,7 +173,6 @@ def test_a_state_space_mixer_splits_its_heads_with_its_one_group_whole_equal_to_
             "conv.weight": conv_rows,
             "conv.bias": conv_rows,
         }
-        assert_same_state(whole, split, TOL)
 
 
 @pytest.mark.world_size(2)
@@ -182,11 +180,10 @@ def test_a_state_space_mixer_splits_its_heads_with_its_one_group_whole_equal_to_
 def test_a_selective_scan_mixer_splits_its_channels_around_an_inner_row_equal_to_one_process(
     dist_pool, sequence_parallel
 ):
-    from tests.tp_utils import assert_same_state
+    from tests.tp_utils import t2_runs
 
-    whole = fit_selective(1, False)
     half = INNER // 2
-    for split in dist_pool(2).run(fit_selective, 2, sequence_parallel):
+    for split in t2_runs(dist_pool, fit_selective, sequence_parallel, TOL):
         assert split["warnings"] == []
         assert split["shapes"] == {
             "in_proj.weight": (INNER, HIDDEN),  # half of x and half of z
@@ -199,4 +196,3 @@ def test_a_selective_scan_mixer_splits_its_channels_around_an_inner_row_equal_to
             "out_proj.weight": (HIDDEN, half),
             "up.weight": (half, HIDDEN),
         }
-        assert_same_state(whole, split, TOL)
