@@ -38,7 +38,8 @@ class AttentionOps:
             raise self.fail(node, "multiplies a head-sharded tensor other than along a batch dim of both operands")
         if len({i.outer for i in infos}) > 1:
             raise self.fail(node, "multiplies tensors whose heads are folded differently")
-        self.shard[node] = Sharded(len(_shape(node)) + heads, infos[0].ratio, (), infos[0].outer)
+        bounds = self._same_parts(node, split)
+        self._mark(node, len(_shape(node)) + heads, Sharded(0, infos[0].ratio, bounds, infos[0].outer))
 
     def _one_whole_head(self, t: Any, dim: int) -> bool:
         """``t`` holds one head, the same on every rank, at ``dim`` (from the end) or broadcasts there."""
@@ -55,7 +56,7 @@ class AttentionOps:
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
         if dim is None or dim % len(_shape(src)) == info.dim:
             raise self.fail(node, "normalises over the sharded dim")
-        self.shard[node] = Sharded(info.dim, info.ratio, (), info.outer)
+        self._mark(node, info.dim, info)
 
     _op_log_softmax = _op_softmax
 
@@ -77,7 +78,8 @@ class AttentionOps:
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if isinstance(mask, fx.Node) and _shape(mask) and len(_shape(mask)) == 4 and _shape(mask)[1] > 1:
             self._per_head_mask(node, mask, _shape(q)[heads_dim], self.shard[q].ratio)  # recorded shapes: global
-        self.shard[node] = Sharded(heads_dim, self.shard[q].ratio)
+        bounds = self._same_parts(node, [t for t in (q, k, v) if isinstance(t, fx.Node) and t in self.shard])
+        self._mark(node, heads_dim, Sharded(heads_dim, self.shard[q].ratio, bounds))
 
     def _per_head_mask(self, node: fx.Node, mask: fx.Node, heads: int, ratio: int) -> None:
         """A mask of one (T, S) per head (made from the values by an inner row): split like q already, or

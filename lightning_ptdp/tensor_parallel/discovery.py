@@ -76,6 +76,9 @@ def detect_layouts(gm: RecordedBlock, region: RegionPlan) -> None:
                 _unequal_parts(region, col, part_nodes, pieces, one_head)
                 continue
         units, unit_size = _units_of(parts[0], size // blocks)
+        paired = region.paired_parts.get(col, 1)
+        if blocks == 1 and paired > 1 and units % paired == 0:  # heads paired across equal parts
+            blocks, units = paired, units // paired
         heads = _sliced_heads(parts[0], size, units) if blocks == 1 and units > 1 else None
         if heads is not None:  # heads | key | value cut from the heads dim after the view (multi-query)
             region.parts[col] = heads
@@ -331,9 +334,9 @@ def _propagate(
     regions = [r for r in regions if id(r) not in single]
     for region in regions:
         validate_layouts(region, name, tp_size)
-    ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
-    failed_regions = []
+    failed_regions, unpaired = [], {}  # region -> its refusal before its columns were split as paired parts
     while True:
+        ratios = {col: r.units[col] // max(1, r.units[col] // tp_size) for r in regions for col in r.columns}
         failures = []
         for region in regions:
             try:
@@ -345,6 +348,10 @@ def _propagate(
         for node, (args, kwargs) in recorded.items():  # undo every rewrite, then split the rest again
             node.args, node.kwargs = args, kwargs
             node.meta.pop("fold", None)
+        paired = {id(r) for r, e in failures if _pair_parts(gm, r, e, name, tp_size) and unpaired.setdefault(id(r), e)}
+        failures = [(r, unpaired.pop(id(r), e)) for r, e in failures if id(r) not in paired]
+        for region, _ in failures:  # pairing did not help: the other pairings are tried as before
+            region.paired_parts.clear()
         failed = {id(region) for region, _ in failures}
         regions = [r for r in regions if id(r) not in failed]
         kept += [KeptWhole(_all_linears(gm, r), str(error)) for r, error in failures]
@@ -355,6 +362,31 @@ def _propagate(
         region.stored_cuts = stored_cuts(gm, region)
         region.prefix = [p for p in region.prefix if p not in region.stored_cuts]  # its own rows: no sum
     return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
+
+
+def _pair_parts(gm: RecordedBlock, region: RegionPlan, error: TPDiscoveryError, name: str, tp_size: int) -> bool:
+    """Where an op pairs heads across equal parts (``error.parts``), split the columns feeding it that
+    still split contiguously as that many fused parts, to follow the region again: whether any changed."""
+    parts = getattr(error, "parts", 0)
+    feeding = ancestry(error.node) if parts > 1 else set()
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    changed = [
+        col
+        for col in region.columns
+        if calls[col] in feeding
+        and region.blocks[col] == 1
+        and col not in region.parts
+        and col not in region.paired_parts
+    ]
+    if not changed:
+        return False
+    region.paired_parts.update(dict.fromkeys(changed, parts))
+    detect_layouts(gm, region)
+    try:
+        validate_layouts(region, name, tp_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _all_linears(gm: RecordedBlock, region: RegionPlan) -> list[str]:

@@ -103,6 +103,9 @@ class RegionPlan:
     unit_size: dict[str, int] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal fused parts' units
     part_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # their unit sizes, where they differ
+    paired_parts: dict[str, int] = field(default_factory=dict)
+    """Columns split as this many equal fused parts because an op pairs their heads across those parts
+    (a chunk of the heads into halves later combined: DIFF attention): found by a failed propagation."""
     partial: list[str] = field(default_factory=list)  # modules with weights applied to local heads
     # norms over all heads, and modules with per-head parameters: each rank its slice (feature_norm.py)
     feature_norms: dict[str, FeatureNorm | HeadSlices | GatheredModule] = field(default_factory=dict)

@@ -1,8 +1,11 @@
 """Fused projections' parts through the ops that cut or join them: a split, chunk or slice at the
-parts' boundaries is each rank's share of those parts; a cat of sharded tensors is a fused layout
-of its inputs; a view keeps the parts at a fixed scale. Parts may split differently (a part of fewer
-heads than t is copied to the ranks sharing it: ``Sharded.part_ratios``). A mixin of
-``ShardPropagation`` (propagation.py)."""
+parts' boundaries is each rank's share of those parts; a cat of sharded tensors, or a repeat of one,
+is a fused layout of its inputs; a view keeps the parts at a fixed scale; ops combining sharded
+tensors need them laid out alike. A chunk of heads split contiguously into equal parts (DIFF
+attention's head pairs) fails naming its parts: discovery then splits the columns feeding it as that
+many fused parts (``RegionPlan.paired_parts``). Parts may split differently (a part of fewer heads
+than t is copied to the ranks sharing it: ``Sharded.part_ratios``). A mixin of ``ShardPropagation``
+(propagation.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 from torch import fx
 
-from lightning_ptdp.tensor_parallel.discovery_types import RegionPlan, Sharded, _shape
+from lightning_ptdp.tensor_parallel.discovery_types import RegionPlan, Sharded, TPDiscoveryError, _shape
 
 
 class FusedParts:
@@ -29,7 +32,7 @@ class FusedParts:
         total = _shape(src)[dim]
         cuts = [*range(0, total, sizes), total] if isinstance(sizes, int) else [0, *itertools.accumulate(sizes)]
         if info.ratio > 1 and any(cut not in info.bounds for cut in cuts):
-            self._generic(node, [src])
+            self._pairing(node, src, info, len(cuts) - 1 if len({b - a for a, b in zip(cuts, cuts[1:])}) == 1 else 0)
             return
         if info.part_ratios:  # parts of different ratios: each piece at its own parts' local size
             if not isinstance(sizes, (list, tuple)):
@@ -90,9 +93,44 @@ class FusedParts:
             or not total
             or any(i * total // chunks not in info.bounds for i in range(chunks + 1))
         ):
-            self._generic(node, [src])
+            self._pairing(node, src, info, chunks if dim == info.dim else 0)
             return
         self.shard[node] = Sharded(info.dim, info.ratio)
+
+    def _pairing(self, node: fx.Node, src: fx.Node, info: Sharded, parts: int) -> None:
+        """A split or chunk the fused parts do not explain, by torch's rules; where those refuse a cut of
+        a contiguous share into ``parts`` equal pieces, the refusal names them (``fail``'s ``parts``)."""
+        try:
+            self._generic(node, [src])
+        except TPDiscoveryError as error:
+            if parts > 1 and not info.bounds and info.outer == 1 and info.ratio == self.tp_size:
+                error.parts = parts
+            raise
+
+    def _op_repeat(self, node: fx.Node, src: fx.Node, info: Sharded) -> None:
+        """``x.repeat(..., k, ...)`` copying the sharded dim k times: each rank's share k times over,
+        which holds the global result's k copies as fused parts, each split over t."""
+        rank = len(_shape(src))
+        sizes = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        if len(sizes) < rank or any(type(s) is not int for s in sizes) or info.part_ratios or info.outer > 1:
+            self._generic(node, [src])
+            return
+        dim, width = info.dim + len(sizes) - rank, _shape(src)[info.dim]
+        inner = info.bounds or (0, width)
+        bounds = tuple(sorted({copy * width + b for copy in range(sizes[dim]) for b in inner}))
+        self._mark(node, dim, Sharded(dim, info.ratio, bounds if sizes[dim] > 1 else info.bounds))
+
+    def _same_parts(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[int, ...]:
+        """The fused parts that sharded ``inputs`` all hold alike (the first's bounds; () where none
+        holds parts). Inputs laid out otherwise (parts beside a contiguous share) hold different heads
+        at the same place: refused, naming the parts the contiguous ones would need."""
+        layouts = {_relative(self.shard[i].bounds) for i in inputs}
+        if len(layouts) > 1:
+            parts = max(len(b) - 1 for b in layouts)
+            raise self.fail(
+                node, f"combines heads laid out as {parts} fused parts with heads laid out otherwise", parts
+            )
+        return self.shard[inputs[0]].bounds if inputs else ()
 
     def _slice_part(self, node: fx.Node, index: tuple, item: Any, info: Sharded) -> Sharded:
         """``qkv[..., a:b]`` (or ``[..., [i], :]``, one unit) cutting a fused column at its part
@@ -141,6 +179,19 @@ class FusedParts:
         node.args = tuple(head + ([tuple(args)] if packed else args))
         scaled = tuple(int(b) for b in bounds)
         self._mark(node, target, Sharded(target, info.ratio, scaled, 1, info.part_ratios))
+
+
+def _relative(bounds: tuple[int, ...]) -> tuple[Fraction, ...]:
+    """Part boundaries as fractions of the whole: q's heads and fewer key heads in the same parts match."""
+    return tuple(Fraction(b, bounds[-1]) for b in bounds) if bounds else (Fraction(0), Fraction(1))
+
+
+def scaled_bounds(bounds: tuple[int, ...], size: int, old_size: int) -> tuple[int, ...]:
+    """Part boundaries after a view changes the dim's size from ``old_size`` to ``size`` (features into
+    heads, or back); () where a boundary falls inside a unit."""
+    scale = Fraction(size, old_size)
+    scaled = [b * scale for b in bounds]
+    return tuple(int(b) for b in scaled) if all(b.denominator == 1 for b in scaled) else ()
 
 
 def part_bounds(region: RegionPlan, col: str, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

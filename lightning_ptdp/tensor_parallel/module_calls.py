@@ -41,6 +41,8 @@ class ModuleCalls:
             if info.ratio != self.tp_size:
                 raise self.fail(node, "has parameters and reads key/value heads replicated over the ranks")
             width = _shape(src)[info.dim]
+            if info.bounds and any(width in p.shape for p in module.parameters()):  # sliced as one contiguous share
+                raise self.fail(node, "applies weights of every head or feature to heads laid out as fused parts")
             if tensors == [src] and not any(width in p.shape for p in module.parameters()):
                 self._parameterless(node, module, src, info, known=True)  # learned scalars: by its aten ops
             elif info.dim == len(_shape(src)) - 1:  # a norm over all heads: statistics summed over tp
@@ -66,7 +68,7 @@ class ModuleCalls:
             return
         if tensors == [src] and not any(True for _ in module.parameters()):  # a function of the heads as a module
             self._parameterless(node, module, src, info)
-        self.shard[node] = Sharded(info.dim, info.ratio)
+        self._mark(node, info.dim, info)
 
     def _gathered(self, node: fx.Node, tensors: list[fx.Node], why: str) -> GatheredModule:
         """A module over all heads' features run whole on the gathered features, each rank keeping its
@@ -163,7 +165,7 @@ class ModuleCalls:
             if source is None or _shape(source) != _shape(user):
                 raise self.fail(node, "returns tensors that do not match its head-sharded inputs one for one")
             if source in self.shard:
-                self.shard[user] = Sharded(self.shard[source].dim, self.shard[source].ratio)
+                self._mark(user, self.shard[source].dim, self.shard[source])
 
 
 def _sample_call(node: fx.Node, src: fx.Node) -> Callable[[torch.Tensor], tuple[Any, Any]]:

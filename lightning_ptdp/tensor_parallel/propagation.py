@@ -29,7 +29,7 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     ancestry,
     callable_of,
 )
-from lightning_ptdp.tensor_parallel.fused_parts import FusedParts, part_bounds
+from lightning_ptdp.tensor_parallel.fused_parts import FusedParts, part_bounds, scaled_bounds
 from lightning_ptdp.tensor_parallel.module_calls import ModuleCalls
 from lightning_ptdp.tensor_parallel.op_semantics import (
     OpRefused,
@@ -54,7 +54,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
                 bounds, part_ratios = part_bounds(region, n.target, tp_size)
                 self.shard[n] = Sharded(len(_shape(n)) - 1, ratios[n.target], bounds, part_ratios=part_ratios)
 
-    def fail(self, node: fx.Node, why: str) -> TPDiscoveryError:
+    def fail(self, node: fx.Node, why: str, parts: int = 0) -> TPDiscoveryError:
         site = node.meta.get("site")
         where = f" (called at {site.where()})" if site is not None else ""
         error = TPDiscoveryError(
@@ -62,6 +62,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
             "cannot be split by heads automatically"
         )
         error.node = node  # the op that failed: discovery may keep the columns feeding it whole
+        error.parts = parts  # it pairs heads across this many equal parts: discovery may split the columns so
         return error
 
     def run(self) -> None:
@@ -242,19 +243,18 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
             if dims is None:
                 raise self.fail(node, f"applies '{name}' to a head-sharded tensor, {refusal}") from None
         first = self.shard[inputs[0]]
+        kept = self._same_parts(node, inputs)
         if first.outer > 1:  # folded heads stay folded only where the op keeps that dim in place
             same = _shape(node) is not None and dims[0] is not None
             if not same or dims[0] - len(_shape(node)) != first.dim - len(_shape(inputs[0])):
                 raise self.fail(node, f"moves heads folded into another dim with '{name}'")
         if _shape(node) is not None:  # one tensor
             if dims[0] is not None:
-                bounds = {self.shard[i].bounds for i in inputs}
-                kept = bounds.pop() if len(bounds) == 1 else ()
                 self._mark(node, dims[0], Sharded(dims[0], ratio, kept, first.outer, first.part_ratios if kept else ()))
         elif any(d is not None for d in dims):  # a tuple, read through getitem (_op_getitem)
             if len(set(dims)) != 1:
                 raise self.fail(node, f"returns tensors sharded along different dims {dims} from '{name}'")
-            self.shard[node] = Sharded(dims[0], ratio)
+            self.shard[node] = Sharded(dims[0], ratio, kept)
 
     def _per_slice(self, node: fx.Node, inputs: list[fx.Node]) -> bool:
         """A call torch's rules do not follow that acts on each rank's share alone, checked on samples
@@ -385,7 +385,12 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         self.folded |= info.outer > 1 or outer > 1
         if self.folded:
             node.meta["fold"] = tuple(range(len(head), len(head) + len(args)))
-        self._mark(node, target, Sharded(info.dim, info.ratio, info.bounds, outer))
+        bounds = (
+            info.bounds
+            if outer > 1 or info.outer > 1
+            else scaled_bounds(info.bounds, _shape(node)[target], shape_in[info.dim])
+        )
+        self._mark(node, target, Sharded(info.dim, info.ratio, bounds, outer))
 
     _op_reshape = _op_view
 
@@ -402,7 +407,7 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
             args[dim] = self._divide(node, args[dim], info.ratio)
         if args:
             node.args = (node.args[0], tuple(args)) if packed else (node.args[0], *args)
-        self.shard[node] = Sharded(dim, ratio)
+        self.shard[node] = Sharded(dim, ratio, info.bounds if ratio == info.ratio else ())
 
     _op_broadcast_to = _op_expand
 
@@ -451,9 +456,9 @@ class ShardPropagation(AttentionOps, FusedParts, ModuleCalls):
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs["repeats"]
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) % len(_shape(src))
         if dim != info.dim:
-            self.shard[node] = Sharded(info.dim, info.ratio)
+            self._mark(node, info.dim, info)
             return
-        if not isinstance(repeats, int) or (repeats * info.ratio) % self.tp_size:
+        if not isinstance(repeats, int) or (repeats * info.ratio) % self.tp_size or info.bounds:
             raise self.fail(node, "repeats key/value heads in a way that does not divide over the ranks")
         local = repeats * info.ratio // self.tp_size
         self.region.rewrites_shapes |= local != repeats

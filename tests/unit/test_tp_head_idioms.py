@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_ptdp.tensor_parallel import TPDiscoveryError, tensor_parallel_plan
+from lightning_ptdp.tensor_parallel import tensor_parallel_plan
 from tests.unit.test_op_semantics import (
     ATTENTION,
     GRAD_REL,
@@ -86,7 +86,7 @@ class ScaledInBlock(Attention):
 
 class HeadPairs(nn.Module):
     """Pairs head i with head i + nh/2 by a split along the heads (DiffLlama's idiom, with split): a
-    split of one rank's heads pairs others."""
+    split of one rank's contiguous heads would pair others."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,13 +172,10 @@ def test_a_per_head_parameter_of_the_block_itself_is_sliced_where_it_is_used():
     assert _plan(ScaledInBlock) == ATTENTION
 
 
-def test_a_split_along_the_heads_is_refused_unless_cut_at_fused_part_boundaries():
-    with pytest.raises(
-        TPDiscoveryError,
-        match=r"applies 'split' to a head-sharded tensor, which runs aten.split.Tensor on inputs placed S\(2\), "
-        r"where torch's sharding rule needs R",
-    ):
-        _plan(HeadPairs)
+def test_a_split_along_the_heads_is_cut_at_fused_part_boundaries():
+    # heads paired across two halves: the column split as two fused parts, each rank its share of both
+    # (tests/distributed/test_tp_paired_heads.py trains the idiom against one process)
+    assert _plan(HeadPairs) == {"up": "colwise_fused:2", "down": "rowwise"}
     # cut at q | k | v's boundaries: each rank's share of every part
     assert _plan(FusedBehindUnsqueeze) == {"qkv": "colwise_fused:3", "o": "rowwise"}
 
