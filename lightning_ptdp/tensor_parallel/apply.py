@@ -28,8 +28,10 @@ from lightning_ptdp.tensor_parallel.discovery import (
     RegionPlan,
     TPDiscoveryError,
     plan_block,
+    split_weights,
     trace_block,
 )
+from lightning_ptdp.tensor_parallel.discovery_types import working_plan_hint
 from lightning_ptdp.tensor_parallel.explicit_plan import (
     ColumnParallelConv1D,
     RowParallelConv1D,
@@ -50,6 +52,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     parameter_shard,
 )
 from lightning_ptdp.tensor_parallel.model_plan import cross_check
+from lightning_ptdp.tensor_parallel.recording import OPEN
 from lightning_ptdp.tensor_parallel.replay import (
     BlockProgram,
     BlockRuntime,
@@ -246,9 +249,7 @@ def plan_block_lists(
             if id(first) not in captured:
                 raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
             args, kwargs = captured[id(first)]
-            recorded = trace_block(first, args, kwargs, name)
-            before = snapshot_args(recorded.graph)
-            plan = _tried_plan(recorded, name, tp_size, strict, (first, args, kwargs), before)
+            recorded, plan, before = _opened_plan([blocks[i] for i in indices], args, kwargs, name, tp_size, strict)
             linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)]
             held = [p.rpartition(".")[0] for r in plan.regions for p in r.stored_cuts]  # their modules hold shares
             sharded = [".".join(filter(None, (str(i), m))) for i in indices for m in (*linears, *held)]
@@ -420,6 +421,34 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
             report.entries += _replicated_entries(where, plan)
     report.entries = cross_check(model, report.entries)
     return report
+
+
+def _opened_plan(blocks: list[nn.Module], args: tuple, kwargs: dict, name: str, tp_size: int, strict: bool) -> tuple:
+    """(recording, plan, its recorded arguments) of the first of ``blocks``; where a region failed at a
+    leaf module with parameters (recorded as one call), recorded again with those leaves op by op in
+    every block (``recording.OPEN``), kept if that splits more weights. ``strict``: refused if either
+    keeps a region whole."""
+    call = (blocks[0], args, kwargs)
+    recorded = trace_block(*call, name)
+    before = snapshot_args(recorded.graph)
+    plan = _tried_plan(recorded, name, tp_size, False, call, before)
+    leaves = plan.failed_leaves
+    for leaf in leaves:
+        for block in blocks:
+            block.get_submodule(leaf).__dict__[OPEN] = True
+    if leaves:
+        opened = trace_block(*call, name)
+        opened_before = snapshot_args(opened.graph)
+        opened_plan = _tried_plan(opened, name, tp_size, False, call, opened_before)
+        if split_weights(opened, opened_plan) > split_weights(recorded, plan):
+            recorded, plan, before = opened, opened_plan, opened_before
+        else:
+            for leaf in leaves:
+                for block in blocks:
+                    block.get_submodule(leaf).__dict__.pop(OPEN)
+    if strict and plan.kept_whole:
+        raise TPDiscoveryError(f"{plan.kept_whole[0].reason}; " + working_plan_hint(name, plan.regions, tp_size))
+    return recorded, plan, before
 
 
 def _tried_plan(recorded: Any, name: str, tp_size: int, strict: bool, call: tuple, before: dict) -> BlockPlan:

@@ -27,10 +27,18 @@ from lightning_ptdp.core.sites import SiteCounter
 def is_leaf(module: nn.Module) -> bool:
     """Recorded as one node: a Linear-like module, a module marked as a leaf, or one with no Linear
     inside; but not a convolution, nor a module holding one: its functional call is recorded, with
-    its weight and ``groups`` as arguments (a depthwise conv over the heads' channels splits by them)."""
+    its weight and ``groups`` as arguments (a depthwise conv over the heads' channels splits by them).
+    Nor a module discovery opened (``OPEN``): one whose call as a whole no module rule splits."""
     if is_linear_like(module) or getattr(module, "_ptdp_tp_leaf", False):
         return True
+    if module.__dict__.get(OPEN, False):
+        return False
     return not any(is_linear_like(m) or isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+
+
+OPEN = "_ptdp_tp_open"
+"""Set on a leaf module with parameters that a region failed at (a recurrence with per-head weights
+and its own head count): the block is recorded again with its calls one by one (apply._opened_plan)."""
 
 
 def _method_name(func: Any) -> str | None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from lightning_ptdp.core.blocks import is_linear_like
-from lightning_ptdp.tensor_parallel.discovery_types import KeptWhole, RegionPlan, _call_name, ancestry
+from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, KeptWhole, RegionPlan, _call_name, ancestry
+from lightning_ptdp.tensor_parallel.feature_norm import HeadSlices
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock
 
 
@@ -240,6 +241,22 @@ def weight_count(gm: RecordedBlock, target: str) -> int:
     return sum(p.numel() for p in gm.get_submodule(target).parameters())
 
 
+def split_weights(gm: RecordedBlock, plan: BlockPlan) -> int:
+    """The weights a plan splits over t: its Linears', and the parameters ranks hold a share of (a
+    depthwise conv's weight cut where it is read, per-head parameters of a module)."""
+    linears = sum(weight_count(gm, t) for r in plan.regions for t in (*r.columns, r.row, *r.gathered, *r.inner_rows))
+    params = dict(gm.block.named_parameters())
+    shares = {path for r in plan.regions for path in r.stored_cuts}
+    shares |= {
+        f"{module}.{name}"
+        for r in plan.regions
+        for module, held in r.feature_norms.items()
+        if isinstance(held, HeadSlices)
+        for name, _ in held.dims
+    }
+    return linears + sum(params[p].numel() for p in shares if p in params)
+
+
 def _chain_openers(best: Assignment, linears: list, upstream: dict, everything: set) -> set[fx.Node]:
     """The columns of the rows that are no region's end, for the first Linear reading such rows (o,
     reading q_b and kv_b before the block returns anything): tried as their regions' prefix. One
@@ -263,8 +280,9 @@ def _region_input(
 ) -> tuple[fx.Node, list[str]] | None:
     """The one input the region enters (f, or the all-gather under SP) and its prefix: the latest
     tensor that the columns' inputs and the inputs of the ``whole`` Linears feeding the region (a
-    low-rank q_a, and kv_a, whose rotary key joins the heads) are all made from, when every path from them
-    back to the block's inputs passes through it, meeting no Linear of another region. The prefix
+    low-rank q_a, and kv_a, whose rotary key joins the heads) are all made from, and every path from them
+    back to the block's inputs passes through (not a later one some paths skip: RWKV's token shift of
+    the input, which each column reads mixed with the input itself), meeting no Linear of another region. The prefix
     lists the parameters (module or parameter paths) of what the region computes whole from that
     input (``_whole_side``), used only there: each rank's gradient of them holds its heads' part. None
     when there is no such input."""
@@ -279,18 +297,35 @@ def _region_input(
     if not common:
         return None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    source = max(common, key=order.__getitem__)
+    for source in sorted(common, key=order.__getitem__, reverse=True):
+        passes = _every_path_passes(source, inputs, linears, feeding)
+        if passes is None:
+            return None
+        if passes:
+            break
+    else:
+        return None
+    prefix = _whole_side(gm, source, columns, row, order, inner)
+    return None if prefix is None else (source, prefix)
+
+
+def _every_path_passes(
+    source: fx.Node, inputs: list[fx.Node], linears: set[fx.Node], feeding: set[fx.Node]
+) -> bool | None:
+    """Whether every path from ``inputs`` back to the block's inputs passes through ``source``; None
+    where one meets a Linear of another region (no earlier tensor can be the region's input either)."""
     before, stack, seen = ancestry(source), list(inputs), set()
+    passes = True
     while stack:
         node = stack.pop()
         if node is source or node in seen:
             continue
-        if node in before or node in linears and node not in feeding:
-            return None  # the residual stream around the input, or another region's Linear
+        if node in linears and node not in feeding:
+            return None
+        passes &= node not in before  # the residual stream around the input: an earlier one may be it
         seen.add(node)
         stack.extend(node.all_input_nodes)
-    prefix = _whole_side(gm, source, columns, row, order, inner)
-    return None if prefix is None else (source, prefix)
+    return passes
 
 
 def _whole_side(
