@@ -46,6 +46,7 @@ from lightning_ptdp.tensor_parallel.layers import (
     InnerRowParallelLinear,
     RowParallelLinear,
     ShardLayout,
+    StreamGateLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
     hold_share,
@@ -250,7 +251,7 @@ def plan_block_lists(
                 raise TPDiscoveryError(f"the probe forward never called block '{name}'; is it used in forward()?")
             args, kwargs = captured[id(first)]
             recorded, plan, before = _opened_plan([blocks[i] for i in indices], args, kwargs, name, tp_size, strict)
-            linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)]
+            linears = [m for r in plan.regions for m in (*r.columns, r.row, *r.gathered)] + plan.gates
             held = [p.rpartition(".")[0] for r in plan.regions for p in r.stored_cuts]  # their modules hold shares
             sharded = [".".join(filter(None, (str(i), m))) for i in indices for m in (*linears, *held)]
             take_state_dict_hooks(model, [_join(path, s) for s in sharded])
@@ -302,6 +303,12 @@ def _shard_planned_block(
 ) -> None:
     plan = group.plan
     _shard_block(block, plan.regions, tp)
+    on_shards = sequence_parallel and not runs_whole_sequence(plan)
+    for gate in plan.gates:  # before the replay counts leaf depth
+        linear = block.get_submodule(gate)
+        layout = ShardLayout(1, linear.out_features, 1, tp.size)
+        _set_submodule(block, gate, StreamGateLinear(linear, layout, tp, on_shards=on_shards))
+        report.entries.append((_join(name, gate), GATE, _layout_text(block, gate)))
     for region in plan.regions:
         for target, norm in region.feature_norms.items():
             shard_feature_norm(block.get_submodule(target), norm, tp)
@@ -331,6 +338,7 @@ WHOLE = "whole on every rank: a router or gate (its output reaches no Linear), o
 KEPT = "whole on every rank: a region discovery could not split (the warning says why)"
 HEADS = "per-head parameters: each rank holds its heads' slice (the module's others whole, gradients summed over tp)"
 GATHERED = "colwise_gathered"  # a prefix's Linear: this rank's output features, all-gathered
+GATE = "colwise_gate"  # a gate on the stream outside every region: this rank's output features, all-gathered
 PREFIX = "before a region's columns, on its input: whole on every rank, gradients summed over tp"
 NORM = "a norm over all heads: its weight whole, each rank its heads' slice, statistics summed over tp"
 ON_GATHERED = "over all heads' features: run whole on the gathered features, each rank keeping its share"
@@ -418,6 +426,9 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int, probe: Callable[[], Any
                 for name in region.gathered:
                     features = blocks[group.indices[0]].get_submodule(name).out_features
                     report.entries.append((_join(where, name), GATHERED, f"{features // tp_size}/{features} features"))
+            for name in plan.gates:
+                features = blocks[group.indices[0]].get_submodule(name).out_features
+                report.entries.append((_join(where, name), GATE, f"{features // tp_size}/{features} features"))
             report.entries += _replicated_entries(where, plan)
     report.entries = cross_check(model, report.entries)
     return report

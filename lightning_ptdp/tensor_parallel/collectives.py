@@ -85,6 +85,10 @@ def _own_chunk(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
 
 
+def _own_features(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x.chunk(tp.size, dim=-1)[tp.rank].contiguous()
+
+
 def check_sequence_divisible(length: int, tp: TPGroup) -> None:
     if length % tp.size:
         raise ValueError(
@@ -128,6 +132,8 @@ sum_over_tp_region = _conjugate_pair("SumOverTPRegion", _all_reduce, _all_reduce
 gather_features_from_tp_region = _conjugate_pair(
     "GatherFeaturesFromTPRegion", _all_gather_features, _reduce_scatter_features
 )
+# backward keeps this rank's slice: what reads the gathered features runs alike on every rank (a gate on the stream)
+gather_features_split_grad = _conjugate_pair("GatherFeaturesSplitGrad", _all_gather_features, _own_features)
 
 
 def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

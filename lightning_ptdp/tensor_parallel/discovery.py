@@ -29,11 +29,17 @@ from lightning_ptdp.tensor_parallel.discovery_types import (
     plan_hint,
     working_plan_hint,
 )
-from lightning_ptdp.tensor_parallel.feature_norm import GatheredModule
 from lightning_ptdp.tensor_parallel.op_semantics import is_pointwise
 from lightning_ptdp.tensor_parallel.propagation import ShardPropagation
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock, record_block
-from lightning_ptdp.tensor_parallel.regions import Assignment, find_regions, split_weights
+from lightning_ptdp.tensor_parallel.regions import (
+    Assignment,
+    failed_leaf,
+    find_regions,
+    split_weights,
+    stream_gates,
+    whole_leaf,
+)
 from lightning_ptdp.tensor_parallel.stored_cuts import stored_cuts
 
 
@@ -280,7 +286,7 @@ def plan_block(
             errors.append(error)
             continue
         split = split_weights(gm, plan)
-        leaves += [leaf for _, error in failures if (leaf := _failed_leaf(gm, error)) and leaf not in leaves]
+        leaves += [leaf for _, error in failures if (leaf := failed_leaf(gm, error)) and leaf not in leaves]
         if best is None or split > best[0]:
             best = (split, plan, {n: (n.args, n.kwargs, n.meta.get("fold")) for n in gm.graph.nodes})
         for trial in _without_failing_columns(gm, assignment, failures):
@@ -295,8 +301,10 @@ def plan_block(
         node.meta.pop("fold", None)
         if fold:
             node.meta["fold"] = fold
-    leaves += [t for r in plan.regions for t, held in r.feature_norms.items() if _whole_leaf(gm, t, held)]
+    leaves += [t for r in plan.regions for t, held in r.feature_norms.items() if whole_leaf(gm, t, held)]
     plan.sequence_bound, plan.failed_leaves = _read_outside(gm, plan.regions), leaves
+    plan.gates = stream_gates(gm, plan.replicated, tp_size)
+    plan.replicated = [t for t in plan.replicated if t not in plan.gates]
     if strict and plan.kept_whole:
         raise TPDiscoveryError(f"{plan.kept_whole[0].reason}; " + working_plan_hint(name, plan.regions, tp_size))
     gm.graph.lint()
@@ -364,7 +372,7 @@ def _propagate(
     for region in regions:
         region.stored_cuts = stored_cuts(gm, region)
         region.prefix = [p for p in region.prefix if p not in region.stored_cuts]  # its own rows: no sum
-    return BlockPlan(gm.graph, regions, replicated, kept), failed_regions
+    return BlockPlan(gm.graph, regions, replicated=replicated, kept_whole=kept), failed_regions
 
 
 def _pair_parts(gm: RecordedBlock, region: RegionPlan, error: TPDiscoveryError, name: str, tp_size: int) -> bool:
@@ -390,20 +398,6 @@ def _pair_parts(gm: RecordedBlock, region: RegionPlan, error: TPDiscoveryError, 
     except ValueError:
         return False
     return True
-
-
-def _whole_leaf(gm: RecordedBlock, target: str, held: object) -> bool:
-    """A leaf with parameters run whole on the gathered features (no module rule split it)."""
-    return isinstance(held, GatheredModule) and any(True for _ in gm.get_submodule(target).parameters())
-
-
-def _failed_leaf(gm: RecordedBlock, error: TPDiscoveryError) -> str:
-    """The path of the leaf module with parameters (no Linear) a region failed at, or ""."""
-    node = getattr(error, "node", None)
-    if node is None or node.op != "call_module":
-        return ""
-    module = gm.get_submodule(node.target)
-    return node.target if not is_linear_like(module) and any(True for _ in module.parameters()) else ""
 
 
 def _all_linears(gm: RecordedBlock, region: RegionPlan) -> list[str]:

@@ -170,6 +170,9 @@ class BlockPlan:
     """Linears no region holds (their output reaches no Linear): whole on every rank."""
     kept_whole: list[KeptWhole] = field(default_factory=list)
     """Regions left whole on every rank because discovery could not split them (the rest is split)."""
+    gates: list[str] = field(default_factory=list)
+    """Linears no region holds whose output is as wide as the block's hidden state (a gate on the
+    stream): split by output features and gathered (layers.StreamGateLinear)."""
     failed_leaves: list[str] = field(default_factory=list)
     """Leaf modules with parameters (recorded as one call) some pairing's region failed at, or that run
     whole on gathered features: recorded op by op, they may split (apply._opened_plan)."""

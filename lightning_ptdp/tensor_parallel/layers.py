@@ -20,8 +20,11 @@ from lightning_ptdp.tensor_parallel.collectives import (
     TPGroup,
     copy_to_tp_region,
     gather_features_from_tp_region,
+    gather_features_split_grad,
+    gather_from_sp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
+    scatter_to_sp_region,
 )
 from lightning_ptdp.tensor_parallel.logits import VocabParallelLogits
 from lightning_ptdp.tensor_parallel.sequence_linear import SavedInputShard, sequence_parallel_linear
@@ -191,6 +194,27 @@ class GatheredColumnLinear(ColumnParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", gathered"
+
+
+class StreamGateLinear(ColumnParallelLinear):
+    """A Linear outside every region whose output is as wide as the residual stream (RWKV's receptance,
+    gating the feed-forward's output): this rank's output features, gathered. What reads the output runs
+    alike on every rank, so the gathered gradient is the same on each and the backward keeps this rank's
+    slice (Megatron's gather_from_tensor_model_parallel_region); the input enters by f. On sequence shards
+    the input's sequence is gathered first and each rank keeps its tokens of the output."""
+
+    def __init__(self, linear: nn.Linear, layout: ShardLayout, tp: TPGroup, *, on_shards: bool) -> None:
+        super().__init__(linear, layout, tp, comm=not on_shards)
+        self.on_shards = on_shards
+
+    def forward(self, x: torch.Tensor, shard: SavedInputShard | None = None) -> torch.Tensor:
+        if not self.on_shards:
+            return gather_features_split_grad(super().forward(x), self.tp)
+        y = gather_features_split_grad(super().forward(gather_from_sp_region(x, self.tp)), self.tp)
+        return scatter_to_sp_region(y, self.tp)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", gathered gate"
 
 
 class RowParallelLinear(nn.Module):

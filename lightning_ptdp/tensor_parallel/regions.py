@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.nn as nn
 from torch import fx
 
-from lightning_ptdp.core.blocks import is_linear_like
-from lightning_ptdp.tensor_parallel.discovery_types import BlockPlan, KeptWhole, RegionPlan, _call_name, ancestry
-from lightning_ptdp.tensor_parallel.feature_norm import HeadSlices
+from lightning_ptdp.core.blocks import acts_as, is_linear_like
+from lightning_ptdp.tensor_parallel.discovery_types import (
+    BlockPlan,
+    KeptWhole,
+    RegionPlan,
+    TPDiscoveryError,
+    _call_name,
+    _shape,
+    ancestry,
+)
+from lightning_ptdp.tensor_parallel.feature_norm import GatheredModule, HeadSlices
 from lightning_ptdp.tensor_parallel.recording import RecordedBlock
 
 
@@ -255,6 +264,38 @@ def split_weights(gm: RecordedBlock, plan: BlockPlan) -> int:
         for name, _ in held.dims
     }
     return linears + sum(params[p].numel() for p in shares if p in params)
+
+
+def stream_gates(gm: RecordedBlock, replicated: list[str], tp_size: int) -> list[str]:
+    """The plain Linears among ``replicated`` whose output has the shape of the block's hidden state
+    (one value per token and stream feature, t dividing them): a router's few scores have not."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    hidden = _shape(output.args[0][0]) if output.args[0] else None
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    return [
+        t
+        for t in replicated
+        if hidden is not None
+        and t in calls
+        and _shape(calls[t]) == hidden
+        and acts_as(linear := gm.get_submodule(t), nn.Linear)
+        and type(linear) is nn.Linear
+        and linear.out_features % tp_size == 0
+    ]
+
+
+def whole_leaf(gm: RecordedBlock, target: str, held: object) -> bool:
+    """A leaf with parameters run whole on the gathered features (no module rule split it)."""
+    return isinstance(held, GatheredModule) and any(True for _ in gm.get_submodule(target).parameters())
+
+
+def failed_leaf(gm: RecordedBlock, error: TPDiscoveryError) -> str:
+    """The path of the leaf module with parameters (no Linear) a region failed at, or ""."""
+    node = getattr(error, "node", None)
+    if node is None or node.op != "call_module":
+        return ""
+    module = gm.get_submodule(node.target)
+    return node.target if not is_linear_like(module) and any(True for _ in module.parameters()) else ""
 
 
 def _chain_openers(best: Assignment, linears: list, upstream: dict, everything: set) -> set[fx.Node]:

@@ -35,7 +35,7 @@ def parameters_at(block: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
 def whole_share(block: nn.Module, plan: BlockPlan) -> float:
     """The share of ``block``'s parameters (before the split) that no region splits."""
     total = sum(p.numel() for p in block.parameters())
-    split = _numel(block, [m for r in plan.regions for m in (*r.columns, r.row)])
+    split = _numel(block, [m for r in plan.regions for m in (*r.columns, r.row)] + plan.gates)
     return 1.0 - split / total if total else 0.0
 
 
@@ -78,7 +78,7 @@ def warn_whole_regions(
     elif shared and not kept:
         what = f"keeps {', '.join(shared)} whole on every rank (every head reads all of it; gradients summed over tp)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
-    split = ", ".join(m for r in plan.regions for m in (*r.columns, r.row)) or "nothing"
+    split = ", ".join([m for r in plan.regions for m in (*r.columns, r.row)] + plan.gates) or "nothing"
     sp = (
         "; with sequence_parallel=True these blocks gather the sequence and run on all of it"
         if sequence_parallel and plan.kept_whole
