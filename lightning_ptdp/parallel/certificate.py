@@ -363,16 +363,17 @@ def _run(block: nn.Module, args: tuple, kwargs: dict, params: list = ()) -> Any:
 @contextlib.contextmanager
 def _as_only_block(block: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
     """Run ``block`` as if it were its list's only block: the first block's forward pre-hooks (SP's
-    scatter, CP's cut of the residual stream) and the last block's forward hooks (the gathers)."""
+    scatter, CP's cut of the residual stream) and the last block's forward hooks (the gathers), beside
+    its own (the replay's)."""
     first, last = blocks[0], blocks[-1]
     tables = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
     exits = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
     saved = {t: getattr(block, t) for t in (*tables, *exits)}
     try:
         for t in tables:
-            setattr(block, t, OrderedDict(getattr(first, t)))
+            setattr(block, t, OrderedDict({**getattr(first, t), **saved[t]}))
         for t in exits:
-            setattr(block, t, OrderedDict(getattr(last, t)))
+            setattr(block, t, OrderedDict({**saved[t], **getattr(last, t)}))
         yield
     finally:
         for t, value in saved.items():

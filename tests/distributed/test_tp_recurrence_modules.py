@@ -108,13 +108,19 @@ CASES = {
 }
 
 
-# under SP the token shift reads its neighbour on another rank: the plan certificate refuses that layout
-LAYOUTS = [("token-shift", False), ("head-gated-recurrence", False), ("head-gated-recurrence", True)]
+LAYOUTS = [
+    ("token-shift", False),
+    ("token-shift", True),
+    ("head-gated-recurrence", False),
+    ("head-gated-recurrence", True),
+]
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize(
-    ("case", "sequence_parallel"), LAYOUTS, ids=["token-shift-t2", "recurrence-t2", "recurrence-t2-sp"]
+    ("case", "sequence_parallel"),
+    LAYOUTS,
+    ids=["token-shift-t2", "token-shift-t2-sp", "recurrence-t2", "recurrence-t2-sp"],
 )
 def test_recurrent_mixers_split_by_features_and_heads(dist_pool, case, sequence_parallel):
     from tests.tp_utils import t2_runs
