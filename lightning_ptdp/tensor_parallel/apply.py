@@ -444,9 +444,7 @@ def _opened_plan(blocks: list[nn.Module], args: tuple, kwargs: dict, name: str, 
     before = snapshot_args(recorded.graph)
     plan = _tried_plan(recorded, name, tp_size, False, call, before)
     leaves = plan.failed_leaves
-    for leaf in leaves:
-        for block in blocks:
-            block.get_submodule(leaf).__dict__[OPEN] = True
+    _mark_open(blocks, leaves, True)
     if leaves:
         opened = trace_block(*call, name)
         opened_before = snapshot_args(opened.graph)
@@ -454,12 +452,16 @@ def _opened_plan(blocks: list[nn.Module], args: tuple, kwargs: dict, name: str, 
         if split_weights(opened, opened_plan) > split_weights(recorded, plan):
             recorded, plan, before = opened, opened_plan, opened_before
         else:
-            for leaf in leaves:
-                for block in blocks:
-                    block.get_submodule(leaf).__dict__.pop(OPEN)
+            _mark_open(blocks, leaves, False)
     if strict and plan.kept_whole:
         raise TPDiscoveryError(f"{plan.kept_whole[0].reason}; " + working_plan_hint(name, plan.regions, tp_size))
     return recorded, plan, before
+
+
+def _mark_open(blocks: list[nn.Module], leaves: list[str], opened: bool) -> None:
+    """Mark (or unmark) the leaf modules ``leaves`` of every block to be recorded op by op."""
+    for module in (block.get_submodule(leaf) for block in blocks for leaf in leaves):
+        module.__dict__.update({OPEN: True}) if opened else module.__dict__.pop(OPEN)
 
 
 def _tried_plan(recorded: Any, name: str, tp_size: int, strict: bool, call: tuple, before: dict) -> BlockPlan:

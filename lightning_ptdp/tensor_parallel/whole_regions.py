@@ -32,10 +32,15 @@ def parameters_at(block: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
     return [(m, n) for m in block.get_submodule(path).modules() for n, _ in m.named_parameters(recurse=False)]
 
 
+def _split_linears(plan: BlockPlan) -> list[str]:
+    """The Linears a plan splits: its regions' columns and rows, and its gates."""
+    return [m for r in plan.regions for m in (*r.columns, r.row)] + plan.gates
+
+
 def whole_share(block: nn.Module, plan: BlockPlan) -> float:
     """The share of ``block``'s parameters (before the split) that no region splits."""
     total = sum(p.numel() for p in block.parameters())
-    split = _numel(block, [m for r in plan.regions for m in (*r.columns, r.row)] + plan.gates)
+    split = _numel(block, _split_linears(plan))
     return 1.0 - split / total if total else 0.0
 
 
@@ -78,7 +83,7 @@ def warn_whole_regions(
     elif shared and not kept:
         what = f"keeps {', '.join(shared)} whole on every rank (every head reads all of it; gradients summed over tp)"
     why = f": {plan.kept_whole[0].reason}" if plan.kept_whole else ""
-    split = ", ".join([m for r in plan.regions for m in (*r.columns, r.row)] + plan.gates) or "nothing"
+    split = ", ".join(_split_linears(plan)) or "nothing"
     sp = (
         "; with sequence_parallel=True these blocks gather the sequence and run on all of it"
         if sequence_parallel and plan.kept_whole
